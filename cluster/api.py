@@ -1,0 +1,132 @@
+"""Public request/response types shared by the in-process engine, the Ray Serve cluster and the gRPC/HTTP APIs.
+
+Glossary:
+  contract    the acceptance rule of a speculative round: "exact" (output distribution equals the
+              target's), "greedy" (output equals plain greedy target decoding), "typical" (relaxed,
+              changes the distribution; labeled in every output).
+  k           number of draft tokens proposed per round; "auto" lets the policy choose (0 = plain decode).
+  chunk       what one round emits for one request: zero or more accepted draft tokens plus one
+              correction or bonus token, cut at a stop condition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+Contract = Literal["exact", "greedy", "typical"]
+CONTRACTS: tuple[str, ...] = ("exact", "greedy", "typical")
+FinishReason = Literal["stop", "length", "eos", "abort", "error"]
+MAX_TOKENS_LIMIT = 8192
+MAX_K = 8
+
+
+class SpecServeError(Exception):
+    """Base class of every error a user of specserve can see."""
+
+
+class InvalidRequestError(SpecServeError, ValueError):
+    """Bad input; `field` names the offending request field (gRPC INVALID_ARGUMENT, HTTP 400)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+class CapacityError(SpecServeError, RuntimeError):
+    """The server cannot take this request now (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The request's sampling transform, applied identically to target (p) and draft (q) logits."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1.0 = disabled (HF semantics, over prompt + output)
+    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                raise InvalidRequestError(name, f"must be in [-2, 2], got {value}")
+        if not (1 <= self.max_tokens <= MAX_TOKENS_LIMIT):
+            raise InvalidRequestError("max_tokens", f"must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop", "stop strings must be non-empty")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """How a request speculates. `k=None` means auto."""
+
+    contract: Contract = "greedy"
+    k: int | None = None
+    draft: str = "model"  # "model" (the configured draft model) | "ngram" | "none"
+
+    def __post_init__(self) -> None:
+        if self.contract not in CONTRACTS:
+            raise InvalidRequestError("contract", f"unknown contract {self.contract!r}; known: {', '.join(CONTRACTS)}")
+        if self.k is not None and not (0 <= self.k <= MAX_K):
+            raise InvalidRequestError("k", f"must be in [0, {MAX_K}] or auto, got {self.k}")
+        if self.draft not in ("model", "ngram", "none"):
+            raise InvalidRequestError("draft", f"unknown draft {self.draft!r}; known: model, ngram, none")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    spec: SpecParams = field(default_factory=SpecParams)
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise InvalidRequestError("request_id", "must be non-empty")
+        if len(self.prompt_token_ids) == 0:
+            raise InvalidRequestError("prompt", "must be non-empty")
+
+
+@dataclass
+class TokenChunk:
+    """What one round emitted for one request, in order. `finish_reason` is set on the last chunk."""
+
+    request_id: str
+    token_ids: list[int]
+    text_delta: str = ""
+    proposed: int = 0  # draft tokens proposed this round
+    accepted: int = 0  # draft tokens accepted this round
+    finish_reason: FinishReason | None = None
+    stats: dict | None = None  # per-request statistics, on the final chunk only
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

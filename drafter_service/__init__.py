@@ -1,0 +1,1 @@
+"""drafter_service."""

@@ -1,0 +1,1 @@
+"""verifier_service."""
