@@ -1,0 +1,96 @@
+"""A ragged forward batch: each sequence brings its past length and one or more new tokens.
+
+For one sequence with past_len = 5, block_size = 4, block_table = [7, 2, 9], three new tokens:
+
+    position :  0  1  2  3 | 4  5  6  7 | 8
+    block    :      7      |     2      |  9
+    past     :  x  x  x  x   x                  (read from the pool through block_table)
+    new      :                  n0 n1 n2        (written to slot_mapping, e.g. [2*4+1, 2*4+2, 2*4+3])
+
+New tokens attend to all past positions and to each other through `attn_mask` ([n_new, n_new],
+True = may attend); the default is causal. A token tree passes its ancestor mask and its own
+positions (root depth d -> position past_len + d) and slots (one per node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SeqInput:
+    token_ids: list[int]
+    past_len: int
+    block_table: list[int]
+    slot_mapping: list[int]  # flat slot per new token
+    positions: list[int] | None = None  # default: past_len .. past_len + n - 1
+    attn_mask: torch.Tensor | None = None  # [n, n] bool, default causal
+    logits: str = "all"  # "all" | "last" | "none"
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        assert n > 0, "a sequence must bring at least one new token"
+        assert self.past_len >= 0
+        assert len(self.slot_mapping) == n, "one slot per new token"
+        assert self.positions is None or len(self.positions) == n
+        assert self.attn_mask is None or tuple(self.attn_mask.shape) == (n, n)
+        assert self.logits in ("all", "last", "none")
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened tensors over all new tokens of all sequences (T tokens in total)."""
+
+    token_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long
+    seqs: list[SeqInput]
+    offsets: list[int]  # start of each sequence's new tokens in the flat tensors
+    block_tables: list[torch.Tensor]  # per sequence, blocks covering its past
+    masks: list[torch.Tensor]  # per sequence [n, past_len + n] bool
+    logits_rows: torch.Tensor  # [R] rows of the flat batch whose logits are returned
+    logits_counts: list[int]  # per sequence number of rows in logits_rows
+
+    @classmethod
+    def build(cls, seqs: list[SeqInput], block_size: int) -> ForwardBatch:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        offsets: list[int] = []
+        tables: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
+        rows: list[int] = []
+        counts: list[int] = []
+        for seq in seqs:
+            n = len(seq.token_ids)
+            offsets.append(len(tokens))
+            needed_blocks = -(-seq.past_len // block_size)
+            assert len(seq.block_table) >= needed_blocks, "block table does not cover the past"
+            tables.append(torch.tensor(seq.block_table[:needed_blocks], dtype=torch.long))
+            new_mask = seq.attn_mask if seq.attn_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+            past_mask = torch.ones(n, seq.past_len, dtype=torch.bool)
+            masks.append(torch.cat([past_mask, new_mask.to(torch.bool)], dim=1))
+            if seq.logits == "all":
+                rows.extend(range(len(tokens), len(tokens) + n))
+                counts.append(n)
+            elif seq.logits == "last":
+                rows.append(len(tokens) + n - 1)
+                counts.append(1)
+            else:
+                counts.append(0)
+            tokens.extend(seq.token_ids)
+            positions.extend(seq.positions if seq.positions is not None else range(seq.past_len, seq.past_len + n))
+            slots.extend(seq.slot_mapping)
+        return cls(
+            token_ids=torch.tensor(tokens, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            seqs=seqs,
+            offsets=offsets,
+            block_tables=tables,
+            masks=masks,
+            logits_rows=torch.tensor(rows, dtype=torch.long),
+            logits_counts=counts,
+        )

@@ -1,0 +1,131 @@
+"""Our own forward pass for the Llama/Qwen2 family over a paged KV pool, tensor parallel by heads.
+
+One call serves a ragged batch (prefill, one-token decode and multi-token verify together);
+see model_runtime/batch.py for the slot layout. Logits come back only for the rows the batch
+asks for, and only on rank 0 (other ranks return an empty tensor).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from model_runtime.batch import ForwardBatch, SeqInput
+from model_runtime.config import ModelConfig
+from model_runtime.kv_pool import KVPool
+from model_runtime.weights import LayerWeights, ModelWeights, load_weights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim))
+    freqs = positions[:, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class CausalLM:
+    """Stateless over requests: all per-sequence state (past length, blocks, slots) comes in the batch."""
+
+    def __init__(
+        self, config: ModelConfig, weights: ModelWeights, tp_rank: int = 0, tp_size: int = 1,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.config = config
+        self.weights = weights
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.group = group
+        self.num_heads = config.num_heads // tp_size
+        self.num_kv_heads = config.num_kv_heads // tp_size
+        self.dtype = weights.embed.dtype
+        self.device = weights.embed.device
+
+    @classmethod
+    def load(
+        cls, checkpoint_dir: str | Path, tp_rank: int = 0, tp_size: int = 1,
+        group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> CausalLM:
+        config = ModelConfig.from_dir(checkpoint_dir)
+        weights = load_weights(checkpoint_dir, config, tp_rank, tp_size, dtype=dtype, device=device)
+        return cls(config, weights, tp_rank, tp_size, group)
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> KVPool:
+        return KVPool.allocate(self.config, num_blocks, block_size, self.tp_size, self.dtype, self.device)
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    @torch.inference_mode()
+    def forward_seqs(self, seqs: list[SeqInput], kv: KVPool) -> list[torch.Tensor]:
+        """Convenience: build the batch, run it, split logits per sequence ([rows_i, V] each)."""
+        batch = ForwardBatch.build(seqs, kv.block_size)
+        logits = self.forward(batch, kv)
+        if self.tp_rank != 0:
+            return [logits for _ in seqs]
+        return list(torch.split(logits, batch.logits_counts))
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        cfg = self.config
+        dev = self.device
+        positions = batch.positions.to(dev)
+        slots = batch.slot_mapping.to(dev)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
+        h = F.embedding(batch.token_ids.to(dev), self.weights.embed)
+        for layer_idx, lw in enumerate(self.weights.layers):
+            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+            h = h + self._attention(layer_idx, lw, x, cos, sin, slots, batch, kv)
+            x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
+            h = h + self._all_reduce(F.linear(F.silu(gate) * up, lw.down))
+        if self.tp_rank != 0 or batch.logits_rows.numel() == 0:
+            return torch.empty(0, cfg.vocab_size, dtype=torch.float32)
+        h = rms_norm(h[batch.logits_rows.to(dev)], self.weights.final_norm, cfg.rms_norm_eps)
+        return F.linear(h, self.weights.lm_head).float()
+
+    def _attention(
+        self, layer_idx: int, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        slots: torch.Tensor, batch: ForwardBatch, kv: KVPool,
+    ) -> torch.Tensor:
+        d, hq, hkv = self.config.head_dim, self.num_heads, self.num_kv_heads
+        tokens = x.shape[0]
+        q, k, v = F.linear(x, lw.qkv, lw.qkv_bias).split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = apply_rope(q.view(tokens, hq, d), cos, sin)
+        k = apply_rope(k.view(tokens, hkv, d), cos, sin)
+        v = v.view(tokens, hkv, d)
+        k_pool, v_pool = kv.k[layer_idx], kv.v[layer_idx]
+        k_pool.view(-1, hkv, d).index_copy_(0, slots, k)
+        v_pool.view(-1, hkv, d).index_copy_(0, slots, v)
+        out = torch.empty(tokens, hq, d, dtype=x.dtype, device=x.device)
+        for seq, start, table, mask in zip(batch.seqs, batch.offsets, batch.block_tables, batch.masks, strict=True):
+            n = len(seq.token_ids)
+            k_seq, v_seq = k[start:start + n], v[start:start + n]
+            if seq.past_len:
+                blocks = table.to(x.device)
+                k_seq = torch.cat([k_pool[blocks].view(-1, hkv, d)[:seq.past_len], k_seq])
+                v_seq = torch.cat([v_pool[blocks].view(-1, hkv, d)[:seq.past_len], v_seq])
+            attn = F.scaled_dot_product_attention(
+                q[start:start + n].transpose(0, 1), k_seq.transpose(0, 1), v_seq.transpose(0, 1),
+                attn_mask=mask.to(x.device), enable_gqa=hq != hkv,
+            )
+            out[start:start + n] = attn.transpose(0, 1)
+        return self._all_reduce(F.linear(out.view(tokens, hq * d), lw.o))
