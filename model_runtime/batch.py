@@ -27,7 +27,7 @@ class SeqInput:
     slot_mapping: list[int]  # flat slot per new token
     positions: list[int] | None = None  # default: past_len .. past_len + n - 1
     attn_mask: torch.Tensor | None = None  # [n, n] bool, default causal
-    logits: str = "all"  # "all" | "last" | "none"
+    logits: str | int = "all"  # "all" | "last" | "none" | N (the last N new tokens)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -36,7 +36,7 @@ class SeqInput:
         assert len(self.slot_mapping) == n, "one slot per new token"
         assert self.positions is None or len(self.positions) == n
         assert self.attn_mask is None or tuple(self.attn_mask.shape) == (n, n)
-        assert self.logits in ("all", "last", "none")
+        assert self.logits in ("all", "last", "none") or (isinstance(self.logits, int) and 0 <= self.logits <= n)
 
 
 @dataclass
@@ -72,14 +72,9 @@ class ForwardBatch:
             new_mask = seq.attn_mask if seq.attn_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
             past_mask = torch.ones(n, seq.past_len, dtype=torch.bool)
             masks.append(torch.cat([past_mask, new_mask.to(torch.bool)], dim=1))
-            if seq.logits == "all":
-                rows.extend(range(len(tokens), len(tokens) + n))
-                counts.append(n)
-            elif seq.logits == "last":
-                rows.append(len(tokens) + n - 1)
-                counts.append(1)
-            else:
-                counts.append(0)
+            wanted = {"all": n, "last": 1, "none": 0}.get(seq.logits, seq.logits)  # type: ignore[call-overload]
+            rows.extend(range(len(tokens) + n - wanted, len(tokens) + n))
+            counts.append(wanted)
             tokens.extend(seq.token_ids)
             positions.extend(seq.positions if seq.positions is not None else range(seq.past_len, seq.past_len + n))
             slots.extend(seq.slot_mapping)

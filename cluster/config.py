@@ -1,0 +1,154 @@
+"""The cluster's one external configuration boundary: `ClusterConfig`, loaded from YAML/JSON or flags.
+
+Everything past this module takes a validated `ClusterConfig` (or plain values taken from it).
+Example (`specserve up --config cluster.yaml`):
+
+    model: smollm2-135m
+    draft: ngram
+    kv_blocks: 512
+    queue_capacity: 128
+    grpc_port: 9000
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = ["NGRAM_DRAFT", "ClusterConfig", "ConfigError", "load_config"]
+
+NGRAM_DRAFT = "ngram"  # `draft` value: n-gram (prompt lookup) drafting, no draft model
+
+
+class ConfigError(ValueError):
+    """The config file or flags do not form a valid ClusterConfig."""
+
+
+def _check_model_name(value: str) -> str:
+    from model_runtime.registry import UnknownModelError, resolve_model
+
+    try:
+        resolve_model(value)
+    except UnknownModelError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
+class ClusterConfig(BaseModel):
+    """The whole Serve application: models, replicas, KV memory, admission, Serve health, ports."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # models
+    model: str = Field("qwen2.5-coder-1.5b", description="target model: registry name or HF checkpoint dir")
+    draft: str = Field("qwen2.5-coder-0.5b", description="draft model name/dir, or 'ngram'")
+    device: str = Field("cpu", description="torch device of the drafter and verifier workers")
+
+    # deployments
+    ingress_replicas: int = Field(1, ge=1, le=64)
+    scheduler_replicas: int = Field(1, ge=1, le=1, description="one engine loop owns the KV pools")
+    drafter_replicas: int = Field(1, ge=1, le=1, description="draft KV pool lives in the replica")
+    verifier_replicas: int = Field(1, ge=1, le=1, description="target KV pool lives in the replica")
+    tensor_parallel_size: int = Field(1, ge=1, le=8, description="verifier TP ranks (gloo on CPU)")
+    worker_threads: int = Field(0, ge=0, le=256, description="torch threads per worker; 0 = torch default")
+
+    # KV memory and admission
+    kv_blocks: int = Field(1024, ge=8, le=1 << 22, description="blocks per KV pool (target and draft)")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    queue_capacity: int = Field(256, ge=1, le=100_000, description="requests admitted (waiting+running)")
+    max_batch: int = Field(16, ge=1, le=4096, description="requests per engine round")
+    engine_options: dict[str, Any] = Field(default_factory=dict, description="extra SpecEngine options")
+
+    # Serve health checks and graceful shutdown (applied to every deployment)
+    health_check_period_s: float = Field(10.0, gt=0, le=3600)
+    health_check_timeout_s: float = Field(30.0, gt=0, le=3600)
+    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0, le=3600)
+    graceful_shutdown_timeout_s: float = Field(20.0, gt=0, le=3600)
+    request_timeout_s: float | None = Field(None, gt=0, description="end-to-end limit per request")
+
+    # network
+    host: str = Field("127.0.0.1", description="address the gRPC and HTTP proxies bind")
+    grpc_port: int = Field(9000, ge=1, le=65535)
+    http_port: int = Field(8000, ge=1, le=65535)
+    dashboard_port: int = Field(8265, ge=1, le=65535)
+    ray_address: str | None = Field(None, description="join this Ray cluster; None = start a local one")
+    ray_num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local Ray (None = detect)")
+
+    @field_validator("model")
+    @classmethod
+    def _known_target(cls, value: str) -> str:
+        if value == NGRAM_DRAFT:
+            raise ValueError("'ngram' is a drafting mode, not a target model")
+        return _check_model_name(value)
+
+    @field_validator("draft")
+    @classmethod
+    def _known_draft(cls, value: str) -> str:
+        return value if value == NGRAM_DRAFT else _check_model_name(value)
+
+    @field_validator("host")
+    @classmethod
+    def _nonempty_host(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must be non-empty")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterConfig:
+        ports = {"grpc_port": self.grpc_port, "http_port": self.http_port, "dashboard_port": self.dashboard_port}
+        if len(set(ports.values())) != len(ports):
+            raise ValueError(f"ports must differ: {ports}")
+        if self.max_batch > self.queue_capacity:
+            raise ValueError(f"max_batch ({self.max_batch}) must be <= queue_capacity ({self.queue_capacity})")
+        return self
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.draft != NGRAM_DRAFT
+
+    def with_overrides(self, **overrides: Any) -> ClusterConfig:
+        """A validated copy with the non-None `overrides` applied (command-line flags over the file)."""
+        updates = {key: value for key, value in overrides.items() if value is not None}
+        return _validate({**self.model_dump(), **updates}, source="flags")
+
+
+def _validate(data: dict[str, Any], source: str) -> ClusterConfig:
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
+        for err in exc.errors()
+        )
+        raise ConfigError(f"invalid cluster config ({source}): {problems}") from None
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> ClusterConfig:
+    """Defaults, then the YAML/JSON file at `path` (if any), then the non-None `overrides`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        data = _parse(text, path)
+    data.update({key: value for key, value in overrides.items() if value is not None})
+    return _validate(data, source=str(path) if path is not None else "flags")
+
+
+def _parse(text: str, path: Path) -> dict[str, Any]:
+    import yaml  # YAML 1.2 is a superset of JSON: one parser for both
+
+    try:
+        parsed = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot parse {path}: {exc}") from None
+    if parsed is None:
+        return {}
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(parsed).__name__}")
+    return parsed

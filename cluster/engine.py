@@ -1,0 +1,460 @@
+"""SpecEngine: the continuous-batching speculative-decoding loop (plain Python; no Ray).
+
+One round for the running batch (ARCHITECTURE.md section 1):
+
+    plan     k per request (fixed or auto; 0 = plain decode)        cluster/spec_policy.py
+    reserve  ONE ledger call: target slots (catch-up + k), draft slots (catch-up + k - 1)
+    propose  ONE drafter call for the model-drafted requests; n-gram lookup in process
+    verify   ONE verifier call: one forward scores every request's catch-up + drafts, then each
+             request's contract decides accepted drafts + one correction/bonus token
+    commit   ONE ledger call: the accepted prefix of every reservation; the rest goes back
+    emit     tokens appended one by one with stop checks, exactly where plain decoding stops
+
+Ownership: the engine (the thread that calls `step`) owns every RequestState. `submit` and
+`abort` may be called from other threads: they only enqueue, and `step` applies them first.
+The workers own the KV tensors, the ledger owns block ids; tokens here are the truth.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cluster.api import CapacityError, GenerationRequest, InvalidRequestError, TokenChunk
+from cluster.request_state import RequestState, TextTracker
+from cluster.round_messages import (
+    ProposeBatch,
+    ProposeItem,
+    ProposeResult,
+    VerifyBatch,
+    VerifyItem,
+    VerifyOutput,
+    VerifyResult,
+)
+from cluster.spec_policy import CostModel, choose_k
+from drafter_service.ngram import propose_ngram
+from kv_manager.errors import KVError, OutOfBlocks
+from kv_manager.schema import AdmitItem, CommitItem, Holder, ReserveItem
+from verifier_service.acceptance_stats import AcceptanceStats
+
+log = logging.getLogger("specserve.engine")
+
+
+class VerifierBackend(Protocol):
+    holder: Holder
+
+    def verify(self, batch: VerifyBatch) -> VerifyResult: ...
+
+
+class DrafterBackend(Protocol):
+    holder: Holder
+
+    def propose(self, batch: ProposeBatch) -> ProposeResult: ...
+
+
+class DrafterUnavailable(RuntimeError):
+    """The draft model's worker is gone; requests continue by plain decoding."""
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 8
+    max_waiting: int = 256
+    k_max: int = 4  # largest k auto may pick
+    target_namespace: str = "verifier/target"
+    draft_namespace: str = "drafter/draft"
+    max_context: int = 4096
+    probe_every: int = 16
+    pressure_free_fraction: float = 0.1
+    drafter_retry_seconds: float = 5.0
+
+
+@dataclass
+class _Round:
+    """Scratch state of one request within one round."""
+
+    state: RequestState
+    k: int
+    target_pending: list[int]
+    draft_pending: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: Any = None
+    uses_model_drafter: bool = False
+
+
+class SpecEngine:
+    def __init__(
+        self, verifier: VerifierBackend, drafter: DrafterBackend | None, kv: Any, tokenizer: Any,
+        eos_token_ids: tuple[int, ...], vocab_size: int, config: EngineConfig | None = None,
+        model_name: str = "", draft_name: str = "none",
+    ) -> None:
+        self.verifier = verifier
+        self.drafter = drafter
+        self.kv = kv  # kv_manager ledger (in process) or a client of its actor: same methods
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.config = config or EngineConfig()
+        self.model_name = model_name
+        self.draft_name = draft_name
+        self.cost = CostModel()
+        self.acceptance = AcceptanceStats()
+        self.waiting: collections.deque[RequestState] = collections.deque()
+        self.running: list[RequestState] = []
+        self._inbox: collections.deque[RequestState] = collections.deque()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._lock = threading.Lock()
+        self._known_ids: set[str] = set()
+        self._drafter_down_since: float | None = None
+        self._rounds_at_zero: dict[str, int] = {}
+        self.totals: dict[str, float] = collections.defaultdict(float)
+        self.fallback_events: list[dict[str, Any]] = []
+        self.verifier_holder = kv.register_worker("verifier")
+        self.drafter_holder = kv.register_worker("drafter") if drafter is not None else None
+        self._namespaces = [self.config.target_namespace] + ([self.config.draft_namespace] if drafter else [])
+
+    # ------------------------------------------------------------------ requests in and out
+    def submit(self, request: GenerationRequest) -> None:
+        """Validate and enqueue; raises InvalidRequestError / CapacityError at once, changing nothing."""
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len + request.sampling.max_tokens > self.config.max_context:
+            raise InvalidRequestError(
+                "prompt", f"prompt ({prompt_len} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds the "
+                          f"context of {self.config.max_context} tokens")
+        if any(not (0 <= t < self.vocab_size) for t in request.prompt_token_ids):
+            raise InvalidRequestError("prompt", f"token ids must be in [0, {self.vocab_size})")
+        if request.spec.draft == "model" and self.drafter is None and request.spec.k != 0:
+            raise InvalidRequestError("draft", "this engine has no draft model; use draft 'ngram' or 'none'")
+        seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
+        state = RequestState(
+            request=request, seed=seed, eos_token_ids=self.eos_token_ids,
+            text=TextTracker(self.tokenizer, prompt_len, request.sampling.stop),
+            token_ids=list(request.prompt_token_ids), prompt_len=prompt_len,
+        )
+        with self._lock:
+            if request.request_id in self._known_ids:
+                raise InvalidRequestError("request_id", f"duplicate request id {request.request_id!r}")
+            if len(self.waiting) + len(self._inbox) >= self.config.max_waiting:
+                raise CapacityError(f"queue full ({self.config.max_waiting} waiting requests)")
+            self._known_ids.add(request.request_id)
+            self._inbox.append(state)
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting or self._inbox or self._aborts)
+
+    # ------------------------------------------------------------------ the round
+    def step(self) -> list[TokenChunk]:
+        chunks: list[TokenChunk] = []
+        while self._inbox:
+            self.waiting.append(self._inbox.popleft())
+        while self._aborts:
+            chunks.extend(self._abort_now(self._aborts.popleft()))
+        self._admit()
+        if not self.running:
+            return chunks
+        round_start = time.perf_counter()
+        plans = [self._plan(state) for state in self.running]
+        plans = self._reserve(plans)
+        if not plans:
+            return chunks
+        draft_seconds = self._propose(plans)
+        verify_result = self._verify(plans)
+        reconcile_start = time.perf_counter()
+        chunks.extend(self._accept_and_commit(plans, verify_result.outputs))
+        reconcile_seconds = time.perf_counter() - reconcile_start
+        for plan in plans:
+            plan.state.draft_seconds += draft_seconds
+            plan.state.verify_seconds += verify_result.seconds
+            plan.state.reconcile_seconds += reconcile_seconds
+        self.totals["rounds"] += 1
+        self.totals["draft_seconds"] += draft_seconds
+        self.totals["verify_seconds"] += verify_result.seconds
+        self.totals["reconcile_seconds"] += reconcile_seconds
+        self.totals["round_seconds"] += time.perf_counter() - round_start
+        return chunks
+
+    def _admit(self) -> None:
+        cfg = self.config
+        while self.waiting and len(self.running) < cfg.max_batch:
+            state = self.waiting[0]
+            items = [AdmitItem(cfg.target_namespace, state.request_id, state.token_ids, self.verifier_holder)]
+            if not self.kv.can_admit(items, lookahead=cfg.k_max + 1):
+                break  # memory pressure: wait for running requests to finish
+            (admission,) = self.kv.admit(items)
+            self.waiting.popleft()
+            state.target_cached = admission.num_cached_tokens
+            state.admitted = True
+            self.running.append(state)
+            log.debug("admitted %s (%d prompt tokens, %d cached)", state.request_id, state.prompt_len,
+                      state.target_cached)
+
+    def _drafter_usable(self) -> bool:
+        if self.drafter is None:
+            return False
+        if self._drafter_down_since is None:
+            return True
+        if time.monotonic() - self._drafter_down_since >= self.config.drafter_retry_seconds:
+            self._drafter_down_since = None  # try again with a new epoch; a replacement may be up
+            self.drafter_holder = self.kv.register_worker("drafter")
+            self.fallback_events.append({"at": time.time(), "event": "drafter retried"})
+            return True
+        return False
+
+    def _admit_draft(self, state: RequestState) -> bool:
+        """Enter the request in the draft namespace (first speculative round, or after a drafter restart)."""
+        if state.draft_admitted:
+            return True
+        try:
+            (admission,) = self.kv.admit([AdmitItem(self.config.draft_namespace, state.request_id, state.token_ids,
+                                                    self.drafter_holder)])
+        except KVError as exc:
+            log.warning("draft admission refused for %s: %s", state.request_id, exc)
+            return False
+        state.draft_cached = admission.num_cached_tokens
+        state.draft_admitted = True
+        return True
+
+    def _plan(self, state: RequestState) -> _Round:
+        spec = state.request.spec
+        remaining = state.request.sampling.max_tokens - state.num_output
+        k_cap = max(0, min(self.config.k_max if spec.k is None else spec.k, remaining - 1))
+        plan = _Round(state=state, k=0, target_pending=state.token_ids[state.target_cached:])
+        if spec.draft == "none" or k_cap == 0:
+            state.record_k(0, "no speculation requested" if spec.draft == "none" or spec.k == 0 else "end of output")
+            return plan
+        if spec.draft == "model" and not self._drafter_usable():
+            state.record_k(0, "fallback: drafter unavailable, plain decoding")
+            return plan
+        if spec.k is not None:
+            k, reason = k_cap, "fixed k"
+        else:
+            decision = choose_k(
+                state.acceptance, self.acceptance, self.cost, k_cap, len(plan.target_pending),
+                self._rounds_at_zero.get(state.request_id, 0), self.config.probe_every,
+                self.kv.free_fraction(self.config.target_namespace), self.config.pressure_free_fraction)
+            k, reason = decision.k, decision.reason
+        if k == 0:
+            self._rounds_at_zero[state.request_id] = self._rounds_at_zero.get(state.request_id, 0) + 1
+        else:
+            self._rounds_at_zero[state.request_id] = 0
+        if spec.draft == "ngram" and k > 0:
+            plan.drafts = propose_ngram(state.token_ids, k)
+            k = len(plan.drafts)
+            if k == 0:
+                reason = "n-gram: no match"
+        elif spec.draft == "model" and k > 0:
+            if not self._admit_draft(state):
+                state.record_k(0, "draft cache out of blocks")
+                return plan
+            plan.uses_model_drafter = True
+            plan.draft_pending = state.token_ids[state.draft_cached:]
+        plan.k = k
+        state.record_k(k, reason)
+        return plan
+
+    def _reserve(self, plans: list[_Round]) -> list[_Round]:
+        cfg = self.config
+        items = [ReserveItem(cfg.target_namespace, p.state.request_id, len(p.target_pending) + p.k, self.verifier_holder)
+                 for p in plans]
+        items += [ReserveItem(cfg.draft_namespace, p.state.request_id, len(p.draft_pending) + p.k - 1,
+                              self.drafter_holder) for p in plans if p.uses_model_drafter]
+        results = self.kv.reserve(items)
+        grants = {(r.namespace, r.request_id): r for r in results if not isinstance(r, KVError)}
+        kept: list[_Round] = []
+        for plan in plans:
+            rid = plan.state.request_id
+            target = grants.get((cfg.target_namespace, rid))
+            if target is None:
+                if plan.uses_model_drafter and (cfg.draft_namespace, rid) in grants:
+                    self.kv.rollback([(cfg.draft_namespace, rid)])
+                continue  # out of blocks this round: skipped; preempted below if nothing runs
+            plan.target_grant = target  # type: ignore[attr-defined]
+            if plan.uses_model_drafter:
+                draft = grants.get((cfg.draft_namespace, rid))
+                if draft is None:
+                    plan.uses_model_drafter = False
+                    plan.k = 0
+                    plan.state.record_k(0, "draft cache out of blocks")
+                else:
+                    plan.draft_grant = draft  # type: ignore[attr-defined]
+            kept.append(plan)
+        if not kept and self.running:
+            self._preempt(self.running[-1])
+        return kept
+
+    def _preempt(self, state: RequestState) -> None:
+        """Give all of a request's KV back and requeue it; it re-prefills from its tokens (nothing is lost)."""
+        log.warning("preempting %s: out of KV blocks", state.request_id)
+        self.kv.release(state.request_id, self._namespaces)
+        self.running.remove(state)
+        state.target_cached = state.draft_cached = 0
+        state.admitted = state.draft_admitted = False
+        self.waiting.appendleft(state)
+        self.fallback_events.append({"at": time.time(), "request_id": state.request_id, "event": "preempted"})
+
+    def _propose(self, plans: list[_Round]) -> float:
+        model_plans = [p for p in plans if p.uses_model_drafter and p.k > 0]
+        if not model_plans:
+            return 0.0
+        items = []
+        for p in model_plans:
+            s, grant = p.state, p.draft_grant  # type: ignore[attr-defined]
+            penalties = s.request.sampling.has_penalties
+            items.append(ProposeItem(
+                request_id=s.request_id, input_ids=p.draft_pending, past_len=s.draft_cached,
+                block_table=list(grant.block_table), slot_mapping=list(grant.slot_mapping), k=p.k,
+                sampling=s.request.sampling, seed=s.seed, position=len(s.token_ids),
+                want_probs=s.request.spec.contract == "exact" and not s.request.sampling.is_greedy,
+                prompt_ids=s.token_ids[:s.prompt_len] if penalties else [],
+                output_ids=s.output_ids if penalties else [],
+                copy_blocks=list(grant.copy_on_write),
+            ))
+        start = time.perf_counter()
+        try:
+            result = self.drafter.propose(ProposeBatch(items))
+        except Exception as exc:  # the drafter died: continue by plain decoding
+            self._on_drafter_failure(model_plans, exc)
+            return time.perf_counter() - start
+        self.cost.observe_draft(max(p.k for p in model_plans), result.seconds)
+        by_id = {o.request_id: o for o in result.outputs}
+        for p in model_plans:
+            out = by_id[p.state.request_id]
+            p.drafts, p.draft_probs = out.draft_ids, out.draft_probs
+        return time.perf_counter() - start
+
+    def _on_drafter_failure(self, plans: list[_Round], exc: Exception) -> None:
+        log.error("drafter failed (%s); falling back to plain decoding", exc)
+        self._drafter_down_since = time.monotonic()
+        self.fallback_events.append({"at": time.time(), "event": "drafter unavailable", "error": repr(exc)})
+        self.kv.expire_worker("drafter")  # rolls back every draft-namespace grant of the dead epoch
+        for p in plans:
+            p.uses_model_drafter, p.k, p.drafts, p.draft_probs = False, 0, [], None
+            p.state.record_k(0, "fallback: drafter failed, plain decoding")
+        for state in self.running:
+            state.draft_cached, state.draft_admitted = 0, False
+
+    def _verify(self, plans: list[_Round]) -> VerifyResult:
+        items = []
+        for p in plans:
+            s, grant = p.state, p.target_grant  # type: ignore[attr-defined]
+            n_slots = len(p.target_pending) + len(p.drafts)
+            penalties = s.request.sampling.has_penalties
+            items.append(VerifyItem(
+                request_id=s.request_id, input_ids=p.target_pending, draft_ids=p.drafts, draft_probs=p.draft_probs,
+                past_len=s.target_cached, block_table=list(grant.block_table),
+                slot_mapping=list(grant.slot_mapping[:n_slots]), sampling=s.request.sampling,
+                contract=s.request.spec.contract, seed=s.seed, position=len(s.token_ids),
+                prompt_ids=s.token_ids[:s.prompt_len] if penalties else [],
+                output_ids=s.output_ids if penalties else [], copy_blocks=list(grant.copy_on_write),
+            ))
+        try:
+            result = self.verifier.verify(VerifyBatch(items))
+        except Exception:
+            self.kv.rollback([(self.config.target_namespace, p.state.request_id) for p in plans]
+                             + [(self.config.draft_namespace, p.state.request_id) for p in plans
+                                if p.uses_model_drafter])
+            raise
+        tokens_per_request = max(len(i.input_ids) + len(i.draft_ids) for i in items)
+        self.cost.observe_verify(tokens_per_request, result.seconds)
+        return result
+
+    def _accept_and_commit(self, plans: list[_Round], outputs: list[VerifyOutput]) -> list[TokenChunk]:
+        cfg = self.config
+        commits: list[CommitItem] = []
+        chunks: list[TokenChunk] = []
+        for plan, out in zip(plans, outputs, strict=True):
+            s = plan.state
+            assert out.request_id == s.request_id
+            proposed = len(plan.drafts)
+            s.rounds += 1
+            if proposed:
+                s.acceptance.record(out.accepted_len, proposed, s.request.spec.contract)
+                self.acceptance.record(out.accepted_len, proposed, s.request.spec.contract)
+            accepted = plan.drafts[:out.accepted_len]
+            target_len = len(plan.target_pending) + out.accepted_len
+            kept, delta = s.append_tokens(out.tokens)
+            finished = s.finish_reason is not None
+            commits.append(CommitItem(cfg.target_namespace, s.request_id, target_len,
+                                      plan.target_pending + accepted, self.verifier_holder, finished=finished))
+            s.target_cached += target_len
+            if plan.uses_model_drafter:
+                draft_len = len(plan.draft_pending) + min(out.accepted_len, proposed - 1)
+                commits.append(CommitItem(cfg.draft_namespace, s.request_id, draft_len,
+                                          (plan.draft_pending + plan.drafts)[:draft_len], self.drafter_holder,
+                                          finished=finished))
+                s.draft_cached += draft_len
+            elif finished and s.draft_admitted:
+                self.kv.release(s.request_id, [cfg.draft_namespace])
+            chunk = TokenChunk(s.request_id, kept, delta, proposed=proposed,
+                               accepted=min(out.accepted_len, len(kept)), finish_reason=s.finish_reason)
+            if finished:
+                chunk.stats = s.stats()
+                self.running.remove(s)
+                self._forget(s.request_id)
+            chunks.append(chunk)
+        results = self.kv.commit(commits)
+        for res in results:
+            if isinstance(res, KVError):
+                raise res
+        return chunks
+
+    def _abort_now(self, request_id: str) -> list[TokenChunk]:
+        for state in list(self.running):
+            if state.request_id == request_id:
+                self.running.remove(state)
+                self.kv.release(request_id, self._namespaces)
+                return [self._aborted_chunk(state)]
+        for state in list(self.waiting):
+            if state.request_id == request_id:
+                self.waiting.remove(state)
+                return [self._aborted_chunk(state)]
+        return []
+
+    def _aborted_chunk(self, state: RequestState) -> TokenChunk:
+        state.finish_reason = "abort"
+        self._forget(state.request_id)
+        return TokenChunk(state.request_id, [], "", finish_reason="abort", stats=state.stats())
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._known_ids.discard(request_id)
+        self._rounds_at_zero.pop(request_id, None)
+
+    # ------------------------------------------------------------------ statistics
+    def stats(self) -> dict[str, Any]:
+        rounds = self.totals.get("rounds", 0)
+        return {
+            "model": self.model_name,
+            "draft": self.draft_name,
+            "running": len(self.running),
+            "waiting": len(self.waiting) + len(self._inbox),
+            "rounds": int(rounds),
+            "acceptance": self.acceptance.to_dict(),
+            "draft_seconds": self.totals.get("draft_seconds", 0.0),
+            "verify_seconds": self.totals.get("verify_seconds", 0.0),
+            "reconcile_seconds": self.totals.get("reconcile_seconds", 0.0),
+            "round_seconds": self.totals.get("round_seconds", 0.0),
+            "cost_model": {"draft_token_seconds": self.cost.draft_token,
+                           "verify_seconds_by_tokens": dict(self.cost.verify_by_tokens)},
+            "fallback_events": list(self.fallback_events),
+            "kv_free_fraction": self.kv.free_fraction(self.config.target_namespace),
+        }
+
+    def run_to_completion(self) -> dict[str, list[TokenChunk]]:
+        """Drive `step` until every submitted request has finished (in-process use)."""
+        out: dict[str, list[TokenChunk]] = collections.defaultdict(list)
+        while self.has_unfinished():
+            for chunk in self.step():
+                out[chunk.request_id].append(chunk)
+        return out
+
+
+__all__ = ["SpecEngine", "EngineConfig", "DrafterUnavailable", "OutOfBlocks"]

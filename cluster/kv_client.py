@@ -1,0 +1,74 @@
+"""The engine's view of the KV-block manager: the same few calls in process (`LocalKV`, wrapping
+a `BlockLedger`) or across processes (the Ray actor's client, cluster/). Each round makes one
+`reserve` and one `commit` call for the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kv_manager.errors import KVError, UnknownRequest
+from kv_manager.ledger import BlockLedger
+from kv_manager.schema import (
+    Admission,
+    AdmitItem,
+    AuditReport,
+    CommitItem,
+    CommitResult,
+    Holder,
+    Reservation,
+    ReserveItem,
+)
+
+
+class LocalKV:
+    """Owner of nothing: forwards to the ledger, which owns all block state."""
+
+    def __init__(self, ledger: BlockLedger) -> None:
+        self.ledger = ledger
+
+    def register_worker(self, worker_id: str) -> Holder:
+        return self.ledger.register_worker(worker_id)
+
+    def expire_worker(self, worker_id: str) -> int:
+        return self.ledger.expire_worker(worker_id)
+
+    def can_admit(self, items: Sequence[AdmitItem], lookahead: int) -> bool:
+        return self.ledger.can_admit({i.namespace: len(i.prompt_token_ids) + lookahead for i in items})
+
+    def admit(self, items: Sequence[AdmitItem]) -> list[Admission]:
+        """All or nothing across namespaces: a refusal rolls back the admissions already made."""
+        done: list[Admission] = []
+        try:
+            for item in items:
+                done.append(self.ledger.add_request(item.namespace, item.request_id, item.prompt_token_ids,
+                                                    item.holder))
+        except KVError:
+            for adm in done:
+                self.ledger.release(adm.namespace, adm.request_id)
+            raise
+        return done
+
+    def reserve(self, items: Sequence[ReserveItem]) -> list[Reservation | KVError]:
+        return self.ledger.reserve(items)
+
+    def commit(self, items: Sequence[CommitItem]) -> list[CommitResult | KVError]:
+        return self.ledger.commit(items)
+
+    def rollback(self, keys: Sequence[tuple[str, str]]) -> None:
+        for namespace, request_id in keys:
+            try:
+                self.ledger.rollback(namespace, request_id)
+            except UnknownRequest:
+                pass
+
+    def release(self, request_id: str, namespaces: Sequence[str]) -> None:
+        for namespace in namespaces:
+            if request_id in self.ledger.requests.get(namespace, {}):
+                self.ledger.release(namespace, request_id)
+
+    def free_fraction(self, namespace: str) -> float:
+        return self.ledger.free_fraction(namespace)
+
+    def audit(self) -> AuditReport:
+        return self.ledger.audit()

@@ -1,0 +1,109 @@
+"""Speculation policy: how many draft tokens k each request proposes this round.
+
+Fixed k, or auto. Auto maximises expected tokens per second with the measured quantities of
+ARCHITECTURE.md section 2:
+
+    E[Y](k) = 1 + sum_{i=1..k} s_i                  (s_i measured per request, per position)
+    t_cycle(k) = k * t_draft_token + t_verify(n + k) (online cost model, n = catch-up tokens)
+    pick k* = argmax_k E[Y](k) / t_cycle(k)   over k = 0..k_max   (k = 0 is plain decoding)
+
+Before a request has its own measurements, s_i comes from the engine-wide survival (with a prior).
+While plain decoding wins, the request re-probes speculation every `probe_every` rounds. Under
+memory pressure (ledger free fraction below `pressure_free_fraction`) k is capped at 1.
+Every change of k is recorded on the request with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from verifier_service.acceptance_stats import AcceptanceStats
+
+PRIOR_SURVIVAL = 0.6  # assumed s_1 before any measurement; s_i = PRIOR_SURVIVAL ** i
+PRIOR_ROUNDS = 4  # weight of the prior, in rounds
+
+
+@dataclass
+class CostModel:
+    """Exponential moving averages of measured times (seconds). Owner: the engine loop."""
+
+    alpha: float = 0.2
+    draft_token: float | None = None  # one draft step for one batch
+    verify_by_tokens: dict[int, float] = field(default_factory=dict)  # scored tokens per request -> verify time
+
+    def observe_draft(self, steps: int, seconds: float) -> None:
+        if steps > 0:
+            per = seconds / steps
+            self.draft_token = per if self.draft_token is None else (1 - self.alpha) * self.draft_token + self.alpha * per
+
+    def observe_verify(self, tokens_per_request: int, seconds: float) -> None:
+        bucket = min(tokens_per_request, 16)
+        old = self.verify_by_tokens.get(bucket)
+        self.verify_by_tokens[bucket] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+
+    def verify_time(self, tokens: int) -> float | None:
+        if not self.verify_by_tokens:
+            return None
+        bucket = min(tokens, 16)
+        if bucket in self.verify_by_tokens:
+            return self.verify_by_tokens[bucket]
+        known = sorted(self.verify_by_tokens)
+        below = [b for b in known if b < bucket]
+        above = [b for b in known if b > bucket]
+        if below and above:  # linear interpolation
+            lo, hi = below[-1], above[0]
+            w = (bucket - lo) / (hi - lo)
+            return (1 - w) * self.verify_by_tokens[lo] + w * self.verify_by_tokens[hi]
+        return self.verify_by_tokens[below[-1] if below else above[0]]
+
+
+def blended_survival(own: AcceptanceStats, engine: AcceptanceStats, k_max: int) -> list[float]:
+    """s_1..s_kmax: the request's own per-position survival, shrunk towards engine-wide and prior values."""
+    out = []
+    for i in range(k_max):
+        prior = PRIOR_SURVIVAL ** (i + 1)
+        if i < len(engine.reached) and engine.reached[i]:
+            e_surv = engine.survived[i] if i < len(engine.survived) else 0
+            prior = (e_surv + PRIOR_ROUNDS * prior) / (engine.reached[i] + PRIOR_ROUNDS)
+        reached = own.reached[i] if i < len(own.reached) else 0
+        survived = own.survived[i] if i < len(own.survived) else 0
+        out.append((survived + PRIOR_ROUNDS * prior) / (reached + PRIOR_ROUNDS))
+    for i in range(1, k_max):  # survival cannot grow with depth
+        out[i] = min(out[i], out[i - 1])
+    return out
+
+
+@dataclass
+class AutoDecision:
+    k: int
+    reason: str
+
+
+def choose_k(
+    own: AcceptanceStats, engine: AcceptanceStats, cost: CostModel, k_max: int, catch_up: int,
+    rounds_at_zero: int, probe_every: int, free_fraction: float, pressure_free_fraction: float,
+) -> AutoDecision:
+    if k_max == 0:
+        return AutoDecision(0, "no drafter")
+    cap = 1 if free_fraction < pressure_free_fraction else k_max
+    if cost.draft_token is None or cost.verify_time(catch_up + 1) is None:
+        k = min(2, cap)
+        return AutoDecision(k, "warm-up: measuring draft and verify cost")
+    survival = blended_survival(own, engine, k_max)
+    best_k, best_rate = 0, 0.0
+    rates = []
+    for k in range(0, cap + 1):
+        expected = 1.0 + sum(survival[:k])
+        t_verify = cost.verify_time(catch_up + k)
+        assert t_verify is not None
+        rate = expected / (k * cost.draft_token + t_verify)
+        rates.append(rate)
+        if rate > best_rate * 1.02 or k == 0:  # prefer smaller k unless clearly better
+            best_k, best_rate = k, rate
+    if best_k == 0 and rounds_at_zero >= probe_every:
+        return AutoDecision(1, "probe: re-measuring acceptance after plain decoding")
+    if best_k == 0:
+        return AutoDecision(0, f"fallback: plain decoding is faster ({rates[0]:.2f} tok/s-units vs best spec "
+                               f"{max(rates[1:], default=0):.2f})")
+    reason = "memory pressure: k capped at 1" if cap < k_max and best_k == cap else "cost model"
+    return AutoDecision(best_k, reason)
