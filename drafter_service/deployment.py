@@ -1,0 +1,42 @@
+"""The Drafter deployment: one replica hosts a DraftWorker (the draft model and its paged KV pool).
+
+    scheduler --ProposeBatch--> Drafter.propose --> DraftWorker --ProposeResult--> scheduler
+
+Only built when the cluster has a draft model (`draft: ngram` drafts inside the scheduler). The
+engine is the only caller and calls once per round, so `propose` runs synchronously.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from ray import serve
+
+from cluster.round_messages import ProposeBatch, ProposeResult
+from drafter_service.worker import DraftWorker
+
+logger = logging.getLogger("ray.serve")
+
+
+class Drafter:
+    def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
+                 worker_threads: int = 0) -> None:
+        from model_runtime.prepare import prepare_model
+        from verifier_service.worker import LocalRunner
+
+        if worker_threads > 0:
+            torch.set_num_threads(worker_threads)
+        checkpoint = prepare_model(model, progress=False)
+        self.worker = DraftWorker(LocalRunner(str(checkpoint), num_blocks, block_size, device))
+        self.model = model
+        logger.info("drafter ready: %s, %d KV blocks of %d", model, num_blocks, block_size)
+
+    def propose(self, batch: ProposeBatch) -> ProposeResult:
+        return self.worker.propose(batch)
+
+    def vocab_size(self) -> int:
+        return self.worker.config.vocab_size
+
+
+DrafterDeployment = serve.deployment(Drafter, name="Drafter")

@@ -1,0 +1,182 @@
+"""Tests of the sampling transform (penalties, temperature, top-k, top-p, min-p), inverse-CDF sampling and seeding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from cluster.api import SamplingParams
+from verifier_service.sampling import (
+    Stream,
+    apply_penalties,
+    penalized_logits_for_positions,
+    request_generator,
+    request_uniforms,
+    sample_token,
+    sample_with_uniforms,
+    transform_logits,
+)
+
+V = 12
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+# ---------------------------------------------------------------------------------------------- penalties
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    logits = _logits(2)
+    prompts, outputs = [[1, 2, 2, 7], [0, 11]], [[3, 1], [5, 5, 5, 9]]
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.3)
+    ours = apply_penalties(logits, prompts, outputs, params)
+    processor = RepetitionPenaltyLogitsProcessor(1.3)
+    for row, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):  # HF: over prompt + output ids
+        reference = processor(torch.tensor([prompt + output]), logits[row : row + 1].clone())
+        torch.testing.assert_close(ours[row : row + 1], reference)
+    untouched = [v for v in range(V) if v not in {1, 2, 7, 3}]
+    assert torch.equal(ours[0, untouched], logits[0, untouched])
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
+    logits = _logits(1)
+    params = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
+    ours = apply_penalties(logits, [[4, 4, 6]], [[6, 8, 8, 8]], params)
+    expected = logits.clone()
+    expected[0, 6] -= 0.5 + 0.25 * 1  # prompt occurrences of 6 do not count
+    expected[0, 8] -= 0.5 + 0.25 * 3
+    torch.testing.assert_close(ours, expected)  # token 4 (prompt only) is not penalized
+
+
+def test_no_penalties_is_the_identity() -> None:
+    logits = _logits(3)
+    assert apply_penalties(logits, [[1]] * 3, [[2]] * 3, SamplingParams()) is logits
+    assert penalized_logits_for_positions(logits, [1], [2], [3, 4], SamplingParams()) is logits
+
+
+@pytest.mark.parametrize(("n_drafts", "m"), [(0, 1), (3, 4), (4, 4), (4, 2)])
+def test_row_j_sees_committed_tokens_plus_the_drafts_before_it(n_drafts: int, m: int) -> None:
+    """Row j of a verify forward is penalized exactly as plain decoding would after drafts d_0..d_{j-1}."""
+    prompt, output, drafts = [1, 2, 3], [3, 5], [5, 7, 5, 9][:n_drafts]
+    params = SamplingParams(temperature=0.8, repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.2)
+    logits = _logits(m, seed=4)
+    rows = penalized_logits_for_positions(logits, prompt, output, drafts, params)
+    for j in range(m):
+        plain = apply_penalties(logits[j : j + 1], [prompt], [output + drafts[:j]], params)
+        torch.testing.assert_close(rows[j : j + 1], plain)
+    if m > 1:
+        assert not torch.equal(rows[0], rows[1])  # d_0 = 5 is penalized from row 1 on
+
+
+# ---------------------------------------------------------------------------------------------- transform
+
+
+def _hf_transform(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    scores = TemperatureLogitsWarper(params.temperature)(None, logits.clone())
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    if params.min_p > 0:
+        scores = MinPLogitsWarper(params.min_p)(None, scores)
+    return scores.softmax(-1)
+
+
+def _allowed(logits: torch.Tensor, params: SamplingParams) -> set[int]:
+    """The allowed set of one row, by brute force over tokens sorted by probability (no ties in the test logits)."""
+    order = logits.argsort(descending=True).tolist()
+    allowed = order[: params.top_k] if params.top_k else order
+    probs = (logits[allowed] / params.temperature).softmax(-1)
+    mass, kept = 0.0, []
+    for token, prob in zip(allowed, probs.tolist(), strict=True):
+        kept.append((token, prob))
+        mass += prob
+        if mass >= params.top_p:
+            break
+    top = max(prob for _, prob in kept)
+    return {token for token, prob in kept if prob >= params.min_p * top}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=1.5, top_p=0.8),
+        SamplingParams(temperature=1.3, min_p=0.2),
+        SamplingParams(temperature=0.9, top_k=6, top_p=0.8, min_p=0.1),
+    ],
+    ids=["top_k", "top_p", "min_p", "all"],
+)
+def test_filters_keep_the_allowed_set_and_samples_stay_in_it(params: SamplingParams) -> None:
+    logits = _logits(8, seed=1)
+    probs = transform_logits(logits, params)
+    torch.testing.assert_close(probs, _hf_transform(logits, params))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(8))
+    for row in range(8):
+        allowed = _allowed(logits[row], params)
+        assert set((probs[row] > 0).nonzero().flatten().tolist()) == allowed
+        u = torch.rand(5_000, generator=torch.Generator().manual_seed(row), dtype=torch.float64)
+        assert set(sample_with_uniforms(probs[row].expand(5_000, V), u).tolist()) <= allowed
+
+
+def test_transform_is_one_function_of_the_row_for_p_and_q() -> None:
+    """The same row gives the same probs whether it is a target row or a draft row, alone or in any batch."""
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05)
+    target, draft = _logits(4, seed=2), _logits(3, seed=3)
+    draft[1] = target[2]
+    p, q = transform_logits(target, params), transform_logits(draft, params)
+    assert torch.equal(p[2], q[1])
+    assert torch.equal(transform_logits(target[2:3], params)[0], p[2])
+
+
+def test_temperature_zero_is_a_one_hot_at_the_lowest_argmax() -> None:
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, -1.0, 5.0, 5.0]])
+    probs = transform_logits(logits, SamplingParams(temperature=0.0, top_k=1, top_p=0.5))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+# ---------------------------------------------------------------------------------------------- sampling and seeds
+
+
+def test_inverse_cdf_never_returns_a_zero_probability_token() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]])
+    for u in (0.0, 0.5, 1 - 2**-53):
+        tokens = sample_with_uniforms(probs, torch.tensor([u, u], dtype=torch.float64)).tolist()
+        assert tokens[0] in (1, 3) and tokens[1] == 2
+    assert sample_with_uniforms(probs[:1], torch.tensor([0.49])).item() == 1
+    assert sample_with_uniforms(probs[:1], torch.tensor([0.51])).item() == 3
+
+
+def test_inverse_cdf_sampling_follows_probs() -> None:
+    """Chi-square goodness of fit at alpha = 0.001 (N = 50,000: power >= 0.999 against a 0.02 TV shift, df = 5)."""
+    probs = torch.tensor([0.05, 0.3, 0.1, 0.25, 0.2, 0.1])
+    u = torch.rand(50_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    counts = torch.bincount(sample_with_uniforms(probs.expand(50_000, 6), u), minlength=6).double()
+    expected = probs.double() * 50_000
+    statistic = ((counts - expected) ** 2 / expected).sum()
+    p_value = torch.special.gammaincc(torch.tensor(2.5, dtype=torch.float64), statistic / 2)
+    assert p_value > 1e-3
+
+
+def test_seeded_draws_depend_only_on_seed_position_and_stream() -> None:
+    def draw(seed: int, position: int, stream: Stream) -> float:
+        return torch.rand(1, generator=request_generator(seed, position, stream)).item()
+
+    assert draw(7, 3, "accept") == draw(7, 3, "accept")
+    assert len({draw(7, 3, "accept"), draw(7, 4, "accept"), draw(8, 3, "accept"), draw(7, 3, "residual")}) == 4
+    window = request_uniforms(7, 10, 4, "draft")  # draws are keyed by position, not by how many came before
+    assert torch.equal(window[2:], request_uniforms(7, 12, 2, "draft"))
+    assert request_uniforms(7, 10, 0, "draft").numel() == 0
+    probs = torch.softmax(_logits(1)[0], -1)
+    assert sample_token(probs, 7, 12, "draft") == sample_with_uniforms(probs[None], window[2:3]).item()
+    with pytest.raises(AssertionError):
+        request_generator(7, 3, "bonus")  # type: ignore[arg-type]

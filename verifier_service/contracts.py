@@ -1,0 +1,209 @@
+"""The acceptance contracts of a speculative round: exact, greedy, typical.
+
+Symbols as in the papers (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2; Medusa, Cai et al. 2024):
+  x_1..x_k    draft tokens of the round, x_i ~ q_i (the drafter's transformed distribution at draft i)
+  p_1..p_k+1  target distributions at the same positions (transformed by the same sampling transform);
+              p_{k+1} is the distribution after all k drafts, used for the bonus token
+  u_i         the uniform of the accept test at draft i;  n = accepted_len = number of drafts accepted
+
+Glossary:
+  accepted    a draft token kept as output.
+  correction  the token sampled at the first rejected position n+1 (from the residual r, or argmax p).
+  bonus       the token sampled from p_{k+1} when all k drafts are accepted.
+  verdict     what a contract decided for one request in one round: accepted drafts + one next token.
+
+Each core works on a batch of B rounds of equal k (`*_accept`); the per-request functions
+(`verify_*`) draw the request's seeded uniforms and call the core with B = 1, so tests exercise the
+same code with large B. Positions and streams of the uniforms: see `verifier_service.sampling`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cluster.api import Contract
+from verifier_service.acceptance_stats import AcceptanceStats
+from verifier_service.sampling import request_uniforms, sample_with_uniforms
+
+# Medusa's defaults (posterior_threshold=0.09, posterior_alpha=0.3 in medusa/model/utils.py).
+POSTERIOR_THRESHOLD = 0.09
+POSTERIOR_ALPHA = 0.3
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one round for one request; `tokens` = accepted drafts + next_token, in order."""
+
+    accepted_len: int
+    next_token: int
+    tokens: list[int]
+    contract: str
+    bonus: bool
+    proposed: int
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.accepted_len <= self.proposed
+        assert self.bonus == (self.accepted_len == self.proposed)
+        assert len(self.tokens) == self.accepted_len + 1 and self.tokens[-1] == self.next_token
+
+
+# ----------------------------------------------------------------------------------------------
+# Cores: batches of B rounds with the same k
+# ----------------------------------------------------------------------------------------------
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """r(v) = max(0, p(v) - q(v)) / Z over the last dim; where Z == 0 (p == q: a rejection only float error
+    can produce) fall back to p."""
+    r = (p - q).clamp(min=0)
+    Z = r.sum(-1, keepdim=True)
+    return torch.where(Z > 0, r / Z.clamp(min=torch.finfo(r.dtype).tiny), p)
+
+
+def exact_accept(
+    x: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, u: torch.Tensor, u_next: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for B rounds of k drafts.
+
+      accept x_i with prob min(1, p_i(x_i) / q_i(x_i)):  u_i * q_i(x_i) < p_i(x_i),  stop at the first reject
+      n = accepted_len;  next ~ r(v) = max(0, p_{n+1}(v) - q_{n+1}(v)) / Z,  with q_{k+1} = 0 so the bonus ~ p_{k+1}
+
+    x [B,k] long; q [B,k,V] probs, or None = point mass q_i(x_i) = 1 (n-gram drafts); p [B,k+1,V] probs;
+    u [B,k] uniforms of the accept tests; u_next [B,k+1] the uniform for a next token at each possible
+    position n+1. A draft with q_i(x_i) = 0 (cannot happen for x_i ~ q_i) is rejected. x, q, p share a device;
+    the uniforms may live on the CPU. Returns (accepted_len [B], next_token [B]).
+    """
+    B, k = x.shape
+    assert p.shape[:2] == (B, k + 1) and u.shape == (B, k) and u_next.shape == (B, k + 1)
+    u, u_next = u.to(p.device, torch.float64), u_next.to(p.device, torch.float64)
+    if q is None:
+        q = F.one_hot(x, p.shape[-1]).to(p.dtype)
+    p_x = p[:, :k].gather(-1, x.unsqueeze(-1)).squeeze(-1).double()
+    q_x = q.gather(-1, x.unsqueeze(-1)).squeeze(-1).double()
+    accepted = (q_x > 0) & (u * q_x < p_x)
+    accepted_len = accepted.long().cumprod(-1).sum(-1)
+    rows = torch.arange(B, device=x.device)
+    q_padded = torch.cat([q, q.new_zeros(B, 1, q.shape[-1])], dim=1)  # q_{k+1} = 0
+    r = residual_distribution(p[rows, accepted_len].double(), q_padded[rows, accepted_len].double())
+    next_token = sample_with_uniforms(r, u_next[rows, accepted_len])
+    return accepted_len, next_token
+
+
+def greedy_accept(x: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept while x_i == argmax p_i; next = argmax p_{n+1} (ties -> lowest id). x [B,k]; p [B,k+1,V] logits or probs."""
+    B, k = x.shape
+    target = p.argmax(-1)  # [B, k+1]
+    accepted_len = (x == target[:, :k]).long().cumprod(-1).sum(-1)
+    return accepted_len, target[torch.arange(B, device=x.device), accepted_len]
+
+
+def typical_accept(
+    x: torch.Tensor, p: torch.Tensor, u_next: torch.Tensor, posterior_threshold: float, posterior_alpha: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Medusa typical acceptance: accept x_i while p_i(x_i) > min(threshold, alpha * exp(-H(p_i))); next ~ p_{n+1}.
+
+    Relaxed: the output distribution is NOT p. x [B,k]; p [B,k+1,V] probs; u_next [B,k+1] as in `exact_accept`.
+    """
+    B, k = x.shape
+    u_next = u_next.to(p.device, torch.float64)
+    p_x = p[:, :k].gather(-1, x.unsqueeze(-1)).squeeze(-1)
+    H = torch.special.entr(p[:, :k].double()).sum(-1)
+    threshold = torch.clamp(posterior_alpha * torch.exp(-H), max=posterior_threshold)
+    accepted_len = (p_x.double() > threshold).long().cumprod(-1).sum(-1)
+    rows = torch.arange(B, device=x.device)
+    return accepted_len, sample_with_uniforms(p[rows, accepted_len], u_next[rows, accepted_len])
+
+
+# ----------------------------------------------------------------------------------------------
+# One request: seeded uniforms, B = 1
+# ----------------------------------------------------------------------------------------------
+
+
+def _verdict(draft_tokens: Sequence[int], accepted_len: torch.Tensor, next_token: torch.Tensor, contract: str) -> Verdict:
+    n, token = int(accepted_len[0]), int(next_token[0])
+    tokens = [*draft_tokens[:n], token]
+    return Verdict(n, token, tokens, contract, bonus=n == len(draft_tokens), proposed=len(draft_tokens))
+
+
+def _drafts(draft_tokens: Sequence[int], p: torch.Tensor) -> torch.Tensor:
+    assert p.dim() == 2 and p.shape[0] == len(draft_tokens) + 1, "p needs k+1 rows for k drafts"
+    return torch.as_tensor(list(draft_tokens), dtype=torch.long, device=p.device).view(1, -1)
+
+
+def verify_exact(
+    draft_tokens: Sequence[int], q: torch.Tensor | None, p: torch.Tensor, seed: int, position: int
+) -> Verdict:
+    """Exact contract for one request. q [k,V] or None (point mass); p [k+1,V]; `position` = position of x_1."""
+    x, k = _drafts(draft_tokens, p), len(draft_tokens)
+    assert q is None or q.shape == (k, p.shape[-1])
+    u = request_uniforms(seed, position, k, "accept").view(1, k)
+    u_next = request_uniforms(seed, position, k + 1, "residual").view(1, k + 1)
+    accepted_len, next_token = exact_accept(x, None if q is None else q.unsqueeze(0), p.unsqueeze(0), u, u_next)
+    return _verdict(draft_tokens, accepted_len, next_token, "exact")
+
+
+def verify_greedy(draft_tokens: Sequence[int], p: torch.Tensor) -> Verdict:
+    """Greedy contract for one request. p [k+1,V]: logits (preferred: what plain greedy decoding argmaxes) or probs."""
+    accepted_len, next_token = greedy_accept(_drafts(draft_tokens, p), p.unsqueeze(0))
+    return _verdict(draft_tokens, accepted_len, next_token, "greedy")
+
+
+def verify_typical(
+    draft_tokens: Sequence[int],
+    p: torch.Tensor,
+    seed: int,
+    position: int,
+    posterior_threshold: float = POSTERIOR_THRESHOLD,
+    posterior_alpha: float = POSTERIOR_ALPHA,
+) -> Verdict:
+    """Typical contract for one request (labeled "typical": it changes the output distribution). p [k+1,V] probs."""
+    x, k = _drafts(draft_tokens, p), len(draft_tokens)
+    u_next = request_uniforms(seed, position, k + 1, "residual").view(1, k + 1)
+    accepted_len, next_token = typical_accept(x, p.unsqueeze(0), u_next, posterior_threshold, posterior_alpha)
+    return _verdict(draft_tokens, accepted_len, next_token, "typical")
+
+
+# ----------------------------------------------------------------------------------------------
+# A batch of requests (ragged k)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoundInput:
+    """One request's round. p [k+1,V] / q [k,V] are transformed probs (greedy: p may be logits; q unused).
+
+    `position` is the position of the first draft token = number of tokens (prompt + output) committed.
+    """
+
+    draft_tokens: Sequence[int]
+    p: torch.Tensor
+    q: torch.Tensor | None
+    contract: Contract
+    seed: int
+    position: int
+
+
+def verify_batch(
+    rounds: Sequence[RoundInput],
+    posterior_threshold: float = POSTERIOR_THRESHOLD,
+    posterior_alpha: float = POSTERIOR_ALPHA,
+) -> tuple[list[Verdict], AcceptanceStats]:
+    """Verify each request of a batch with its own contract; returns the verdicts in order and their acceptance stats."""
+    verdicts: list[Verdict] = []
+    for r in rounds:
+        if r.contract == "exact":
+            verdicts.append(verify_exact(r.draft_tokens, r.q, r.p, r.seed, r.position))
+        elif r.contract == "greedy":
+            verdicts.append(verify_greedy(r.draft_tokens, r.p))
+        elif r.contract == "typical":
+            verdicts.append(verify_typical(r.draft_tokens, r.p, r.seed, r.position, posterior_threshold, posterior_alpha))
+        else:
+            raise ValueError(f"unknown contract {r.contract!r}")
+    stats = AcceptanceStats()
+    for verdict in verdicts:
+        stats.record(verdict.accepted_len, verdict.proposed, verdict.contract)
+    return verdicts, stats

@@ -1,0 +1,131 @@
+"""The Verifier deployment: one replica hosts a VerifierWorker over the target model's TP ranks.
+
+    scheduler --VerifyBatch--> Verifier.verify --> VerifierWorker --forward--> TP ranks (rank 0 answers)
+
+TP = 1: the replica itself holds the model and its KV pool (`LocalRunner`).
+TP > 1: the replica's placement group has one bundle for itself plus one per rank; each rank is a
+Ray actor (`TPRankActor`) in its own bundle holding its weight shard and KV-pool shard. The ranks
+join one torch.distributed group (gloo on CPU, rendezvous at rank 0's node) and run every forward
+together (SPMD); the replica fans each batch out and takes rank 0's logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.round_messages import VerifyBatch, VerifyResult
+from model_runtime.batch import SeqInput
+from verifier_service.worker import LocalRunner, VerifierWorker
+
+logger = logging.getLogger("ray.serve")
+
+RANK_CPUS = 1.0  # per TP rank bundle
+DRIVER_CPUS = 0.1  # the replica's own bundle when TP > 1
+
+
+def placement_bundles(tensor_parallel_size: int) -> list[dict[str, float]] | None:
+    """Serve placement-group bundles for the Verifier: None for TP = 1 (no group needed)."""
+    if tensor_parallel_size == 1:
+        return None
+    return [{"CPU": DRIVER_CPUS}] + [{"CPU": RANK_CPUS}] * tensor_parallel_size
+
+
+class TPRankActor:
+    """One tensor-parallel rank: its shard of the weights and of the paged KV pool."""
+
+    def __init__(self, rank: int, world_size: int, worker_threads: int) -> None:
+        if worker_threads > 0:
+            torch.set_num_threads(worker_threads)
+        self.rank = rank
+        self.world_size = world_size
+        self.tp_rank: Any = None
+
+    def rendezvous_address(self) -> str:
+        host = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def setup(self, init_method: str, checkpoint_dir: str, num_blocks: int, block_size: int, device: str) -> int:
+        from model_runtime.tp import TPRank, init_tp_group
+
+        init_tp_group(self.rank, self.world_size, init_method, device)
+        self.tp_rank = TPRank(checkpoint_dir, self.rank, self.world_size, num_blocks, block_size, device)
+        return self.tp_rank.model.config.vocab_size
+
+    def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]]) -> list[torch.Tensor] | None:
+        self.tp_rank.kv.copy_blocks(copy_blocks)
+        logits = self.tp_rank.forward(seqs)
+        return logits if self.rank == 0 else None  # only rank 0's answer travels back
+
+
+class TPGroupRunner:
+    """ForwardRunner over `world_size` rank actors in the replica's placement group."""
+
+    def __init__(self, checkpoint_dir: str, world_size: int, num_blocks: int, block_size: int, device: str,
+                 worker_threads: int) -> None:
+        from model_runtime.config import ModelConfig
+
+        self.config = ModelConfig.from_dir(checkpoint_dir)
+        self.config.check_tensor_parallel(world_size)
+        group = get_current_placement_group()
+        actor_cls = ray.remote(TPRankActor)
+        self.ranks = []
+        for rank in range(world_size):
+            options: dict[str, Any] = {"num_cpus": RANK_CPUS if group is not None else 0}
+            if group is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=1 + rank)
+            self.ranks.append(actor_cls.options(**options).remote(rank, world_size, worker_threads))
+        init_method = ray.get(self.ranks[0].rendezvous_address.remote())
+        ray.get([r.setup.remote(init_method, checkpoint_dir, num_blocks, block_size, device) for r in self.ranks])
+        logger.info("verifier TP group ready: %d ranks, rendezvous %s", world_size, init_method)
+
+    def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
+        refs = [rank.forward.remote(seqs, copy_blocks) for rank in self.ranks]
+        results = ray.get(refs)  # every rank must finish: an error on any rank fails the round
+        return results[0]
+
+    def shutdown(self) -> None:
+        for rank in self.ranks:
+            ray.kill(rank)
+
+
+class Verifier:
+    def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
+                 tensor_parallel_size: int = 1, worker_threads: int = 0) -> None:
+        from model_runtime.prepare import prepare_model
+
+        if worker_threads > 0:
+            torch.set_num_threads(worker_threads)
+        checkpoint = str(prepare_model(model, progress=False))
+        if tensor_parallel_size == 1:
+            self.runner: Any = LocalRunner(checkpoint, num_blocks, block_size, device)
+        else:
+            self.runner = TPGroupRunner(checkpoint, tensor_parallel_size, num_blocks, block_size, device,
+                                        worker_threads)
+        self.worker = VerifierWorker(self.runner)
+        self.tensor_parallel_size = tensor_parallel_size
+        logger.info("verifier ready: %s, TP=%d, %d KV blocks of %d", model, tensor_parallel_size, num_blocks,
+                    block_size)
+
+    def verify(self, batch: VerifyBatch) -> VerifyResult:
+        return self.worker.verify(batch)
+
+    def vocab_size(self) -> int:
+        return self.worker.config.vocab_size
+
+    def __del__(self) -> None:
+        if isinstance(getattr(self, "runner", None), TPGroupRunner):
+            self.runner.shutdown()
+
+
+VerifierDeployment = serve.deployment(Verifier, name="Verifier")

@@ -1,0 +1,180 @@
+"""The request's sampling transform (penalties, temperature, top-k, top-p, min-p) and seeded sampling.
+
+Both the draft logits (q) and the target logits (p) go through the same two steps, row by row:
+
+    logits --apply_penalties / penalized_logits_for_positions--> penalized logits
+           --transform_logits--> probs   (temperature 0: one-hot at argmax)
+
+Glossary:
+  history    the tokens a row conditions on: prompt + committed output + the draft tokens before it.
+  position   index of a token in the request's full sequence (prompt + output); the token decided
+             after `n` tokens of history sits at position `n`.
+  stream     which random draw at a position: "draft" (x ~ q), "accept" (the uniform u of the
+             accept test), "residual" (the correction or bonus token, and plain decoding).
+  seed       every request has one: the engine assigns a random seed at admission to a request that
+             sent none, so all randomness below is a pure function of (seed, position, stream).
+
+Randomness is counter-based: `request_generator(seed, position, stream)` seeds a fresh CPU generator
+from a hash of the triple, so a draw does not depend on batch composition, on other requests, on
+which process or device runs it, or on how many draws happened before. Tokens are drawn by inverse
+CDF from one float64 uniform per token (`sample_with_uniforms`), which is batch-friendly and exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from cluster.api import SamplingParams
+
+Stream = Literal["draft", "accept", "residual"]
+STREAMS: tuple[str, ...] = ("draft", "accept", "residual")
+
+
+# ----------------------------------------------------------------------------------------------
+# Penalties (on raw logits, before temperature)
+# ----------------------------------------------------------------------------------------------
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, output_counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Repetition penalty (HF) over `seen` [n,V] (prompt + output), then frequency and presence (OpenAI) over output counts.
+
+        repetition:  l_v <- l_v / rho  if l_v > 0 else l_v * rho          for v in prompt + output
+        OpenAI:      l_v <- l_v - c_v * alpha_freq - [c_v > 0] * alpha_presence,  c_v = output count of v
+    """
+    logits = logits.float()
+    if params.repetition_penalty != 1.0:
+        rho = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits < 0, logits * rho, logits / rho), logits)
+    counts = output_counts.to(logits.dtype)
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def token_counts(token_ids: Sequence[int], vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Count of each token id in `token_ids` as an int64 [V] tensor; ids >= V are ignored (as HF does)."""
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device)
+    ids = ids[ids < vocab_size]
+    return torch.bincount(ids, minlength=vocab_size)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    params: SamplingParams,
+) -> torch.Tensor:
+    """Penalize logits [n,V]; row i's history is `prompt_ids[i]` + `output_ids[i]` (output = generated tokens)."""
+    if not params.has_penalties:
+        return logits
+    n, vocab_size = logits.shape
+    assert len(prompt_ids) == n and len(output_ids) == n, "one prompt and one output history per row"
+    out = torch.stack([token_counts(o, vocab_size, logits.device) for o in output_ids])
+    prompt = torch.stack([token_counts(p, vocab_size, logits.device) for p in prompt_ids])
+    return penalize(logits, (prompt + out) > 0, out, params)
+
+
+def penalized_logits_for_positions(
+    logits: torch.Tensor,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    draft_ids: Sequence[int],
+    params: SamplingParams,
+) -> torch.Tensor:
+    """Penalize the m rows one verify forward scores for one request, each with the history plain decoding would see.
+
+    Row j predicts the token after drafts d_0..d_{j-1}, so its output history is output_ids + d_0..d_{j-1}:
+
+        row:      0            1              2                  ...  m-1
+        history:  prompt+out   prompt+out+d0  prompt+out+d0 d1   ...  prompt+out+d0..d_{m-2}
+
+    `draft_ids` holds m-1 or m tokens (a trailing one is not seen by any row). The drafter uses the same
+    rule with m=1 for each draft step.
+    """
+    if not params.has_penalties:
+        return logits
+    m, vocab_size = logits.shape
+    assert len(draft_ids) >= m - 1, f"{m} rows need {m - 1} draft tokens, got {len(draft_ids)}"
+    drafts = torch.as_tensor(list(draft_ids[: m - 1]), dtype=torch.long, device=logits.device)
+    draft_counts = F.one_hot(drafts, vocab_size).cumsum(0)  # [m-1, V]: row j counts d_0..d_j
+    draft_counts = torch.cat([draft_counts.new_zeros(1, vocab_size), draft_counts])  # [m, V]: row j counts d_0..d_{j-1}
+    out = token_counts(output_ids, vocab_size, logits.device) + draft_counts  # [m, V]
+    prompt = token_counts(prompt_ids, vocab_size, logits.device)
+    return penalize(logits, (prompt + out) > 0, out, params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Transform: temperature, top-k, top-p, min-p  ->  probabilities
+# ----------------------------------------------------------------------------------------------
+
+
+def transform_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Penalized logits [n,V] -> probs [n,V] float32, the same function for target (p) and draft (q).
+
+    Order as in HF generate: temperature, top-k, top-p, min-p. Temperature 0 is greedy: a one-hot at
+    argmax (ties -> lowest token id, as torch.argmax). Top-k keeps ties with the k-th logit; top-p keeps
+    the smallest set of most likely tokens whose mass reaches top_p (at least one); min-p keeps tokens
+    with prob >= min_p * max prob.
+    """
+    vocab_size = logits.shape[-1]
+    if params.is_greedy:
+        return F.one_hot(logits.argmax(-1), vocab_size).float()
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < vocab_size:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, stable=True)  # ascending
+        tail_mass = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = tail_mass <= 1.0 - params.top_p
+        drop_sorted[..., -1] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    return logits.softmax(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Seeded sampling
+# ----------------------------------------------------------------------------------------------
+
+
+def request_generator(seed: int, position: int, stream: Stream) -> torch.Generator:
+    """A CPU generator seeded by a hash of (seed, position, stream): one independent stream per draw."""
+    assert stream in STREAMS, f"unknown stream {stream!r}; known: {STREAMS}"
+    digest = hashlib.blake2b(f"{seed}:{position}:{stream}".encode(), digest_size=8).digest()
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(int.from_bytes(digest, "little") >> 1)  # 63 bits
+    return generator
+
+
+def request_uniforms(seed: int, first_position: int, count: int, stream: Stream) -> torch.Tensor:
+    """float64 [count]: the uniform u in [0, 1) of `stream` at positions first_position .. first_position+count-1."""
+    draws = [
+        torch.rand((), dtype=torch.float64, generator=request_generator(seed, first_position + i, stream))
+        for i in range(count)
+    ]
+    return torch.stack(draws) if draws else torch.empty(0, dtype=torch.float64)
+
+
+def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: token_i = min{v : sum_{w<=v} probs_i[w] > u_i * sum(probs_i)}; probs [n,V], u [n] -> [n].
+
+    `probs` need not be normalized. A token of probability 0 is never returned.
+    """
+    cdf = probs.double().cumsum(-1)
+    target = u.to(cdf.device, torch.float64) * cdf[..., -1]
+    token = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
+    vocab_ids = torch.arange(probs.shape[-1], device=probs.device)
+    last_positive = torch.where(probs > 0, vocab_ids, 0).amax(-1)  # guards u * total rounding up to total
+    return torch.minimum(token, last_positive)
+
+
+def sample_token(probs: torch.Tensor, seed: int, position: int, stream: Stream) -> int:
+    """Draw one token from probs [V] with the request's uniform of `stream` at `position`."""
+    u = request_uniforms(seed, position, 1, stream)
+    return int(sample_with_uniforms(probs.unsqueeze(0), u)[0])
