@@ -1,0 +1,146 @@
+"""Prepare a model once: assemble + verify its GGUF, convert it to a safetensors checkpoint in the cache.
+
+Cache layout (root = $SPECSERVE_CACHE, default ~/.cache/specserve):
+
+    root/<name>/                   complete entry: an HF checkpoint dir + manifest.json (written last)
+    root/.<name>.lock              flock held while one process prepares <name>
+    root/.<name>.staging-XXXX/     in progress; deleted on success, failure, and by the next prepare
+        <gguf_name>                  assembled file (multi-part sources only)
+        checkpoint/                  converted checkpoint, renamed to root/<name> when complete
+
+Only a directory with a manifest whose source_sha256 matches the registry counts as cached.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from model_runtime.registry import ModelSource, resolve_model
+from model_runtime.weights_assemble import WeightIntegrityError, assemble_verified
+from model_runtime.weights_convert import WeightConversionError, convert_gguf, fsync_dir
+
+__all__ = [
+    "MANIFEST_NAME",
+    "WeightConversionError",
+    "WeightIntegrityError",
+    "cache_entry",
+    "cache_root",
+    "cached_path",
+    "prepare_model",
+]
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+def cache_root() -> Path:
+    configured = os.environ.get("SPECSERVE_CACHE")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "specserve"
+
+
+def cache_entry(source: ModelSource, cache_dir: Path | None = None) -> Path:
+    return (Path(cache_dir) if cache_dir is not None else cache_root()) / source.name
+
+
+def cached_path(source: ModelSource, cache_dir: Path | None = None) -> Path | None:
+    """The complete cache entry of `source`, or None (absent, unfinished, or for other weights)."""
+    entry = cache_entry(source, cache_dir)
+    try:
+        manifest = json.loads((entry / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return entry if manifest.get("source_sha256") == source.sha256 else None
+
+
+def prepare_model(
+    name_or_path: str | Path | ModelSource, cache_dir: Path | None = None, progress: bool = True
+) -> Path:
+    """The checkpoint directory for a model name, a ModelSource, or a local HF checkpoint dir.
+
+    Idempotent: a cached entry is returned at once. Otherwise the parts are assembled and verified,
+    converted in a staging dir next to the entry, and published by one rename; any failure leaves
+    no entry and no staging dir behind.
+    """
+    source = name_or_path if isinstance(name_or_path, ModelSource) else resolve_model(str(name_or_path))
+    if isinstance(source, Path):
+        return source
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    if (done := cached_path(source, root)) is not None:
+        return done
+    entry = cache_entry(source, root)
+    root.mkdir(parents=True, exist_ok=True)
+    with _exclusive(root / f".{source.name}.lock"):
+        if (done := cached_path(source, root)) is not None:
+            return done  # another process finished it while we waited
+        _remove_leftovers(source, root)
+        staging = Path(tempfile.mkdtemp(prefix=f".{source.name}.staging-", dir=root))
+        try:
+            _build_in(staging, source, progress)
+            if entry.exists():
+                shutil.rmtree(entry)  # stale: other weights, or no manifest
+            os.rename(staging / "checkpoint", entry)
+            fsync_dir(root)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    assert cached_path(source, root) == entry, entry
+    return entry
+
+
+def _build_in(staging: Path, source: ModelSource, progress: bool) -> dict[str, Any]:
+    """Verify, convert into staging/checkpoint and write its manifest last; returns the manifest."""
+    started = time.monotonic()
+    parts = source.parts.paths()
+    if len(parts) == 1 and parts[0].name.endswith(".gguf"):
+        gguf = parts[0]  # a whole file: hash it in place, no copy
+        assemble_verified(source.name, parts, source.sha256, source.size_bytes, None, progress)
+    else:
+        gguf = staging / source.gguf_name
+        assemble_verified(source.name, parts, source.sha256, source.size_bytes, gguf, progress)
+    checkpoint = staging / "checkpoint"
+    facts = convert_gguf(gguf, checkpoint, progress)
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,
+        "name": source.name,
+        "upstream": source.upstream,
+        "quantization": source.quantization,
+        "source_sha256": source.sha256,
+        "source_size_bytes": source.size_bytes,
+        "source_parts": source.parts.describe(),
+        **facts,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "prepare_seconds": round(time.monotonic() - started, 1),
+    }
+    manifest_path = checkpoint / MANIFEST_NAME
+    with open(manifest_path, "x") as manifest_file:
+        json.dump(manifest, manifest_file, indent=2)
+        manifest_file.write("\n")
+        manifest_file.flush()
+        os.fsync(manifest_file.fileno())
+    fsync_dir(checkpoint)
+    return manifest
+
+
+def _remove_leftovers(source: ModelSource, root: Path) -> None:
+    """Staging dirs of a killed earlier run (we hold the lock, so none is live)."""
+    for leftover in root.glob(f".{source.name}.staging-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as lock_file:
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
