@@ -1,0 +1,194 @@
+"""The KV manager as a Ray actor, and the async client the scheduler holds.
+
+    scheduler -> KVManagerClient -> KVManagerActor (async Ray actor) -> BlockLedger
+
+One batch call per step of a round: `reserve` for the whole batch before the forward, `commit`
+after it (`CommitItem.finished` releases finished requests in the same call): at most two RPCs per
+round. The actor is async and every method runs to completion on its event loop without awaiting,
+so concurrent callers never interleave inside a ledger call.
+
+Restart policy (ACTOR_OPTIONS): Ray restarts the actor forever (max_restarts=-1) and never re-runs
+a call on the new instance (max_task_retries=0). What a restart means:
+  - the new instance's ledger starts EMPTY: no workers, no requests, every block free; its worker
+    epochs start above every earlier one, so no holder of the old instance is ever live again;
+  - a call in flight when the actor died fails; the client raises RetriableKVError;
+  - each instance has an incarnation id; every call carries the id the client connected to, and a
+    call made under an old incarnation is refused with RetriableKVError (its round is void);
+  - recovery: `await client.connect()`, re-register the workers, re-admit every live request and
+    re-prefill it from its committed tokens (KV is a cache, tokens are the truth).
+A cancelled caller may leave its call running on the actor: cancel paths must `release` afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import RayActorError, RayTaskError
+
+from kv_manager.errors import KVError, RetriableKVError
+from kv_manager.ledger import BlockLedger
+from kv_manager.schema import (
+    Admission,
+    AdmitItem,
+    AuditReport,
+    CommitItem,
+    CommitResult,
+    Holder,
+    NamespaceConfig,
+    RequestKey,
+    Reservation,
+    ReserveItem,
+)
+
+ACTOR_OPTIONS: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": 0, "max_concurrency": 1000}
+
+
+def _each(call: Any, items: Iterable[Any]) -> list[Any]:
+    outcomes = []
+    for item in items:
+        try:
+            outcomes.append(call(item))
+        except KVError as refusal:
+            outcomes.append(refusal)
+    return outcomes
+
+
+class KVManager:
+    """The actor's body (also usable in-process). Each method takes the caller's incarnation first."""
+
+    def __init__(self, namespaces: Sequence[NamespaceConfig]) -> None:
+        # epochs of this instance start at its start time: no epoch of an earlier instance comes back
+        self._ledger = BlockLedger(namespaces, first_epoch=time.time_ns())
+        self._incarnation = uuid.uuid4().hex
+
+    def _check(self, incarnation: str) -> BlockLedger:
+        if incarnation != self._incarnation:
+            raise RetriableKVError(
+                f"kv manager restarted (incarnation {incarnation} -> {self._incarnation}): its ledger is empty; "
+                "reconnect, re-admit and re-prefill from committed tokens"
+            )
+        return self._ledger
+
+    async def incarnation(self) -> str:
+        return self._incarnation
+
+    async def register_worker(self, incarnation: str, worker_id: str) -> Holder:
+        return self._check(incarnation).register_worker(worker_id)
+
+    async def expire_worker(self, incarnation: str, worker_id: str) -> int:
+        return self._check(incarnation).expire_worker(worker_id)
+
+    async def add_requests(self, incarnation: str, items: Sequence[AdmitItem]) -> list[Admission | KVError]:
+        ledger = self._check(incarnation)
+        return _each(lambda i: ledger.add_request(i.namespace, i.request_id, i.prompt_token_ids, i.holder), items)
+
+    async def fork(self, incarnation: str, namespace: str, parent_id: str, child_id: str) -> Admission:
+        return self._check(incarnation).fork(namespace, parent_id, child_id)
+
+    async def reserve(
+        self, incarnation: str, items: Sequence[ReserveItem], atomic: bool = False
+    ) -> list[Reservation | KVError]:
+        return self._check(incarnation).reserve(items, atomic=atomic)
+
+    async def commit(self, incarnation: str, items: Sequence[CommitItem]) -> list[CommitResult | KVError]:
+        return self._check(incarnation).commit(items)
+
+    async def rollback(self, incarnation: str, keys: Sequence[RequestKey]) -> list[int | KVError]:
+        ledger = self._check(incarnation)
+        return _each(lambda key: ledger.rollback(*key), keys)
+
+    async def release(self, incarnation: str, keys: Sequence[RequestKey]) -> list[int | KVError]:
+        ledger = self._check(incarnation)
+        return _each(lambda key: ledger.release(*key), keys)
+
+    async def can_admit(self, incarnation: str, plan: Mapping[str, int]) -> bool:
+        return self._check(incarnation).can_admit(plan)
+
+    async def free_fractions(self, incarnation: str) -> dict[str, float]:
+        ledger = self._check(incarnation)
+        return {namespace: ledger.free_fraction(namespace) for namespace in ledger.pools}
+
+    async def audit(self, incarnation: str) -> AuditReport:
+        return self._check(incarnation).audit()
+
+
+KVManagerActor = ray.remote(**ACTOR_OPTIONS)(KVManager)
+
+
+class KVManagerClient:
+    """Async, typed access to the actor: refusals come back as KVError, a lost actor as RetriableKVError."""
+
+    def __init__(self, handle: ActorHandle) -> None:
+        self.handle = handle
+        self.incarnation: str | None = None
+
+    @classmethod
+    def create(cls, namespaces: Sequence[NamespaceConfig], **options: Any) -> KVManagerClient:
+        """Start the actor (`options` go to `.options()`, e.g. name=, lifetime=)."""
+        return cls(KVManagerActor.options(**options).remote(list(namespaces)))
+
+    async def connect(self, timeout_s: float = 60.0) -> str:
+        """(Re)learn the actor's incarnation, waiting out a restart; call it after a RetriableKVError."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.incarnation = await self.handle.incarnation.remote()
+                return self.incarnation
+            except RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        if self.incarnation is None:
+            await self.connect()
+        try:
+            return await getattr(self.handle, method).remote(self.incarnation, *args)
+        except RayTaskError as failure:
+            if isinstance(failure.cause, KVError):
+                raise failure.cause from None
+            raise
+        except RayActorError as lost:
+            raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
+
+    async def register_worker(self, worker_id: str) -> Holder:
+        return await self._call("register_worker", worker_id)
+
+    async def expire_worker(self, worker_id: str) -> int:
+        return await self._call("expire_worker", worker_id)
+
+    async def add_requests(self, items: Sequence[AdmitItem]) -> list[Admission | KVError]:
+        return await self._call("add_requests", list(items))
+
+    async def fork(self, namespace: str, parent_id: str, child_id: str) -> Admission:
+        return await self._call("fork", namespace, parent_id, child_id)
+
+    async def reserve(self, items: Sequence[ReserveItem], *, atomic: bool = False) -> list[Reservation | KVError]:
+        return await self._call("reserve", list(items), atomic)
+
+    async def commit(self, items: Sequence[CommitItem]) -> list[CommitResult | KVError]:
+        return await self._call("commit", list(items))
+
+    async def rollback(self, keys: Sequence[RequestKey]) -> list[int | KVError]:
+        return await self._call("rollback", list(keys))
+
+    async def release(self, keys: Sequence[RequestKey]) -> list[int | KVError]:
+        return await self._call("release", list(keys))
+
+    async def can_admit(self, plan: Mapping[str, int]) -> bool:
+        return await self._call("can_admit", dict(plan))
+
+    async def free_fractions(self) -> dict[str, float]:
+        return await self._call("free_fractions")
+
+    async def audit(self) -> AuditReport:
+        return await self._call("audit")
+
+    async def assert_no_leaks(self) -> None:
+        (await self.audit()).assert_no_leaks()
