@@ -22,6 +22,7 @@ import logging
 import random
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -72,6 +73,7 @@ class EngineConfig:
     probe_every: int = 16
     pressure_free_fraction: float = 0.1
     drafter_retry_seconds: float = 5.0
+    overlap: bool = False  # draft one group while verifying the other (separate devices/processes pay off)
 
 
 @dataclass
@@ -116,6 +118,10 @@ class SpecEngine:
         self.fallback_events: list[dict[str, Any]] = []
         self.verifier_holder = kv.register_worker("verifier")
         self.drafter_holder = kv.register_worker("drafter") if drafter is not None else None
+        self._turn = 0
+        self._in_flight: dict[int, Future] = {}
+        self._in_flight_ids: set[str] = set()
+        self._draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-draft")
         self._namespaces = [self.config.target_namespace] + ([self.config.draft_namespace] if drafter else [])
 
     # ------------------------------------------------------------------ requests in and out
@@ -152,20 +158,29 @@ class SpecEngine:
 
     # ------------------------------------------------------------------ the round
     def step(self) -> list[TokenChunk]:
+        """One round. With `overlap`, one round of one of two groups while the other group drafts."""
         chunks: list[TokenChunk] = []
         while self._inbox:
             self.waiting.append(self._inbox.popleft())
+        deferred = []
         while self._aborts:
-            chunks.extend(self._abort_now(self._aborts.popleft()))
+            rid = self._aborts.popleft()
+            if rid in self._in_flight_ids:
+                deferred.append(rid)  # its blocks are being written by the drafter: abort after that
+            else:
+                chunks.extend(self._abort_now(rid))
+        self._aborts.extend(deferred)
         self._admit()
         if not self.running:
             return chunks
         round_start = time.perf_counter()
-        plans = [self._plan(state) for state in self.running]
-        plans = self._reserve(plans)
+        if self.config.overlap:
+            plans, draft_seconds = self._overlapped_prepare()
+        else:
+            plans = self._reserve([self._plan(state) for state in self.running], may_preempt=True)
+            draft_seconds = self._propose(plans)
         if not plans:
             return chunks
-        draft_seconds = self._propose(plans)
         verify_result = self._verify(plans)
         reconcile_start = time.perf_counter()
         chunks.extend(self._accept_and_commit(plans, verify_result.outputs))
@@ -181,6 +196,35 @@ class SpecEngine:
         self.totals["round_seconds"] += time.perf_counter() - round_start
         return chunks
 
+    # ------------------------------------------------------------------ overlap (two groups, ping-pong)
+    #   step t   : verify(group A) on this thread  ||  plan+reserve+propose(group B) on the draft thread
+    #   step t+1 : verify(group B)                 ||  plan+reserve+propose(group A)
+    def _prepare(self, states: list[RequestState]) -> tuple[list[_Round], float]:
+        plans = self._reserve([self._plan(s) for s in states], may_preempt=False)
+        return plans, self._propose(plans)
+
+    def _overlapped_prepare(self) -> tuple[list[_Round], float]:
+        turn = self._turn
+        self._turn ^= 1
+        mine = [s for s in self.running if s.group == turn]
+        others = [s for s in self.running if s.group != turn]
+        future = self._in_flight.pop(turn, None)
+        if future is not None:
+            plans, draft_seconds = future.result()
+            self._in_flight_ids.difference_update(p.state.request_id for p in plans)
+            plans = [p for p in plans if p.state in self.running]
+        elif mine:
+            plans, draft_seconds = self._prepare(mine)
+        else:
+            plans, draft_seconds = [], 0.0
+        if others and (1 - turn) not in self._in_flight:
+            self._in_flight_ids.update(s.request_id for s in others)
+            self._in_flight[1 - turn] = self._draft_pool.submit(self._prepare, others)
+        idle = [s for s in self.running if s.request_id not in self._in_flight_ids]
+        if not plans and not self._in_flight and idle:
+            self._preempt(idle[-1])
+        return plans, draft_seconds
+
     def _admit(self) -> None:
         cfg = self.config
         while self.waiting and len(self.running) < cfg.max_batch:
@@ -192,6 +236,8 @@ class SpecEngine:
             self.waiting.popleft()
             state.target_cached = admission.num_cached_tokens
             state.admitted = True
+            sizes = [sum(1 for r in self.running if r.group == g) for g in (0, 1)]
+            state.group = 0 if sizes[0] <= sizes[1] else 1
             self.running.append(state)
             log.debug("admitted %s (%d prompt tokens, %d cached)", state.request_id, state.prompt_len,
                       state.target_cached)
@@ -260,7 +306,7 @@ class SpecEngine:
         state.record_k(k, reason)
         return plan
 
-    def _reserve(self, plans: list[_Round]) -> list[_Round]:
+    def _reserve(self, plans: list[_Round], may_preempt: bool) -> list[_Round]:
         cfg = self.config
         items = [ReserveItem(cfg.target_namespace, p.state.request_id, len(p.target_pending) + p.k, self.verifier_holder)
                  for p in plans]
@@ -286,7 +332,7 @@ class SpecEngine:
                 else:
                     plan.draft_grant = draft  # type: ignore[attr-defined]
             kept.append(plan)
-        if not kept and self.running:
+        if not kept and plans and may_preempt:
             self._preempt(self.running[-1])
         return kept
 
@@ -401,9 +447,12 @@ class SpecEngine:
                 self._forget(s.request_id)
             chunks.append(chunk)
         results = self.kv.commit(commits)
-        for res in results:
-            if isinstance(res, KVError):
+        for item, res in zip(commits, results, strict=True):
+            if not isinstance(res, KVError):
+                continue
+            if item.namespace == cfg.target_namespace:
                 raise res
+            log.warning("draft commit refused for %s (%s); the drafter re-prefills it", item.request_id, res)
         return chunks
 
     def _abort_now(self, request_id: str) -> list[TokenChunk]:
@@ -447,6 +496,10 @@ class SpecEngine:
             "fallback_events": list(self.fallback_events),
             "kv_free_fraction": self.kv.free_fraction(self.config.target_namespace),
         }
+
+    def close(self) -> None:
+        """Stop the draft thread (after its in-flight work)."""
+        self._draft_pool.shutdown(wait=True)
 
     def run_to_completion(self) -> dict[str, list[TokenChunk]]:
         """Drive `step` until every submitted request has finished (in-process use)."""

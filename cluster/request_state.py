@@ -93,6 +93,7 @@ class RequestState:
     policy_events: list[PolicyEvent] = field(default_factory=list)
     admitted: bool = False
     draft_admitted: bool = False
+    group: int = 0  # overlap group (0 or 1)
 
     @property
     def request_id(self) -> str:

@@ -4,18 +4,26 @@ Graph: scheduler -> KVManagerClient -> KVManagerActor (Ray, async) -> BlockLedge
 The ledger owns block ids, ref counts and block states; the workers own the tensors
 ([num_blocks, block_size, kv_heads, head_dim] per layer) and only follow the slot mappings.
 
-How the engine uses it, per (namespace, request):
+How the engine uses it, per (namespace, request); the actor's client has the same calls, async and
+batched (add_requests / reserve / commit / rollback / release take lists):
 
     holder = ledger.register_worker("verifier-0")                  # Holder(worker_id, epoch)
-    adm = ledger.add_request(ns, rid, prompt_token_ids, holder)    # adm.num_cached_tokens: prefix hit
+    if ledger.can_admit({ns: len(prompt) + k + 1}):                 # plan maximum; ExceedsCapacity: never
+        adm = ledger.add_request(ns, rid, prompt_token_ids, holder) # adm.num_cached_tokens: prefix hit
     # every round, one batch call each (<= 2 RPCs per round through the actor):
-    res = ledger.reserve([ReserveItem(ns, rid, num_new_slots, holder), ...])    # Reservation | KVError
+    res = ledger.reserve([ReserveItem(ns, rid, num_new_slots, holder), ...])  # Reservation | KVError each
+    #   atomic=True: the whole batch or nothing (raises the first refusal)
     #   prefill round: num_new_slots = len(prompt) - committed_len; decode round: k + 1 (or tree nodes)
     #   worker: run res.copy_on_write (src_block -> dst_block) first, then write KV at res.slot_mapping
     out = ledger.commit([CommitItem(ns, rid, accepted_len, token_ids, holder), ...])
     #   token_ids: the tokens of the accepted positions; the correction/bonus token is the next
-    #   round's first input and gets its KV then
-    ledger.release(ns, rid)                      # or CommitItem(..., finished=True)
+    #   round's first input and gets its KV then; trees: accepted_path -> out.slot_moves to run
+    #   attention reads res.block_table / out.block_table, always the latest one: a block filled with
+    #   content identical to an indexed block is swapped for that shared block at commit
+    ledger.release(ns, rid)                      # or CommitItem(..., finished=True); cancel: rollback/release
+    ledger.fork(ns, rid, child_rid)              # n samples of one prompt
+    ledger.block_table(ns, rid), ledger.committed_len(ns, rid), ledger.free_fraction(ns)
+    ledger.audit().leaked_blocks, ledger.assert_no_leaks()
 
 Slot layout (block_size 4; slot = block_id * block_size + offset; c committed, r reserved):
 

@@ -17,10 +17,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kv_manager.block_pool import BlockPool
+from kv_manager.request_state import RequestState, cdiv
 from kv_manager.schema import AuditReport, BlockState, NamespaceCounts
 
 if TYPE_CHECKING:
-    from kv_manager.ledger import RequestState, WorkerEpoch
+    from kv_manager.ledger import WorkerEpoch
 
 
 def audit_ledger(
@@ -85,7 +86,7 @@ def _check_tables(
         if len(set(table)) != len(table):
             errors.append(f"{name}/{request_id}: block table {table} holds a block twice")
         num_positions = state.committed_len + state.reserved_len
-        if len(table) != -(-num_positions // bs):
+        if len(table) != cdiv(num_positions, bs):
             errors.append(f"{name}/{request_id}: {len(table)} blocks for {num_positions} positions")
         for index, block_id in enumerate(table):
             holders[block_id] += 1

@@ -18,7 +18,8 @@ import statistics
 import time
 from typing import Any
 
-from kv_manager.ledger import BlockLedger, cdiv
+from kv_manager.ledger import BlockLedger
+from kv_manager.request_state import cdiv
 from kv_manager.schema import AdmitItem, CommitItem, NamespaceConfig, ReserveItem
 
 NAMESPACE = "verifier/target"

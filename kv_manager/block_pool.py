@@ -111,6 +111,7 @@ class BlockPool:
                 del self.hash_to_block[block_hash]
                 block.block_hash = None
                 block.token_ids = ()
+                self.free_blocks.move_to_end(block_id, last=False)
 
     def _is_indexed(self, block: Block) -> bool:
         return block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block.block_id

@@ -10,16 +10,17 @@ Glossary:
   holder         (worker, epoch) holding a request's blocks; a dead epoch's grants are rolled back
 
 Every public mutation checks first and acts after: a call that raises a `KVError` changed nothing.
+One owner, one thread: the ledger is not locked; the actor (kv_manager.actor) serializes callers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kv_manager.audit import audit_ledger, snapshot_ledger
-from kv_manager.block_pool import ROOT_HASH, Block, BlockPool, hash_block
+from kv_manager.block_pool import BlockPool
 from kv_manager.errors import (
     DuplicateRequest,
     ExceedsCapacity,
@@ -32,10 +33,22 @@ from kv_manager.errors import (
     UnknownNamespace,
     UnknownRequest,
 )
+from kv_manager.request_state import (
+    RequestState,
+    cdiv,
+    grow,
+    index_full_blocks,
+    mark_committed,
+    match_prefix,
+    needs_copy,
+    release_blocks,
+    slot_mapping,
+    slot_of,
+    truncate,
+)
 from kv_manager.schema import (
     Admission,
     AuditReport,
-    BlockState,
     CommitItem,
     CommitResult,
     Holder,
@@ -43,21 +56,6 @@ from kv_manager.schema import (
     Reservation,
     ReserveItem,
 )
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(slots=True)
-class RequestState:
-    request_id: str
-    holder: Holder
-    block_table: list[int] = field(default_factory=list)
-    committed_len: int = 0
-    reserved_len: int = 0
-    block_hashes: list[int] = field(default_factory=list)  # one per full committed block
-    partial_token_ids: list[int] = field(default_factory=list)  # tokens of the partial last block
 
 
 @dataclass(slots=True)
@@ -167,22 +165,11 @@ class BlockLedger:
             )
         state = RequestState(request_id, holder)
         if pool.config.prefix_caching:
-            bs = pool.block_size
-            hits: list[Block] = []
-            parent = ROOT_HASH
-            for index in range((prompt_len - 1) // bs):
-                chunk = tuple(prompt_token_ids[index * bs : (index + 1) * bs])
-                block_hash = hash_block(parent, chunk)
-                block = pool.lookup(block_hash, chunk)
-                if block is None:
-                    break
-                hits.append(block)
-                state.block_hashes.append(block_hash)
-                parent = block_hash
+            hits, state.block_hashes = match_prefix(pool, prompt_token_ids)
             for block in hits:
                 pool.take_shared(block)
                 state.block_table.append(block.block_id)
-            state.committed_len = len(hits) * bs
+            state.committed_len = len(hits) * pool.block_size
         pool.writers.add(holder.worker_id)
         self.requests[namespace][request_id] = state
         return Admission(namespace, request_id, state.committed_len, tuple(state.block_table))
@@ -256,26 +243,19 @@ class BlockLedger:
 
     def commit_one(self, item: CommitItem) -> CommitResult:
         pool, state = self._check_commit(item)
-        bs = pool.block_size
         start = state.committed_len
         slot_moves: tuple[tuple[int, int], ...] = ()
         if item.accepted_path is not None:
             slot_moves = tuple(
-                (self._slot(pool, state, start + src), self._slot(pool, state, start + dst))
+                (slot_of(pool, state, start + src), slot_of(pool, state, start + dst))
                 for dst, src in enumerate(item.accepted_path)
                 if src != dst
             )
-        new_len = start + item.accepted_len
-        num_freed = self._truncate(pool, state, new_len)
+        num_freed = truncate(pool, state, start + item.accepted_len)
         if item.accepted_len:
-            for index in range(start // bs, len(state.block_table)):
-                block = pool.blocks[state.block_table[index]]
-                assert block.ref_count == 1 and block.state is not BlockState.FREE, block
-                block.committed_slots = min(bs, new_len - index * bs)
-                block.state = BlockState.COMMITTED
-            state.committed_len = new_len
+            mark_committed(pool, state, start + item.accepted_len)
             if pool.config.prefix_caching:
-                num_freed += self._index_full_blocks(pool, state, item.token_ids)
+                num_freed += index_full_blocks(pool, state, item.token_ids)
         result = CommitResult(
             item.namespace, item.request_id, state.committed_len, tuple(state.block_table), slot_moves, num_freed
         )
@@ -286,7 +266,7 @@ class BlockLedger:
     def rollback(self, namespace: str, request_id: str, holder: Holder | None = None) -> int:
         """Return the in-flight reservation (if any); returns the number of blocks freed."""
         pool, state = self._lookup(namespace, request_id, holder)
-        return self._truncate(pool, state, state.committed_len)
+        return truncate(pool, state, state.committed_len)
 
     def release(self, namespace: str, request_id: str, holder: Holder | None = None) -> int:
         """End a request: drop its reservation and its holds; returns the number of blocks freed."""
@@ -368,8 +348,8 @@ class BlockLedger:
             )
         table = state.block_table
         assert len(table) == cdiv(start, bs), (len(table), start)
-        copy_on_write = start % bs != 0 and pool.blocks[table[-1]].ref_count > 1
-        plan = _ReservePlan(pool, state, item.num_new_slots, total_blocks - len(table), copy_on_write)
+        # in an atomic batch of fork siblings this may count a copy that a sibling's copy makes needless
+        plan = _ReservePlan(pool, state, item.num_new_slots, total_blocks - len(table), needs_copy(pool, state))
         if plan.blocks_needed + blocks_promised > pool.num_free:
             raise OutOfBlocks(
                 f"needs {plan.blocks_needed} blocks, {pool.num_free - blocks_promised} free",
@@ -380,32 +360,13 @@ class BlockLedger:
 
     def _apply_reserve(self, plan: _ReservePlan) -> Reservation:
         pool, state = plan.pool, plan.state
-        table = state.block_table
-        copies: tuple[tuple[int, int], ...] = ()
-        if plan.copy_on_write:
-            source = pool.blocks[table[-1]]
-            assert source.state is BlockState.COMMITTED, source
-            copy = pool.allocate()
-            copy.state = BlockState.COMMITTED
-            copy.committed_slots = source.committed_slots
-            pool.decref(source)
-            table[-1] = copy.block_id
-            copies = ((source.block_id, copy.block_id),)
-        for _ in range(plan.num_new_blocks):
-            table.append(pool.allocate().block_id)
-        bs = pool.block_size
+        copies = grow(pool, state, plan.num_new_blocks)
         start = state.committed_len
-        end = start + plan.num_new_slots
-        slot_mapping: list[int] = []
-        position = start
-        while position < end:
-            offset = position % bs
-            take = min(bs - offset, end - position)
-            first = table[position // bs] * bs + offset
-            slot_mapping.extend(range(first, first + take))
-            position += take
+        slots = slot_mapping(pool, state, start, start + plan.num_new_slots)
         state.reserved_len = plan.num_new_slots
-        return Reservation(pool.name, state.request_id, start, tuple(slot_mapping), tuple(table), copies, bs)
+        return Reservation(
+            pool.name, state.request_id, start, tuple(slots), tuple(state.block_table), copies, pool.block_size
+        )
 
     def _check_commit(self, item: CommitItem) -> tuple[BlockPool, RequestState]:
         pool, state = self._lookup(item.namespace, item.request_id, item.holder)
@@ -428,49 +389,7 @@ class BlockLedger:
                 raise InvalidCommit(f"accepted_path {list(path)} is not increasing within the reservation", **where)
         return pool, state
 
-    def _slot(self, pool: BlockPool, state: RequestState, position: int) -> int:
-        bs = pool.block_size
-        return state.block_table[position // bs] * bs + position % bs
-
-    def _truncate(self, pool: BlockPool, state: RequestState, keep_len: int) -> int:
-        """Free the blocks past `keep_len` positions (all reserved-only, held by this request alone)."""
-        keep_blocks = cdiv(keep_len, pool.block_size)
-        table = state.block_table
-        for block_id in reversed(table[keep_blocks:]):
-            block = pool.blocks[block_id]
-            assert block.ref_count == 1 and block.state is BlockState.RESERVED, block
-            pool.decref(block)
-        num_freed = len(table) - keep_blocks
-        del table[keep_blocks:]
-        state.reserved_len = 0
-        return num_freed
-
-    def _index_full_blocks(self, pool: BlockPool, state: RequestState, token_ids: Sequence[int]) -> int:
-        """Hash the blocks this commit filled; one identical to an indexed block is swapped for it."""
-        bs = pool.block_size
-        tokens = state.partial_token_ids + list(token_ids)
-        num_full = len(tokens) // bs
-        num_freed = 0
-        for chunk_index in range(num_full):
-            chunk = tuple(tokens[chunk_index * bs : (chunk_index + 1) * bs])
-            index = len(state.block_hashes)
-            block_hash = hash_block(state.block_hashes[-1] if index else ROOT_HASH, chunk)
-            state.block_hashes.append(block_hash)
-            block = pool.blocks[state.block_table[index]]
-            twin = pool.lookup(block_hash, chunk)
-            if twin is None:
-                pool.register_full(block, block_hash, chunk)
-            elif twin is not block:
-                pool.take_shared(twin)
-                state.block_table[index] = twin.block_id
-                num_freed += pool.decref(block, keep_content=False)
-        state.partial_token_ids = tokens[num_full * bs :]
-        return num_freed
-
     def _drop(self, pool: BlockPool, state: RequestState, *, keep_content: bool) -> int:
-        num_freed = 0
-        for block_id in reversed(state.block_table):
-            num_freed += pool.decref(pool.blocks[block_id], keep_content=keep_content)
-        state.block_table.clear()
+        num_freed = release_blocks(pool, state, keep_content=keep_content)
         del self.requests[pool.name][state.request_id]
         return num_freed

@@ -31,3 +31,29 @@ def test_greedy_equals_plain_decoding_batched(pair: tuple[Path, Path], draft: st
     for i, p in enumerate(prompts):
         assert got[f"r{i}"] == plain_greedy(target, p, 20 + i), f"request r{i}"
     engine.kv.audit().assert_no_leaks()
+
+
+def test_overlap_two_groups_equals_plain_decoding(pair: tuple[Path, Path]) -> None:
+    """Drafting one group while verifying the other changes nothing in the output."""
+    target, draft_dir = pair
+    engine = build_local_engine(str(target), str(draft_dir),
+                                EngineOptions(max_batch=6, block_size=4, num_blocks=256), tokenizer=None)
+    engine.config.overlap = True
+    prompts = [[3, 4, 5, 3], [10, 11], [20, 21, 22, 23, 24], [7], [9, 9, 9], [30, 31, 32]]
+    reqs = [request(f"r{i}", p, max_tokens=14 + i, k=1 + i % 3, draft="model", ignore_eos=True)
+            for i, p in enumerate(prompts)]
+    for r in reqs[:3]:
+        engine.submit(r)
+    early = engine.step() + engine.step()
+    for r in reqs[3:]:  # join between rounds, while a group's drafts are in flight
+        engine.submit(r)
+    engine.abort("r1")
+    chunks = engine.run_to_completion()
+    engine.close()
+    for i, p in enumerate(prompts):
+        tokens = [t for c in early + chunks[f"r{i}"] if c.request_id == f"r{i}" for t in c.token_ids]
+        if i == 1:
+            assert chunks["r1"][-1].finish_reason == "abort"
+            continue
+        assert tokens == plain_greedy(target, p, 14 + i), f"request r{i}"
+    engine.kv.audit().assert_no_leaks()

@@ -11,6 +11,7 @@ from collections import Counter
 from types import ModuleType
 
 import pytest
+from ray.exceptions import RayActorError
 
 from kv_manager import (
     Admission,
@@ -145,6 +146,7 @@ def test_restart_empties_the_ledger_and_in_flight_rounds_get_a_retriable_error(r
         await client.reserve([ReserveItem(TARGET, "r", 3, holder)])  # a round in flight
 
         ray_session.kill(client.handle, no_restart=False)  # a crash: Ray restarts the actor
+        await _wait_for_restart(client, first)
         with pytest.raises(RetriableKVError):
             await client.commit([CommitItem(TARGET, "r", 2, [10, 11], holder)])
         with pytest.raises(RetriableKVError):  # every call stays void until the client reconnects
@@ -171,6 +173,18 @@ def test_restart_empties_the_ledger_and_in_flight_rounds_get_a_retriable_error(r
         asyncio.run(scenario())
     finally:
         ray_session.kill(client.handle, no_restart=True)
+
+
+async def _wait_for_restart(client: KVManagerClient, old_incarnation: str) -> None:
+    """Poll the raw handle (not the client, which keeps its old incarnation) until a new instance answers."""
+    for _ in range(300):
+        try:
+            if await client.handle.incarnation.remote() != old_incarnation:
+                return
+        except RayActorError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError("the kv manager actor did not restart")
 
 
 def test_a_dead_actor_gives_a_retriable_error(ray_session: ModuleType) -> None:

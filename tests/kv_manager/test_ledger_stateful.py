@@ -303,5 +303,5 @@ class KVLedgerMachine(RuleBasedStateMachine):
 
 TestKVLedgerStateMachine = KVLedgerMachine.TestCase
 TestKVLedgerStateMachine.settings = settings(
-    max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kv_manager import BlockLedger, Holder
+from kv_manager import BlockLedger, Holder, Reservation, ReserveItem
 from tests.kv_manager.kv_helpers import (
     DRAFT,
     TARGET,
@@ -119,3 +119,16 @@ def test_prefix_sharing_off_and_across_namespaces(ledger: BlockLedger, holder: H
     assert ledger.add_request(TARGET, "r1", PROMPT, holder).num_cached_tokens == 0  # no cross-namespace hits
     ledger.release(DRAFT, "r1")
     assert ledger.audit().counts[DRAFT].cached == 0
+
+
+def test_atomic_batch_of_fork_siblings_copies_only_once(ledger: BlockLedger, holder: Holder) -> None:
+    prefill(ledger, TARGET, "parent", [1, 2, 3, 4, 5, 6], holder)
+    ledger.fork(TARGET, "parent", "child")
+    parent_grant, child_grant = ledger.reserve(
+        [ReserveItem(TARGET, "parent", 1, holder), ReserveItem(TARGET, "child", 1, holder)], atomic=True
+    )
+    assert isinstance(parent_grant, Reservation) and isinstance(child_grant, Reservation)
+    assert (parent_grant.copy_on_write, parent_grant.block_table, parent_grant.slot_mapping) == (((1, 2),), (0, 2), (10,))
+    # the parent's copy left block 1 to the child alone: it writes in place
+    assert (child_grant.copy_on_write, child_grant.block_table, child_grant.slot_mapping) == ((), (0, 1), (6,))
+    assert ref_counts(ledger, [0, 1, 2]) == [2, 1, 1]
