@@ -1,0 +1,71 @@
+"""Auto speculation policy: picks the k that maximises expected tokens per second, falls back to plain
+decoding when speculation does not pay, probes again later, and shrinks k under memory pressure."""
+
+from __future__ import annotations
+
+from cluster.spec_policy import CostModel, blended_survival, choose_k
+from verifier_service.acceptance_stats import AcceptanceStats
+
+
+def stats_with(survival_per_round: list[int], proposed: int, rounds: int) -> AcceptanceStats:
+    stats = AcceptanceStats()
+    for accepted in survival_per_round * rounds:
+        stats.record(accepted, proposed, "greedy")
+    return stats
+
+
+def cost(draft: float, verify: dict[int, float]) -> CostModel:
+    model = CostModel()
+    model.draft_token = draft
+    model.verify_by_tokens = dict(verify)
+    return model
+
+
+def choose(own: AcceptanceStats, c: CostModel, **kw) -> tuple[int, str]:
+    args = dict(k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16, free_fraction=1.0,
+                pressure_free_fraction=0.1)
+    args.update(kw)
+    d = choose_k(own, AcceptanceStats(), c, **args)
+    return d.k, d.reason
+
+
+def test_cheap_draft_and_high_acceptance_speculates_deep() -> None:
+    own = stats_with([4], proposed=4, rounds=50)  # every draft accepted
+    k, reason = choose(own, cost(0.01, {1: 0.30, 2: 0.31, 3: 0.32, 4: 0.33, 5: 0.34}))
+    assert k == 4 and reason == "cost model"
+
+
+def test_expensive_draft_or_low_acceptance_falls_back_to_plain_decoding() -> None:
+    own = stats_with([0], proposed=4, rounds=50)  # nothing ever accepted
+    k, reason = choose(own, cost(0.10, {1: 0.30, 2: 0.45, 3: 0.50, 4: 0.55, 5: 0.60}))
+    assert k == 0 and reason.startswith("fallback")
+
+
+def test_plain_decoding_is_probed_again_later() -> None:
+    own = stats_with([0], proposed=4, rounds=50)
+    k, reason = choose(own, cost(0.10, {1: 0.30, 5: 0.60}), rounds_at_zero=16)
+    assert k == 1 and reason.startswith("probe")
+
+
+def test_memory_pressure_caps_k() -> None:
+    own = stats_with([4], proposed=4, rounds=50)
+    k, reason = choose(own, cost(0.01, {1: 0.30, 5: 0.34}), free_fraction=0.05)
+    assert k == 1 and "memory pressure" in reason
+
+
+def test_warm_up_before_measurements() -> None:
+    k, reason = choose(AcceptanceStats(), CostModel())
+    assert k == 2 and reason.startswith("warm-up")
+
+
+def test_survival_is_per_position_and_monotone() -> None:
+    own = stats_with([1, 3], proposed=3, rounds=100)  # position 1 always, 2 and 3 half of the time
+    s = blended_survival(own, AcceptanceStats(), 3)
+    assert s[0] > 0.95 and 0.4 < s[1] < 0.6 and 0.4 < s[2] < 0.6
+    assert s[0] >= s[1] >= s[2]
+
+
+def test_cost_model_interpolates_verify_time() -> None:
+    c = cost(0.01, {1: 0.3, 5: 0.7})
+    assert abs(c.verify_time(3) - 0.5) < 1e-9
+    assert c.verify_time(9) == 0.7
