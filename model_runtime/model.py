@@ -125,7 +125,8 @@ class CausalLM:
                 v_seq = torch.cat([v_pool[blocks].view(-1, hkv, d)[:seq.past_len], v_seq])
             attn = F.scaled_dot_product_attention(
                 q[start:start + n].transpose(0, 1), k_seq.transpose(0, 1), v_seq.transpose(0, 1),
-                attn_mask=mask.to(x.device), enable_gqa=hq != hkv,
+                attn_mask=None if n == 1 else mask.to(x.device),  # one new token sees everything
+                is_causal=False, enable_gqa=hq != hkv,
             )
             out[start:start + n] = attn.transpose(0, 1)
         return self._all_reduce(F.linear(out.view(tokens, hq * d), lw.o))

@@ -1,0 +1,1 @@
+"""Kubernetes/KubeRay deployment of specserve (manifests + the Serve application builder they name)."""
