@@ -54,13 +54,16 @@ class ClusterConfig(BaseModel):
     verifier_replicas: int = Field(1, ge=1, le=1, description="target KV pool lives in the replica")
     tensor_parallel_size: int = Field(1, ge=1, le=8, description="verifier TP ranks (gloo on CPU)")
     worker_threads: int = Field(0, ge=0, le=256, description="torch threads per worker; 0 = torch default")
+    gpus_per_worker: float = Field(1.0, gt=0, le=1, description="CUDA only: GPUs per drafter replica and per "
+                                   "verifier TP rank (0.5 lets a drafter share a TP=1 verifier's GPU)")
 
     # KV memory and admission
     kv_blocks: int = Field(1024, ge=8, le=1 << 22, description="blocks per KV pool (target and draft)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     queue_capacity: int = Field(256, ge=1, le=100_000, description="requests admitted (waiting+running)")
     max_batch: int = Field(16, ge=1, le=4096, description="requests per engine round")
-    engine_options: dict[str, Any] = Field(default_factory=dict, description="extra SpecEngine options")
+    max_context: int = Field(2048, ge=16, le=1 << 20, description="prompt + max_tokens limit (capped by the model)")
+    engine_options: dict[str, Any] = Field(default_factory=dict, description="extra EngineConfig fields, e.g. k_max")
 
     # Serve health checks and graceful shutdown (applied to every deployment)
     health_check_period_s: float = Field(10.0, gt=0, le=3600)
@@ -70,7 +73,9 @@ class ClusterConfig(BaseModel):
     request_timeout_s: float | None = Field(None, gt=0, description="end-to-end limit per request")
 
     # network
-    host: str = Field("127.0.0.1", description="address the gRPC and HTTP proxies bind")
+    # The HTTP proxy binds `host`; Serve 2.60's gRPC proxy always binds [::]:grpc_port (not configurable),
+    # so a loopback-only deployment needs a loopback-only network (scripts/in-netns.sh) or a firewall.
+    host: str = Field("127.0.0.1", description="address the HTTP proxy binds and the printed addresses use")
     grpc_port: int = Field(9000, ge=1, le=65535)
     http_port: int = Field(8000, ge=1, le=65535)
     dashboard_port: int = Field(8265, ge=1, le=65535)
@@ -89,6 +94,27 @@ class ClusterConfig(BaseModel):
     def _known_draft(cls, value: str) -> str:
         return value if value == NGRAM_DRAFT else _check_model_name(value)
 
+    @field_validator("engine_options")
+    @classmethod
+    def _known_engine_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        import dataclasses
+
+        from cluster.engine import EngineConfig
+
+        first_class = {"max_batch", "max_waiting", "max_context"}  # set through this config's own fields
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - first_class
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value != "cpu" and not value.startswith("cuda"):
+            raise ValueError(f"must be 'cpu' or 'cuda' (one GPU per worker, assigned by Ray), got {value!r}")
+        return value
+
     @field_validator("host")
     @classmethod
     def _nonempty_host(cls, value: str) -> str:
@@ -104,6 +130,10 @@ class ClusterConfig(BaseModel):
         if self.max_batch > self.queue_capacity:
             raise ValueError(f"max_batch ({self.max_batch}) must be <= queue_capacity ({self.queue_capacity})")
         return self
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.device.startswith("cuda")
 
     @property
     def uses_draft_model(self) -> bool:

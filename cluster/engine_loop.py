@@ -132,6 +132,9 @@ class EngineLoop:
             for chunk in chunks:
                 self._deliver(chunk)
         self._fail_all(engine, RuntimeError("engine loop stopped"))
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()  # the engine's own threads (overlapped drafting)
         while True:  # commands that arrived after the stop
             try:
                 item = self._commands.get_nowait()
@@ -159,8 +162,14 @@ class EngineLoop:
 
     def _deliver(self, chunk: TokenChunk) -> None:
         sink = self._sinks.pop(chunk.request_id, None) if chunk.finished else self._sinks.get(chunk.request_id)
-        if sink is not None:
+        if sink is None:
+            return
+        try:
             sink(chunk)
+        except Exception:  # the consumer is gone (e.g. its event loop closed): stop the request
+            logger.exception("chunk sink of %s failed; aborting it", chunk.request_id)
+            if self._sinks.pop(chunk.request_id, None) is not None:
+                self._engine.abort(chunk.request_id)
 
     def _fail_all(self, engine: Engine, exc: BaseException) -> None:
         sinks, self._sinks = self._sinks, {}
@@ -169,4 +178,8 @@ class EngineLoop:
                 engine.abort(request_id)
             except Exception:
                 logger.exception("abort of %s after a failed round failed", request_id)
-            sink(TokenChunk(request_id, [], finish_reason="error", stats={"error": f"{type(exc).__name__}: {exc}"}))
+            try:
+                sink(TokenChunk(request_id, [], finish_reason="error",
+                                stats={"error": f"{type(exc).__name__}: {exc}"}))
+            except Exception:
+                logger.exception("chunk sink of %s failed", request_id)

@@ -115,39 +115,51 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:16]}"
 
 
-def check_model(requested: str, served: str) -> None:
-    if requested and requested != served:
-        raise InvalidRequestError("model", f"unknown model {requested!r}; this server serves {served!r}")
+@dataclass(frozen=True)
+class ServerDefaults:
+    """What an unset request field means on this server."""
+
+    model: str  # the served target
+    draft: str = "model"  # SpecParams.draft for requests that name none: "model", or "ngram" without a draft model
+
+    def check_model(self, requested: str) -> None:
+        if requested and requested != self.model:
+            raise InvalidRequestError("model", f"unknown model {requested!r}; this server serves {self.model!r}")
+
+    @staticmethod
+    def contract(temperature: float) -> str:
+        """Unset contract: greedy at temperature 0, exact otherwise (as `specserve generate`)."""
+        return "greedy" if temperature == 0 else "exact"
 
 
-def args_from_proto(request: pb.GenerateRequest, served_model: str) -> GenerateArgs:
+def args_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) -> GenerateArgs:
     """Validate a gRPC GenerateRequest; raises InvalidRequestError naming the field."""
-    check_model(request.model, served_model)
+    defaults.check_model(request.model)
 
     def opt(name: str, default: float | int | None) -> float | int | None:
         return getattr(request, name) if request.HasField(name) else default
 
-    defaults = SamplingParams()
-    max_tokens = int(opt("max_tokens", defaults.max_tokens))
+    base = SamplingParams()
+    max_tokens = int(opt("max_tokens", base.max_tokens))
     if not (1 <= max_tokens <= MAX_TOKENS_LIMIT):  # before the int32 reaches anything else
         raise InvalidRequestError("max_tokens", f"must be in [1, {MAX_TOKENS_LIMIT}], got {max_tokens}")
     sampling = SamplingParams(
-        temperature=float(opt("temperature", defaults.temperature)),
-        top_k=int(opt("top_k", defaults.top_k)),
-        top_p=float(opt("top_p", defaults.top_p)),
-        min_p=float(opt("min_p", defaults.min_p)),
-        repetition_penalty=float(opt("repetition_penalty", defaults.repetition_penalty)),
-        presence_penalty=float(opt("presence_penalty", defaults.presence_penalty)),
-        frequency_penalty=float(opt("frequency_penalty", defaults.frequency_penalty)),
+        temperature=float(opt("temperature", base.temperature)),
+        top_k=int(opt("top_k", base.top_k)),
+        top_p=float(opt("top_p", base.top_p)),
+        min_p=float(opt("min_p", base.min_p)),
+        repetition_penalty=float(opt("repetition_penalty", base.repetition_penalty)),
+        presence_penalty=float(opt("presence_penalty", base.presence_penalty)),
+        frequency_penalty=float(opt("frequency_penalty", base.frequency_penalty)),
         seed=opt("seed", None),
         max_tokens=max_tokens,
         stop=tuple(request.stop),
         ignore_eos=request.ignore_eos,
     )
     spec = SpecParams(
-        contract=request.contract or SpecParams.contract,
+        contract=request.contract or defaults.contract(sampling.temperature),
         k=opt("k", None),
-        draft=request.draft or SpecParams.draft,
+        draft=request.draft or defaults.draft,
     )
     which = request.WhichOneof("prompt")
     messages = tuple((m.role, m.content) for m in request.messages)

@@ -38,11 +38,11 @@ def encode_prompt(tokenizer: Any, args: GenerateArgs) -> tuple[int, ...]:
         if max(args.prompt_token_ids) >= vocab_size:
             raise InvalidRequestError("prompt", f"token ids must be < vocabulary size {vocab_size}")
         return args.prompt_token_ids
-    if args.chat:
+    if args.chat:  # the same calls as `specserve generate --chat`
         messages = [{"role": role, "content": content} for role, content in args.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tuple(tokenizer.encode(text, add_special_tokens=False))
-    return tuple(tokenizer.encode(args.prompt_text))
+        return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False))
+    return tuple(tokenizer(args.prompt_text)["input_ids"])
 
 
 def completion_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -56,7 +56,7 @@ class Scheduler:
     def __init__(self, config: ClusterConfig, drafter: Any, verifier: Any,
                  engine_builder: EngineBuilder | None = None) -> None:
         if engine_builder is None:
-            from cluster.app import build_cluster_engine as engine_builder
+            from cluster.remote_engine import build_cluster_engine as engine_builder
         self._config = config
         self._loop = EngineLoop(lambda: engine_builder(config, drafter, verifier))
         self._live = 0  # admitted completions not yet finished or aborted
@@ -124,13 +124,19 @@ class Scheduler:
                 self._loop.abort(engine_id)
 
     async def stats(self) -> dict:
-        engine_stats = await self._loop.acall(lambda engine: engine.stats())
+        engine_stats, audit = await self._loop.acall(lambda engine: (engine.stats(), engine.kv.audit()))
         return {
+            "kv": {"counts": {ns: dataclasses.asdict(c) for ns, c in audit.counts.items()},
+                   "leaked_blocks": len(audit.leaked_blocks), "errors": list(audit.errors)},
             "scheduler": {**self._counters, "live": self._live, "rounds": self._loop.rounds,
                           "failed_rounds": self._loop.failed_rounds,
                           "uptime_s": round(time.time() - self._started_at, 3)},
             "engine": engine_stats,
         }
+
+    async def audit(self) -> Any:
+        """The KV ledger's audit (kv_manager.schema.AuditReport): counts per namespace, leaked blocks."""
+        return await self._loop.acall(lambda engine: engine.kv.audit())
 
     async def health(self) -> tuple[bool, str]:
         if not self._loop.healthy:

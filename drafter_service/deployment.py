@@ -28,6 +28,7 @@ class Drafter:
         if worker_threads > 0:
             torch.set_num_threads(worker_threads)
         checkpoint = prepare_model(model, progress=False)
+        device = "cuda:0" if device.startswith("cuda") else device  # Ray shows only the assigned GPU
         self.worker = DraftWorker(LocalRunner(str(checkpoint), num_blocks, block_size, device))
         self.model = model
         logger.info("drafter ready: %s, %d KV blocks of %d", model, num_blocks, block_size)

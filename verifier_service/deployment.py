@@ -31,11 +31,17 @@ RANK_CPUS = 1.0  # per TP rank bundle
 DRIVER_CPUS = 0.1  # the replica's own bundle when TP > 1
 
 
-def placement_bundles(tensor_parallel_size: int) -> list[dict[str, float]] | None:
+def worker_device(device: str) -> str:
+    """The torch device inside a worker: Ray makes the assigned GPU the only visible one (cuda:0)."""
+    return "cuda:0" if device.startswith("cuda") else device
+
+
+def placement_bundles(tensor_parallel_size: int, gpus_per_rank: float = 0.0) -> list[dict[str, float]] | None:
     """Serve placement-group bundles for the Verifier: None for TP = 1 (no group needed)."""
     if tensor_parallel_size == 1:
         return None
-    return [{"CPU": DRIVER_CPUS}] + [{"CPU": RANK_CPUS}] * tensor_parallel_size
+    rank = {"CPU": RANK_CPUS, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
+    return [{"CPU": DRIVER_CPUS}] + [rank] * tensor_parallel_size
 
 
 class TPRankActor:
@@ -72,7 +78,7 @@ class TPGroupRunner:
     """ForwardRunner over `world_size` rank actors in the replica's placement group."""
 
     def __init__(self, checkpoint_dir: str, world_size: int, num_blocks: int, block_size: int, device: str,
-                 worker_threads: int) -> None:
+                 worker_threads: int, gpus_per_rank: float = 0.0) -> None:
         from model_runtime.config import ModelConfig
 
         self.config = ModelConfig.from_dir(checkpoint_dir)
@@ -81,12 +87,13 @@ class TPGroupRunner:
         actor_cls = ray.remote(TPRankActor)
         self.ranks = []
         for rank in range(world_size):
-            options: dict[str, Any] = {"num_cpus": RANK_CPUS if group is not None else 0}
+            options: dict[str, Any] = {"num_cpus": RANK_CPUS if group is not None else 0, "num_gpus": gpus_per_rank}
             if group is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=1 + rank)
             self.ranks.append(actor_cls.options(**options).remote(rank, world_size, worker_threads))
         init_method = ray.get(self.ranks[0].rendezvous_address.remote())
-        ray.get([r.setup.remote(init_method, checkpoint_dir, num_blocks, block_size, device) for r in self.ranks])
+        ray.get([r.setup.remote(init_method, checkpoint_dir, num_blocks, block_size, worker_device(device))
+                 for r in self.ranks])
         logger.info("verifier TP group ready: %d ranks, rendezvous %s", world_size, init_method)
 
     def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -101,17 +108,17 @@ class TPGroupRunner:
 
 class Verifier:
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
-                 tensor_parallel_size: int = 1, worker_threads: int = 0) -> None:
+                 tensor_parallel_size: int = 1, worker_threads: int = 0, gpus_per_rank: float = 0.0) -> None:
         from model_runtime.prepare import prepare_model
 
         if worker_threads > 0:
             torch.set_num_threads(worker_threads)
         checkpoint = str(prepare_model(model, progress=False))
         if tensor_parallel_size == 1:
-            self.runner: Any = LocalRunner(checkpoint, num_blocks, block_size, device)
+            self.runner: Any = LocalRunner(checkpoint, num_blocks, block_size, worker_device(device))
         else:
             self.runner = TPGroupRunner(checkpoint, tensor_parallel_size, num_blocks, block_size, device,
-                                        worker_threads)
+                                        worker_threads, gpus_per_rank)
         self.worker = VerifierWorker(self.runner)
         self.tensor_parallel_size = tensor_parallel_size
         logger.info("verifier ready: %s, TP=%d, %d KV blocks of %d", model, tensor_parallel_size, num_blocks,

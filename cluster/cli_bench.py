@@ -1,0 +1,261 @@
+"""`specserve bench runtime | spec | kv`: benchmark figures, printed as tables and written as JSON.
+
+    bench runtime   forward-pass step times and multi-token scoring ratios, ours vs transformers
+                    (cluster/bench_runtime.py)
+    bench spec      speculative decoding end to end vs plain decoding and transformers' assisted
+                    generation, per prompt category (cluster/bench_spec.py); optional PNG plot
+    bench kv        the KV-block manager's own benchmark (kv_manager/bench.py, when present)
+
+Figures only, never timed assertions. Progress lines go to stderr, tables to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from cluster.cli_generate import parse_k
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="benchmarks: runtime | spec | kv (figures and JSON)")
+    benches = p.add_subparsers(dest="bench", required=True)
+
+    rt = benches.add_parser("runtime", help="decode step time, k-token scoring ratio, ours vs transformers")
+    rt.add_argument("--models", nargs="+", default=None, help="model names or HF dirs (default: every bundled model)")
+    rt.add_argument("--contexts", nargs="+", type=int, default=[128, 1024], help="past lengths (default 128 1024)")
+    rt.add_argument("--max-k", type=int, default=8, help="score n = 1..MAX_K new tokens (default 8)")
+    rt.add_argument("--repeats", type=int, default=5, help="timed rounds; medians are reported (default 5)")
+    rt.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+    rt.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    _common(rt)
+    rt.set_defaults(_bench_run=_run_runtime)
+
+    sp = benches.add_parser("spec", help="speculative decoding vs plain decoding and transformers, per category")
+    sp.add_argument("--model", default=None, help="target (default qwen2.5-coder-1.5b)")
+    sp.add_argument("--draft", default=None, help="draft model, or 'none' for n-gram only (default qwen2.5-coder-0.5b)")
+    sp.add_argument("--drafts", nargs="+", choices=["model", "ngram"], default=None,
+                    help="draft kinds to measure (default: model ngram)")
+    sp.add_argument("--categories", nargs="+", default=None, help="prompt categories (default: all five)")
+    sp.add_argument("--per-category", type=int, default=None, help="prompts per category (default 2)")
+    sp.add_argument("--ks", nargs="+", type=parse_k, default=None, help="k values, ints or 'auto' (default 1 2 3 4 auto)")
+    sp.add_argument("--temperatures", nargs="+", type=float, default=None, help="default 0 0.7")
+    sp.add_argument("--batches", nargs="+", type=int, default=None, help="concurrent requests (default 1 8)")
+    sp.add_argument("--max-tokens", type=int, default=None, help="output tokens per prompt (default 64)")
+    sp.add_argument("--seed", type=int, default=None)
+    sp.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    sp.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
+    sp.add_argument("--quick", action="store_true",
+                    help="tiny run on smollm2-135m with n-gram drafts (~1 minute); explicit flags still apply")
+    _common(sp)
+    sp.set_defaults(_bench_run=_run_spec)
+
+    kv = benches.add_parser("kv", help="the KV-block manager's benchmark (kv_manager/bench.py); its actor part "
+                                       "starts Ray: run it under scripts/in-netns.sh")
+    kv.add_argument("--no-actor", action="store_true", help="ledger only, no Ray actor")
+    kv.add_argument("--json-out", type=Path, default=None)
+    kv.set_defaults(_bench_run=_run_kv)
+    return p
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--json-out", type=Path, default=None, help="write the full results as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._bench_run(args) or 0)
+
+
+def write_json(result: dict[str, Any], path: Path | None) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"JSON written to {path}", file=sys.stderr)
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+# ---------------------------------------------------------------------- runtime
+def _run_runtime(args: argparse.Namespace) -> int:
+    from cluster.bench_runtime import RuntimeSettings, default_models, run_runtime_bench
+
+    settings = RuntimeSettings(models=args.models or default_models(), contexts=args.contexts, max_k=args.max_k,
+                               repeats=args.repeats, warmup=args.warmup, threads=args.threads,
+                               compare_hf=not args.no_hf)
+    result = run_runtime_bench(settings)
+    write_json(result, args.json_out)
+    print(format_runtime(result))
+    return 0
+
+
+def format_runtime(result: dict[str, Any]) -> str:
+    max_k = result["settings"]["max_k"]
+    headers = ["model", "context", "decode ms", "hf ms", "ours/hf"] + [f"x{n}" for n in range(2, max_k + 1)]
+    rows = []
+    for m in result["models"]:
+        for c in m["contexts"]:
+            rows.append([m["model"], c["context"], c["decode_ms"], c.get("hf_decode_ms"), c.get("ours_vs_hf")]
+                        + [s["ratio"] for s in c["score"][1:]])
+    env = result["environment"]
+    return (f"bench runtime: one-token decode step and the cost of scoring n tokens (xN = t(N)/t(1)), "
+            f"median of {result['settings']['repeats']}; torch threads {env['torch_threads']}, "
+            f"load average {env['loadavg_at_start'][0]:.1f} -> {env['loadavg_at_end'][0]:.1f}\n"
+            + table(headers, rows))
+
+
+# ---------------------------------------------------------------------- spec
+def _run_spec(args: argparse.Namespace) -> int:
+    from cluster.bench_spec import QUICK, SpecSettings, run_spec_bench
+
+    base: dict[str, Any] = dict(QUICK) if args.quick else {}
+    flags = {"model": args.model, "draft": args.draft, "drafts": args.drafts, "categories": args.categories,
+             "per_category": args.per_category, "ks": args.ks, "temperatures": args.temperatures,
+             "batches": args.batches, "max_tokens": args.max_tokens, "seed": args.seed}
+    base.update({key: value for key, value in flags.items() if value is not None})
+    if args.model and args.model != "qwen2.5-coder-1.5b" and args.draft is None and not args.quick:
+        base.setdefault("draft", "none")
+        base.setdefault("drafts", ["ngram"])
+    settings = SpecSettings(**base, threads=args.threads, hf=not args.no_hf)
+    result = run_spec_bench(settings)
+    write_json(result, args.json_out)
+    if args.plot is not None:
+        plot_spec(result, args.plot)
+    print(format_spec(result))
+    return 0
+
+
+def format_spec(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    out = [f"bench spec: {s['model']} (draft {s['draft']}), {len(result['prompts'])} prompts, "
+           f"max {s['max_tokens']} tokens; tok/s = output tokens / wall seconds (prefill included)"]
+    headers = ["T", "batch", "config", "tok/s", "vs plain", "vs hf peer", "peer", "vs hf plain", "accept",
+               "tok/round", "mean k", "draft%", "verify%", "other%", "=plain"]
+    rows = []
+    for r in result["results"]:
+        acc = r.get("acceptance") or {}
+        frac = r.get("time_split_fraction", {})
+        rows.append([r["temperature"], r["batch"], r["label"], r["tokens_per_second"], r["speedup_vs_plain"],
+                     r["speedup_vs_hf_peer"], r["hf_peer"], r["speedup_vs_hf_plain"], acc.get("acceptance_rate"),
+                     acc.get("mean_tokens_per_round"), acc["proposed"] / acc["rounds"] if acc else None,
+                     _pct(frac.get("draft")), _pct(frac.get("verify")),
+                     _pct(sum(frac.get(k, 0.0) for k in ("reconcile", "plan_other", "outside"))),
+                     r.get("same_output_as_plain")])
+    out.append(table(headers, rows))
+    if result["hf"]:
+        out.append("\ntransformers (batch 1, one prompt at a time):")
+        out.append(table(["T", "mode", "tok/s", "vs hf plain", "=ours plain"],
+                         [[h["temperature"], h["mode"], h["tokens_per_second"], h["speedup_vs_hf_plain"],
+                           h.get("same_output_as_our_plain")] for h in result["hf"]]))
+    cats = [c for c in ("prose", "code", "qa", "summarisation", "copy-edit") if c in s["categories"]]
+    per_cat = [r for r in result["results"] if r["batch"] == 1 and r["draft"] != "none"]
+    if per_cat:
+        out.append("\nbatch 1 speedup over plain decoding per category (acceptance rate in brackets):")
+        out.append(table(["T", "config", *cats], [
+            [r["temperature"], r["label"], *[_cat_cell(r, c) for c in cats]] for r in per_cat]))
+    out.append("\nsurvival s_k per draft position (batch 1):")
+    out.append(table(["T", "config", "s_1..s_k"], [
+        [r["temperature"], r["label"], " ".join(f"{v:.2f}" for v in r["acceptance"]["survival"])]
+        for r in per_cat if r.get("acceptance")]))
+    return "\n".join(out)
+
+
+def _pct(value: float | None) -> str | None:
+    return None if value is None else f"{100 * value:.0f}"
+
+
+def _cat_cell(row: dict[str, Any], category: str) -> str:
+    speedup = row["by_category_speedup_vs_plain"].get(category)
+    acc = row["by_category"].get(category, {}).get("acceptance")
+    if speedup is None:
+        return "-"
+    return f"{speedup:.2f}" + (f" ({acc['acceptance_rate']:.2f})" if acc else "")
+
+
+def plot_spec(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = result["results"]
+    groups = sorted({(r["temperature"], r["batch"]) for r in results})
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    ax = axes[0]
+    labels, values, colors = [], [], []
+    for temperature, batch in groups:
+        for r in [r for r in results if (r["temperature"], r["batch"]) == (temperature, batch)]:
+            labels.append(f"T={temperature:g} b={batch}\n{r['label']}")
+            values.append(r["tokens_per_second"])
+            colors.append({"none": "grey", "model": "tab:blue", "ngram": "tab:orange"}[r["draft"]])
+        if batch == 1:
+            for h in [h for h in result["hf"] if h["temperature"] == temperature]:
+                labels.append(f"T={temperature:g} b=1\nhf {h['mode']}")
+                values.append(h["tokens_per_second"])
+                colors.append("tab:green")
+    ax.bar(range(len(values)), values, color=colors)
+    ax.set_xticks(range(len(values)), labels, rotation=90, fontsize=7)
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"{result['settings']['model']}: throughput (green: transformers)")
+    ax = axes[1]
+    per_cat = [r for r in results if r["batch"] == 1 and r["draft"] != "none"]
+    cats = [c for c in result["settings"]["categories"]]
+    width = 0.8 / max(1, len(per_cat))
+    for i, r in enumerate(per_cat):
+        ax.bar([j + i * width for j in range(len(cats))],
+               [r["by_category_speedup_vs_plain"].get(c, 0.0) for c in cats], width,
+               label=f"T={r['temperature']:g} {r['label']}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats)
+    ax.set_ylabel("speedup over plain decoding (batch 1)")
+    ax.set_title("per category")
+    ax.legend(fontsize=6, ncol=2)
+    ax = axes[2]
+    for r in per_cat:
+        if r.get("acceptance"):
+            surv = r["acceptance"]["survival"]
+            ax.plot(range(1, len(surv) + 1), surv, marker="o", label=f"T={r['temperature']:g} {r['label']}")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("s_k = P(first k drafts accepted)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("acceptance per position (batch 1)")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------- kv
+def _run_kv(args: argparse.Namespace) -> int:
+    try:
+        kv_bench = importlib.import_module("kv_manager.bench")
+    except ModuleNotFoundError as exc:
+        if exc.name != "kv_manager.bench":
+            raise
+        print("bench kv: kv_manager/bench.py is not there yet (nothing to run)", file=sys.stderr)
+        return 2
+    result = kv_bench.run_bench(with_actor=not args.no_actor)  # prints its own table
+    write_json(result, args.json_out)
+    return 0

@@ -1,0 +1,179 @@
+"""A small Python client of the specserve gRPC API (and `specserve generate --server HOST:PORT`).
+
+    client = SpecServeClient("127.0.0.1:9000")
+    for item in client.generate("def fib(n):", max_tokens=32, draft="ngram"):
+        print(item.chunk.text_delta, end="")
+    client.health(); client.list_models(); client.stats()
+
+Status codes come back as specserve errors: INVALID_ARGUMENT -> InvalidRequestError (with .field),
+RESOURCE_EXHAUSTED -> CapacityError, anything else -> SpecServeError (with .code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from cluster.api import CapacityError, InvalidRequestError, SpecServeError
+from cluster.proto import specserve_pb2 as pb
+from cluster.proto import specserve_pb2_grpc as pb_grpc
+from cluster.protocol import IndexedChunk, chunk_from_proto
+
+APP_METADATA = (("application", "specserve"),)  # Serve's gRPC proxy routes by application name
+
+
+class RemoteError(SpecServeError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+def map_rpc_error(error: grpc.RpcError) -> SpecServeError:
+    code, details = error.code(), error.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        field_name, _, message = details.partition(": ")
+        return InvalidRequestError(field_name, message) if message else InvalidRequestError("request", details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return CapacityError(details)
+    return RemoteError(code, details)
+
+
+class GenerateStream:
+    """The chunks of one Generate call, in order; `cancel()` ends it (the server aborts the request)."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[IndexedChunk]:
+        return self
+
+    def __next__(self) -> IndexedChunk:
+        try:
+            return chunk_from_proto(next(self._call))
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.CANCELLED and self._call.cancelled():
+                raise StopIteration from None
+            raise map_rpc_error(error) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+def build_request(prompt: str | Sequence[int] | None = None, **fields: Any) -> pb.GenerateRequest:
+    """A GenerateRequest: `prompt` as text or token ids; None-valued fields stay unset (server defaults)."""
+    request = pb.GenerateRequest()
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif prompt is not None:
+        request.token_ids.ids.extend(int(t) for t in prompt)
+    for role, content in fields.pop("messages", None) or ():
+        request.messages.add(role=role, content=content)
+    request.stop.extend(fields.pop("stop", None) or ())
+    for name, value in fields.items():
+        if value is not None:
+            setattr(request, name, value)
+    return request
+
+
+class SpecServeClient:
+    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.SpecServeStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> SpecServeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate(self, prompt: str | Sequence[int] | None = None, *, timeout_s: float | None = None,
+                 **fields: Any) -> GenerateStream:
+        """Stream a generation. `fields` are GenerateRequest fields (max_tokens=, temperature=, stop=,
+        contract=, k=, draft=, n=, seed=, chat=, messages=[(role, content)], request_id=, ...)."""
+        request = build_request(prompt, **fields)
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        return GenerateStream(self._stub.Generate(request, timeout=timeout, metadata=APP_METADATA))
+
+    def _unary(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout_s, metadata=APP_METADATA)
+        except grpc.RpcError as error:
+            raise map_rpc_error(error) from None
+
+    def list_models(self) -> list[dict[str, str]]:
+        response = self._unary(self._stub.ListModels, pb.ListModelsRequest())
+        return [{"id": m.id, "role": m.role, "draft": m.draft} for m in response.models]
+
+    def health(self) -> tuple[bool, str]:
+        response = self._unary(self._stub.Health, pb.HealthRequest())
+        return response.ok, response.status
+
+    def stats(self) -> dict[str, Any]:
+        return json.loads(self._unary(self._stub.GetStats, pb.GetStatsRequest()).stats_json)
+
+
+def collect(stream: Iterator[IndexedChunk]) -> dict[int, dict[str, Any]]:
+    """Accumulate a stream into {index: {"token_ids", "text", "finish_reason", "proposed", "accepted", "stats"}}."""
+    samples: dict[int, dict[str, Any]] = {}
+    for item in stream:
+        sample = samples.setdefault(item.index, {"token_ids": [], "text": "", "finish_reason": None,
+                                                 "proposed": 0, "accepted": 0, "stats": None,
+                                                 "contract": item.contract})
+        sample["token_ids"].extend(item.chunk.token_ids)
+        sample["text"] += item.chunk.text_delta
+        sample["proposed"] += item.chunk.proposed
+        sample["accepted"] += item.chunk.accepted
+        if item.chunk.finished:
+            sample["finish_reason"] = item.chunk.finish_reason
+            sample["stats"] = item.chunk.stats
+    return samples
+
+
+def generate_via_server(args: argparse.Namespace) -> int:
+    """`specserve generate --server HOST:PORT`: the same flags and output as in process."""
+    from cluster.cli_generate import DEFAULT_MODEL
+
+    draft = args.draft
+    if draft is not None and draft not in ("ngram", "none"):
+        draft = "model"  # the server's draft model; which one is the server's configuration
+    fields = dict(
+        model="" if args.model == DEFAULT_MODEL else args.model, draft=draft or None, k=args.k,
+        contract=args.contract, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, n=args.n, stop=args.stop,
+        max_tokens=args.max_tokens, chat=args.chat or None,
+    )
+    with SpecServeClient(args.server) as client:
+        stream = client.generate(args.prompt, **fields)
+        streaming = not args.json and args.n == 1
+        samples: dict[int, dict[str, Any]] = {}
+        if streaming:
+            for item in stream:
+                sys.stdout.write(item.chunk.text_delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            return 0
+        samples = collect(stream)
+        ordered = [samples[i] for i in sorted(samples)]
+        if args.json:
+            stats = client.stats().get("engine", {})
+            stats["requests"] = [s.pop("stats") for s in ordered]
+            print(json.dumps({"model": args.model, "server": args.server, "draft": args.draft,
+                              "contract": ordered[0]["contract"] if ordered else args.contract,
+                              "samples": [{k: s[k] for k in ("token_ids", "text", "finish_reason")} for s in ordered],
+                              "stats": stats}))
+        else:
+            for i, sample in enumerate(ordered):
+                print(f"--- sample {i} ({sample['finish_reason']})\n{sample['text']}")
+    return 0

@@ -1,0 +1,196 @@
+"""The Ingress deployment: the gRPC SpecServe service and the OpenAI-compatible HTTP API, one replica class.
+
+Both front ends validate at once (InvalidRequestError -> INVALID_ARGUMENT / HTTP 400, the field named
+first in the message), then stream from the Scheduler. A refusal from the scheduler arrives as the
+stream's first item (capacity -> RESOURCE_EXHAUSTED / HTTP 429), before anything is sent to the
+client. Leaving the stream early (disconnect, deadline) cancels the scheduler call, which aborts the
+request in the engine.
+"""
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from cluster.api import InvalidRequestError, SpecServeError
+from cluster.config import ClusterConfig
+from cluster.openai_api import (
+    SSE_DONE,
+    Collected,
+    completion_body,
+    error_body,
+    parse_chat,
+    parse_completion,
+    sse_event,
+)
+from cluster.proto import specserve_pb2 as pb
+from cluster.protocol import (
+    GenerateArgs,
+    IndexedChunk,
+    ServerDefaults,
+    StreamError,
+    args_from_proto,
+    chunk_to_proto,
+)
+
+logger = logging.getLogger("ray.serve")
+
+GRPC_CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "capacity": grpc.StatusCode.RESOURCE_EXHAUSTED,
+              "internal": grpc.StatusCode.INTERNAL}
+HTTP_ERRORS = {"invalid": (400, "invalid_request_error"), "capacity": (429, "capacity_error"),
+               "internal": (500, "internal_error")}
+
+http_app = FastAPI(title="specserve", description="OpenAI-compatible speculative-decoding server")
+
+
+class RequestRefused(SpecServeError):
+    """Raised after the gRPC status is set on the context; one message argument, so Ray can pickle it."""
+
+
+async def _empty() -> AsyncIterator[IndexedChunk]:
+    return
+    yield  # an async generator with no items
+
+
+def http_error(error: StreamError) -> JSONResponse:
+    status, kind = HTTP_ERRORS[error.code]
+    return JSONResponse(error_body(error.describe(), kind, error.field), status_code=status)
+
+
+@serve.ingress(http_app)
+class Ingress:
+    # No `from __future__ import annotations` here: FastAPI reads the route signatures at runtime.
+    def __init__(self, config: ClusterConfig, scheduler: Any) -> None:
+        self._config = config
+        self._scheduler = scheduler
+        self._defaults = ServerDefaults(config.model, "model" if config.uses_draft_model else "ngram")
+
+    async def _open(self, args: GenerateArgs) -> "tuple[StreamError | None, AsyncIterator[IndexedChunk]]":
+        """Start the scheduler stream; a refusal is returned before the first chunk is."""
+        stream = self._scheduler.options(stream=True).generate.remote(args)
+        try:
+            first = await stream.__anext__()
+        except BaseException:
+            stream.cancel()
+            raise
+        if isinstance(first, StreamError):
+            stream.cancel()
+            return first, _empty()
+
+        async def chunks() -> AsyncIterator[IndexedChunk]:
+            try:
+                item = first
+                while True:
+                    if isinstance(item, StreamError):
+                        raise item.to_exception()
+                    yield item
+                    try:
+                        item = await stream.__anext__()
+                    except StopAsyncIteration:
+                        return
+            finally:
+                stream.cancel()  # no-op once the stream is done; aborts the request otherwise
+
+        return None, chunks()
+
+    # -- gRPC (method names = rpc names of specserve.v1.SpecServe) ----------------------------------
+    async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateChunk]:
+        try:
+            args = args_from_proto(request, self._defaults)
+            error, chunks = await self._open(args)
+        except InvalidRequestError as exc:
+            error, chunks = StreamError.of(exc), _empty()
+        if error is not None:
+            grpc_context.set_code(GRPC_CODES[error.code])
+            grpc_context.set_details(error.describe())
+            raise RequestRefused(error.describe())
+        try:
+            async for item in chunks:
+                yield chunk_to_proto(item)
+        except SpecServeError as exc:
+            grpc_context.set_code(grpc.StatusCode.INTERNAL)
+            grpc_context.set_details(str(exc))
+            raise RequestRefused(str(exc)) from None
+
+    async def ListModels(self, request: pb.ListModelsRequest) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[pb.ModelInfo(**model) for model in self._models()])
+
+    async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:
+        ok, status = await self._scheduler.health.remote()
+        return pb.HealthResponse(ok=ok, status=status)
+
+    async def GetStats(self, request: pb.GetStatsRequest) -> pb.GetStatsResponse:
+        stats = await self._scheduler.stats.remote()
+        return pb.GetStatsResponse(stats_json=json.dumps(stats, sort_keys=True, default=str))
+
+    def _models(self) -> list[dict[str, str]]:
+        models = [{"id": self._config.model, "role": "target", "draft": self._config.draft}]
+        if self._config.uses_draft_model:
+            models.append({"id": self._config.draft, "role": "draft", "draft": ""})
+        return models
+
+    # -- HTTP (OpenAI-compatible) -------------------------------------------------------------------
+    @http_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._http_generate(request, chat=False)
+
+    @http_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._http_generate(request, chat=True)
+
+    @http_app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": m["id"], "object": "model", "created": created,
+                                            "owned_by": "specserve", "role": m["role"], "draft": m["draft"]}
+                                           for m in self._models() if m["role"] == "target"]}
+
+    @http_app.get("/health")
+    async def health(self) -> JSONResponse:
+        ok, status = await self._scheduler.health.remote()
+        return JSONResponse({"status": status}, status_code=200 if ok else 503)
+
+    @http_app.get("/v1/stats")
+    async def stats(self) -> dict[str, Any]:
+        return await self._scheduler.stats.remote()
+
+    async def _http_generate(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return http_error(StreamError("invalid", f"not valid JSON: {exc}", "body"))
+        try:
+            args = (parse_chat if chat else parse_completion)(body, self._defaults)
+            error, chunks = await self._open(args)
+        except InvalidRequestError as exc:
+            error, chunks = StreamError.of(exc), _empty()
+        if error is not None:
+            return http_error(error)
+        if body.get("stream"):
+            return StreamingResponse(self._sse(args, chunks, chat), media_type="text/event-stream")
+        collected = Collected(n=args.n)
+        try:
+            async for item in chunks:
+                collected.add(item)
+        except SpecServeError as exc:
+            return http_error(StreamError("internal", str(exc)))
+        return JSONResponse(completion_body(args.request_id, self._config.model, collected, chat))
+
+    async def _sse(self, args: GenerateArgs, chunks: AsyncIterator[IndexedChunk], chat: bool) -> AsyncIterator[str]:
+        started: set[int] = set()
+        try:
+            async for item in chunks:
+                yield sse_event(args.request_id, self._config.model, item, chat, first=item.index not in started)
+                started.add(item.index)
+        except SpecServeError as exc:
+            yield f"data: {json.dumps(error_body(str(exc), 'internal_error'))}\n\n"
+        yield SSE_DONE
+
+
+IngressDeployment = serve.deployment(Ingress, name="Ingress")

@@ -1,0 +1,162 @@
+"""The engine of the cluster: SpecEngine with remote backends, built inside the Scheduler replica.
+
+    SpecEngine --propose--> HandleDrafter  -> Drafter deployment (DeploymentHandle)
+               --verify-->  HandleVerifier -> Verifier deployment (DeploymentHandle)
+               <--kv-->     RemoteKV       -> KVManagerActor (a Ray actor owned by the scheduler replica)
+
+All three adapters block; they are called only from the engine thread (cluster/engine_loop.py),
+never from an event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from cluster.config import ClusterConfig
+from cluster.engine import EngineConfig, SpecEngine
+from cluster.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
+from kv_manager.errors import KVError, RetriableKVError, UnknownRequest
+from kv_manager.schema import (
+    Admission,
+    AdmitItem,
+    AuditReport,
+    CommitItem,
+    CommitResult,
+    Holder,
+    NamespaceConfig,
+    Reservation,
+    ReserveItem,
+)
+
+log = logging.getLogger("specserve.cluster")
+
+TARGET_NAMESPACE = EngineConfig.target_namespace
+DRAFT_NAMESPACE = EngineConfig.draft_namespace
+FREE_FRACTION_TTL_S = 0.05  # the policy reads it per request per round; one RPC per 50 ms is plenty
+
+
+class HandleVerifier:
+    def __init__(self, handle: Any, timeout_s: float | None = None) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    def verify(self, batch: VerifyBatch) -> VerifyResult:
+        return self.handle.verify.remote(batch).result(timeout_s=self.timeout_s)
+
+
+class HandleDrafter:
+    def __init__(self, handle: Any, timeout_s: float | None = None) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    def propose(self, batch: ProposeBatch) -> ProposeResult:
+        return self.handle.propose.remote(batch).result(timeout_s=self.timeout_s)
+
+
+class RemoteKV:
+    """LocalKV's methods (cluster/kv_client.py) over the KV manager actor, synchronously."""
+
+    def __init__(self, actor: Any, timeout_s: float = 60.0) -> None:
+        self.actor = actor
+        self.timeout_s = timeout_s
+        self.incarnation: str = ray.get(actor.incarnation.remote(), timeout=timeout_s)
+        self._free: dict[str, float] = {}
+        self._free_at = float("-inf")
+        self._free_lock = threading.Lock()  # with overlap, the engine's draft thread calls too
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return ray.get(getattr(self.actor, method).remote(self.incarnation, *args), timeout=self.timeout_s)
+        except RayTaskError as failure:
+            if isinstance(failure.cause, KVError):
+                raise failure.cause from None
+            raise
+        except RayActorError as lost:
+            raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
+
+    def register_worker(self, worker_id: str) -> Holder:
+        return self._call("register_worker", worker_id)
+
+    def expire_worker(self, worker_id: str) -> int:
+        return self._call("expire_worker", worker_id)
+
+    def can_admit(self, items: Sequence[AdmitItem], lookahead: int) -> bool:
+        return self._call("can_admit", {i.namespace: len(i.prompt_token_ids) + lookahead for i in items})
+
+    def admit(self, items: Sequence[AdmitItem]) -> list[Admission]:
+        """All or nothing: a refusal releases the admissions the same call made."""
+        outcomes = self._call("add_requests", list(items))
+        refusals = [o for o in outcomes if isinstance(o, KVError)]
+        if refusals:
+            done = [(o.namespace, o.request_id) for o in outcomes if not isinstance(o, KVError)]
+            if done:
+                self._call("release", done)
+            raise refusals[0]
+        return outcomes
+
+    def reserve(self, items: Sequence[ReserveItem]) -> list[Reservation | KVError]:
+        return self._call("reserve", list(items), False)
+
+    def commit(self, items: Sequence[CommitItem]) -> list[CommitResult | KVError]:
+        return self._call("commit", list(items))
+
+    def rollback(self, keys: Sequence[tuple[str, str]]) -> None:
+        self._raise_unexpected(self._call("rollback", list(keys)))
+
+    def release(self, request_id: str, namespaces: Sequence[str]) -> None:
+        self._raise_unexpected(self._call("release", [(namespace, request_id) for namespace in namespaces]))
+
+    def free_fraction(self, namespace: str) -> float:
+        with self._free_lock:
+            now = time.monotonic()
+            if now - self._free_at > FREE_FRACTION_TTL_S:
+                self._free, self._free_at = self._call("free_fractions"), now
+            return self._free[namespace]
+
+    def audit(self) -> AuditReport:
+        return self._call("audit")
+
+    @staticmethod
+    def _raise_unexpected(outcomes: list[Any]) -> None:
+        for outcome in outcomes:  # an unknown request is already gone: nothing to give back
+            if isinstance(outcome, KVError) and not isinstance(outcome, UnknownRequest):
+                raise outcome
+
+
+def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any) -> SpecEngine:
+    """The scheduler's engine: remote workers, the KV manager actor, the target's tokenizer."""
+    from cluster.engine_factory import (
+        check_draft_compatible,
+        eos_token_ids,
+        load_tokenizer,
+        model_dir,
+    )
+    from kv_manager.actor import KVManagerActor
+    from model_runtime.config import ModelConfig
+
+    target_dir = model_dir(config.model)
+    target_cfg = ModelConfig.from_dir(target_dir)
+    tokenizer = load_tokenizer(target_dir)
+    namespaces = [NamespaceConfig(TARGET_NAMESPACE, config.kv_blocks, config.block_size)]
+    if config.uses_draft_model:
+        draft_dir = model_dir(config.draft)
+        check_draft_compatible(target_cfg, tokenizer, ModelConfig.from_dir(draft_dir), load_tokenizer(draft_dir))
+        namespaces.append(NamespaceConfig(DRAFT_NAMESPACE, config.kv_blocks, config.block_size))
+    max_context = min(config.max_context, target_cfg.max_position_embeddings)
+    engine_config = EngineConfig(max_batch=config.max_batch, max_waiting=config.queue_capacity,
+                                 max_context=max_context, **config.engine_options)
+    kv = RemoteKV(KVManagerActor.options(name=None).remote(namespaces))
+    log.info("cluster engine: target %s, draft %s, %d KV blocks of %d, max_batch %d", config.model, config.draft,
+             config.kv_blocks, config.block_size, config.max_batch)
+    return SpecEngine(
+        HandleVerifier(verifier), HandleDrafter(drafter) if drafter is not None else None, kv, tokenizer,
+        eos_token_ids(target_dir, target_cfg, tokenizer), target_cfg.vocab_size, engine_config,
+        model_name=config.model, draft_name=config.draft,
+    )
