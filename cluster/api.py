@@ -34,6 +34,9 @@ class InvalidRequestError(SpecServeError, ValueError):
         self.field = field_name
         self.message = message
 
+    def __reduce__(self) -> tuple:  # crosses Ray process boundaries intact
+        return (type(self), (self.field, self.message))
+
 
 class CapacityError(SpecServeError, RuntimeError):
     """The server cannot take this request now (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""

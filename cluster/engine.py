@@ -73,6 +73,7 @@ class EngineConfig:
     probe_every: int = 16
     pressure_free_fraction: float = 0.1
     drafter_retry_seconds: float = 5.0
+    max_verifier_failures: int = 20  # consecutive failed verify calls before the engine gives up
     overlap: bool = False  # draft one group while verifying the other (separate devices/processes pay off)
 
 
@@ -119,6 +120,10 @@ class SpecEngine:
         self.verifier_holder = kv.register_worker("verifier")
         self.drafter_holder = kv.register_worker("drafter") if drafter is not None else None
         self._turn = 0
+        self._verifier_instance: str | None = None
+        self._drafter_instance: str | None = None
+        self._verifier_failures = 0
+        self._first_round_at: float | None = None
         self._in_flight: dict[int, Future] = {}
         self._in_flight_ids: set[str] = set()
         self._draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-draft")
@@ -174,6 +179,8 @@ class SpecEngine:
         if not self.running:
             return chunks
         round_start = time.perf_counter()
+        if self._first_round_at is None:
+            self._first_round_at = round_start
         if self.config.overlap:
             plans, draft_seconds = self._overlapped_prepare()
         else:
@@ -182,6 +189,8 @@ class SpecEngine:
         if not plans:
             return chunks
         verify_result = self._verify(plans)
+        if verify_result is None:  # the verifier failed or was replaced: requests re-prefill
+            return chunks
         reconcile_start = time.perf_counter()
         chunks.extend(self._accept_and_commit(plans, verify_result.outputs))
         reconcile_seconds = time.perf_counter() - reconcile_start
@@ -212,6 +221,8 @@ class SpecEngine:
         if future is not None:
             plans, draft_seconds = future.result()
             self._in_flight_ids.difference_update(p.state.request_id for p in plans)
+            stale = [p for p in plans if p.state not in self.running]
+            self.kv.rollback([(ns, p.state.request_id) for p in stale for ns in self._namespaces])
             plans = [p for p in plans if p.state in self.running]
         elif mine:
             plans, draft_seconds = self._prepare(mine)
@@ -369,12 +380,40 @@ class SpecEngine:
         except Exception as exc:  # the drafter died: continue by plain decoding
             self._on_drafter_failure(model_plans, exc)
             return time.perf_counter() - start
+        if self._drafter_instance is not None and result.worker_instance != self._drafter_instance:
+            self._on_drafter_replaced()
+        self._drafter_instance = result.worker_instance
         self.cost.observe_draft(max(p.k for p in model_plans), result.seconds)
         by_id = {o.request_id: o for o in result.outputs}
         for p in model_plans:
             out = by_id[p.state.request_id]
             p.drafts, p.draft_probs = out.draft_ids, out.draft_probs
         return time.perf_counter() - start
+
+    def _on_drafter_replaced(self) -> None:
+        """A new drafter process: its pool is empty, so every request re-enters the draft namespace.
+        This round's drafts stay valid proposals (the verifier decides); their commit is refused."""
+        log.warning("drafter replaced; re-prefilling draft caches")
+        self.fallback_events.append({"at": time.time(), "event": "drafter replaced"})
+        self.kv.expire_worker("drafter")
+        self.drafter_holder = self.kv.register_worker("drafter")
+        for state in self.running:
+            state.draft_cached, state.draft_admitted = 0, False
+
+    def _recover_verifier(self, plans: list[_Round], reason: str) -> None:
+        """The target KV is gone: expire the verifier's epoch, roll back this round and requeue every
+        running request; it is re-admitted and re-prefilled from its tokens (nothing emitted is lost)."""
+        log.error("%s; re-prefilling %d running requests", reason, len(self.running))
+        self.fallback_events.append({"at": time.time(), "event": "verifier recovery", "reason": reason})
+        self.kv.rollback([(self.config.draft_namespace, p.state.request_id) for p in plans if p.uses_model_drafter])
+        self.kv.expire_worker("verifier")
+        self.verifier_holder = self.kv.register_worker("verifier")
+        for state in reversed(self.running):
+            if state.request_id in self._in_flight_ids:
+                continue  # its group's drafts are in flight; requeued when they land (not in running)
+            state.target_cached, state.admitted = 0, False
+            self.running.remove(state)
+            self.waiting.appendleft(state)
 
     def _on_drafter_failure(self, plans: list[_Round], exc: Exception) -> None:
         log.error("drafter failed (%s); falling back to plain decoding", exc)
@@ -387,7 +426,7 @@ class SpecEngine:
         for state in self.running:
             state.draft_cached, state.draft_admitted = 0, False
 
-    def _verify(self, plans: list[_Round]) -> VerifyResult:
+    def _verify(self, plans: list[_Round]) -> VerifyResult | None:
         items = []
         for p in plans:
             s, grant = p.state, p.target_grant  # type: ignore[attr-defined]
@@ -403,11 +442,19 @@ class SpecEngine:
             ))
         try:
             result = self.verifier.verify(VerifyBatch(items))
-        except Exception:
-            self.kv.rollback([(self.config.target_namespace, p.state.request_id) for p in plans]
-                             + [(self.config.draft_namespace, p.state.request_id) for p in plans
-                                if p.uses_model_drafter])
-            raise
+        except Exception as exc:
+            self._verifier_failures += 1
+            if self._verifier_failures > self.config.max_verifier_failures:
+                raise
+            self._recover_verifier(plans, f"verifier failed: {exc!r}")
+            time.sleep(min(2.0, 0.05 * 2 ** self._verifier_failures))
+            return None
+        if self._verifier_instance is not None and result.worker_instance != self._verifier_instance:
+            self._verifier_instance = result.worker_instance
+            self._recover_verifier(plans, "verifier replaced (new process, empty KV pool)")
+            return None
+        self._verifier_instance = result.worker_instance
+        self._verifier_failures = 0
         tokens_per_request = max(len(i.input_ids) + len(i.draft_ids) for i in items)
         self.cost.observe_verify(tokens_per_request, result.seconds)
         return result
@@ -493,9 +540,22 @@ class SpecEngine:
             "round_seconds": self.totals.get("round_seconds", 0.0),
             "cost_model": {"draft_token_seconds": self.cost.draft_token,
                            "verify_seconds_by_tokens": dict(self.cost.verify_by_tokens)},
+            **self._busy_fractions(),
             "fallback_events": list(self.fallback_events),
             "kv_free_fraction": self.kv.free_fraction(self.config.target_namespace),
         }
+
+    def _busy_fractions(self) -> dict[str, float]:
+        """Busy fractions of drafter and verifier over the engine's active time, and the overlap achieved:
+        the share of the shorter busy time that ran concurrently with the other."""
+        wall = self.totals.get("round_seconds", 0.0)
+        draft, verify = self.totals.get("draft_seconds", 0.0), self.totals.get("verify_seconds", 0.0)
+        if wall <= 0:
+            return {"drafter_busy_fraction": 0.0, "verifier_busy_fraction": 0.0, "overlap_fraction": 0.0}
+        shorter = min(draft, verify)
+        overlap = max(0.0, draft + verify - wall) / shorter if shorter > 0 else 0.0
+        return {"drafter_busy_fraction": min(1.0, draft / wall), "verifier_busy_fraction": min(1.0, verify / wall),
+                "overlap_fraction": min(1.0, overlap)}
 
     def close(self) -> None:
         """Stop the draft thread (after its in-flight work)."""

@@ -56,6 +56,7 @@ class ProposeOutput:
 class ProposeResult:
     outputs: list[ProposeOutput]
     seconds: float
+    worker_instance: str = ""  # changes when the worker process (and its KV pool) is replaced
 
 
 @dataclass
@@ -94,3 +95,4 @@ class VerifyResult:
     outputs: list[VerifyOutput]
     seconds: float
     scored_tokens: int  # new tokens scored in the forward (for the cost model)
+    worker_instance: str = ""  # changes when the worker process (and its KV pool) is replaced

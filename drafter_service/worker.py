@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ class DraftWorker:
     def __init__(self, runner: ForwardRunner) -> None:
         self.runner = runner
         self.config = runner.config
+        self.instance = uuid.uuid4().hex  # a new process means a new, empty KV pool
 
     def propose(self, batch: ProposeBatch) -> ProposeResult:
         start = time.perf_counter()
@@ -68,4 +70,4 @@ class DraftWorker:
             )
             for item in batch.items
         ]
-        return ProposeResult(outputs=outputs, seconds=time.perf_counter() - start)
+        return ProposeResult(outputs=outputs, seconds=time.perf_counter() - start, worker_instance=self.instance)

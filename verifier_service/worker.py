@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Protocol
 
 import torch
@@ -64,6 +65,7 @@ class VerifierWorker:
     def __init__(self, runner: ForwardRunner) -> None:
         self.runner = runner
         self.config = runner.config
+        self.instance = uuid.uuid4().hex  # a new process means a new, empty KV pool
 
     def verify(self, batch: VerifyBatch) -> VerifyResult:
         start = time.perf_counter()
@@ -79,4 +81,5 @@ class VerifierWorker:
             verdict = decide(item, logits)
             outputs.append(VerifyOutput(item.request_id, verdict.accepted_len, verdict.tokens, verdict.bonus))
         scored = sum(len(s.token_ids) for s in seqs)
-        return VerifyResult(outputs=outputs, seconds=time.perf_counter() - start, scored_tokens=scored)
+        return VerifyResult(outputs=outputs, seconds=time.perf_counter() - start, scored_tokens=scored,
+                            worker_instance=self.instance)
