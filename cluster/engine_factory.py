@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,26 +81,47 @@ def check_draft_compatible(target_cfg: ModelConfig, target_tok: Any, draft_cfg: 
         raise IncompatibleDraftError("draft and target tokenizers map tokens to different ids")
 
 
+def assemble_engine(
+    model: str, draft: str, config: EngineConfig, num_blocks: int, block_size: int,
+    make_verifier: Callable[[Path], Any], make_drafter: Callable[[Path], Any] | None,
+    make_kv: Callable[[list[NamespaceConfig]], Any], tokenizer: Any = "auto",
+) -> SpecEngine:
+    """The one place an engine is wired: models, compatibility check, namespaces, EOS ids, context.
+
+    In process the factories return local workers and a LocalKV; in the cluster, handles to the
+    Verifier/Drafter deployments and a client of the KV manager actor.
+    """
+    target_dir = model_dir(model)
+    target_cfg = ModelConfig.from_dir(target_dir)
+    tok = load_tokenizer(target_dir) if tokenizer == "auto" else tokenizer
+    namespaces = [NamespaceConfig(config.target_namespace, num_blocks, block_size)]
+    drafter = None
+    if draft not in NON_MODEL_DRAFTS:
+        assert make_drafter is not None, "a draft model needs a drafter"
+        draft_dir = model_dir(draft)
+        draft_tok = load_tokenizer(draft_dir) if tokenizer == "auto" else tokenizer
+        check_draft_compatible(target_cfg, tok, ModelConfig.from_dir(draft_dir), draft_tok)
+        drafter = make_drafter(draft_dir)
+        namespaces.append(NamespaceConfig(config.draft_namespace, num_blocks, block_size))
+    config.max_context = min(config.max_context, target_cfg.max_position_embeddings)
+    log.info("engine: target %s, draft %s, %d KV blocks of %d", model, draft, num_blocks, block_size)
+    return SpecEngine(make_verifier(target_dir), drafter, make_kv(namespaces), tok,
+                      eos_token_ids(target_dir, target_cfg, tok), target_cfg.vocab_size, config,
+                      model_name=model, draft_name=draft)
+
+
 def build_local_engine(model: str, draft: str = "none", options: EngineOptions | None = None,
                        tokenizer: Any = "auto") -> SpecEngine:
     """`model` and a model-valued `draft` are registry names or local HF checkpoint dirs."""
     opts = options or EngineOptions()
-    target_dir = model_dir(model)
-    target_cfg = ModelConfig.from_dir(target_dir)
-    tok = load_tokenizer(target_dir) if tokenizer == "auto" else tokenizer
-    draft_worker = None
-    namespaces = [NamespaceConfig("verifier/target", opts.blocks(), opts.block_size)]
-    if draft not in NON_MODEL_DRAFTS:
-        draft_dir = model_dir(draft)
-        draft_cfg = ModelConfig.from_dir(draft_dir)
-        draft_tok = load_tokenizer(draft_dir) if tokenizer == "auto" else tokenizer
-        check_draft_compatible(target_cfg, tok, draft_cfg, draft_tok)
-        draft_worker = DraftWorker(LocalRunner(str(draft_dir), opts.blocks(), opts.block_size, opts.device))
-        namespaces.append(NamespaceConfig("drafter/draft", opts.blocks(), opts.block_size))
-    max_context = min(opts.max_context, target_cfg.max_position_embeddings)
-    verifier = VerifierWorker(LocalRunner(str(target_dir), opts.blocks(), opts.block_size, opts.device))
-    config = EngineConfig(max_batch=opts.max_batch, k_max=opts.k_max, max_context=max_context)
-    log.info("engine: target %s, draft %s, %d KV blocks of %d", model, draft, opts.blocks(), opts.block_size)
-    return SpecEngine(verifier, draft_worker, LocalKV(BlockLedger(namespaces)), tok,
-                      eos_token_ids(target_dir, target_cfg, tok), target_cfg.vocab_size, config,
-                      model_name=model, draft_name=draft)
+    blocks = opts.blocks()
+
+    def runner(checkpoint_dir: Path) -> LocalRunner:
+        return LocalRunner(str(checkpoint_dir), blocks, opts.block_size, opts.device)
+
+    config = EngineConfig(max_batch=opts.max_batch, k_max=opts.k_max, max_context=opts.max_context)
+    return assemble_engine(
+        model, draft, config, blocks, opts.block_size,
+        make_verifier=lambda d: VerifierWorker(runner(d)), make_drafter=lambda d: DraftWorker(runner(d)),
+        make_kv=lambda namespaces: LocalKV(BlockLedger(namespaces)), tokenizer=tokenizer,
+    )

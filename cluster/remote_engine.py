@@ -20,7 +20,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.config import ClusterConfig
-from cluster.engine import EngineConfig, SpecEngine
+from cluster.engine import DrafterUnavailable, EngineConfig, SpecEngine
 from cluster.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
 from kv_manager.errors import KVError, RetriableKVError, UnknownRequest
 from kv_manager.schema import (
@@ -30,7 +30,6 @@ from kv_manager.schema import (
     CommitItem,
     CommitResult,
     Holder,
-    NamespaceConfig,
     Reservation,
     ReserveItem,
 )
@@ -52,12 +51,21 @@ class HandleVerifier:
 
 
 class HandleDrafter:
+    """Serve's router waits for a live replica without limit (a killed replica's calls are re-routed to
+    its replacement), so an unanswered propose call is cancelled after `timeout_s` and raised as
+    DrafterUnavailable: the engine decodes plainly meanwhile instead of stalling every request."""
+
     def __init__(self, handle: Any, timeout_s: float | None = None) -> None:
         self.handle = handle
         self.timeout_s = timeout_s
 
     def propose(self, batch: ProposeBatch) -> ProposeResult:
-        return self.handle.propose.remote(batch).result(timeout_s=self.timeout_s)
+        response = self.handle.propose.remote(batch)
+        try:
+            return response.result(timeout_s=self.timeout_s)
+        except TimeoutError:
+            response.cancel()
+            raise DrafterUnavailable(f"no drafter answer within {self.timeout_s}s") from None
 
 
 class RemoteKV:
@@ -132,31 +140,15 @@ class RemoteKV:
 
 def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any) -> SpecEngine:
     """The scheduler's engine: remote workers, the KV manager actor, the target's tokenizer."""
-    from cluster.engine_factory import (
-        check_draft_compatible,
-        eos_token_ids,
-        load_tokenizer,
-        model_dir,
-    )
+    from cluster.engine_factory import assemble_engine
     from kv_manager.actor import KVManagerActor
-    from model_runtime.config import ModelConfig
 
-    target_dir = model_dir(config.model)
-    target_cfg = ModelConfig.from_dir(target_dir)
-    tokenizer = load_tokenizer(target_dir)
-    namespaces = [NamespaceConfig(TARGET_NAMESPACE, config.kv_blocks, config.block_size)]
-    if config.uses_draft_model:
-        draft_dir = model_dir(config.draft)
-        check_draft_compatible(target_cfg, tokenizer, ModelConfig.from_dir(draft_dir), load_tokenizer(draft_dir))
-        namespaces.append(NamespaceConfig(DRAFT_NAMESPACE, config.kv_blocks, config.block_size))
-    max_context = min(config.max_context, target_cfg.max_position_embeddings)
     engine_config = EngineConfig(max_batch=config.max_batch, max_waiting=config.queue_capacity,
-                                 max_context=max_context, **config.engine_options)
-    kv = RemoteKV(KVManagerActor.options(name=None).remote(namespaces))
-    log.info("cluster engine: target %s, draft %s, %d KV blocks of %d, max_batch %d", config.model, config.draft,
-             config.kv_blocks, config.block_size, config.max_batch)
-    return SpecEngine(
-        HandleVerifier(verifier), HandleDrafter(drafter) if drafter is not None else None, kv, tokenizer,
-        eos_token_ids(target_dir, target_cfg, tokenizer), target_cfg.vocab_size, engine_config,
-        model_name=config.model, draft_name=config.draft,
+                                 max_context=config.max_context, **config.engine_options)
+    log.info("cluster engine: target %s, draft %s, max_batch %d", config.model, config.draft, config.max_batch)
+    return assemble_engine(
+        config.model, config.draft, engine_config, config.kv_blocks,
+        config.block_size, make_verifier=lambda _dir: HandleVerifier(verifier),
+        make_drafter=(lambda _dir: HandleDrafter(drafter, config.drafter_timeout_s)) if drafter is not None else None,
+        make_kv=lambda namespaces: RemoteKV(KVManagerActor.options(name=None).remote(namespaces)),
     )
