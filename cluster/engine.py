@@ -23,20 +23,20 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cluster.api import CapacityError, GenerationRequest, InvalidRequestError, TokenChunk
+from cluster.engine_stats import busy_fractions
 from cluster.request_state import RequestState, TextTracker
 from cluster.round_messages import (
     ProposeBatch,
-    ProposeItem,
     ProposeResult,
     VerifyBatch,
-    VerifyItem,
     VerifyOutput,
     VerifyResult,
 )
+from cluster.round_plan import RoundPlan, propose_item, verify_item
 from cluster.spec_policy import CostModel, choose_k
 from drafter_service.ngram import propose_ngram
 from kv_manager.errors import KVError, OutOfBlocks
@@ -75,19 +75,6 @@ class EngineConfig:
     drafter_retry_seconds: float = 5.0
     max_verifier_failures: int = 20  # consecutive failed verify calls before the engine gives up
     overlap: bool = False  # draft one group while verifying the other (separate devices/processes pay off)
-
-
-@dataclass
-class _Round:
-    """Scratch state of one request within one round."""
-
-    state: RequestState
-    k: int
-    target_pending: list[int]
-    draft_pending: list[int] = field(default_factory=list)
-    drafts: list[int] = field(default_factory=list)
-    draft_probs: Any = None
-    uses_model_drafter: bool = False
 
 
 class SpecEngine:
@@ -208,11 +195,11 @@ class SpecEngine:
     # ------------------------------------------------------------------ overlap (two groups, ping-pong)
     #   step t   : verify(group A) on this thread  ||  plan+reserve+propose(group B) on the draft thread
     #   step t+1 : verify(group B)                 ||  plan+reserve+propose(group A)
-    def _prepare(self, states: list[RequestState]) -> tuple[list[_Round], float]:
+    def _prepare(self, states: list[RequestState]) -> tuple[list[RoundPlan], float]:
         plans = self._reserve([self._plan(s) for s in states], may_preempt=False)
         return plans, self._propose(plans)
 
-    def _overlapped_prepare(self) -> tuple[list[_Round], float]:
+    def _overlapped_prepare(self) -> tuple[list[RoundPlan], float]:
         turn = self._turn
         self._turn ^= 1
         mine = [s for s in self.running if s.group == turn]
@@ -279,11 +266,11 @@ class SpecEngine:
         state.draft_admitted = True
         return True
 
-    def _plan(self, state: RequestState) -> _Round:
+    def _plan(self, state: RequestState) -> RoundPlan:
         spec = state.request.spec
         remaining = state.request.sampling.max_tokens - state.num_output
         k_cap = max(0, min(self.config.k_max if spec.k is None else spec.k, remaining - 1))
-        plan = _Round(state=state, k=0, target_pending=state.token_ids[state.target_cached:])
+        plan = RoundPlan(state=state, k=0, target_pending=state.token_ids[state.target_cached:])
         if spec.draft == "none" or k_cap == 0:
             state.record_k(0, "no speculation requested" if spec.draft == "none" or spec.k == 0 else "end of output")
             return plan
@@ -317,7 +304,7 @@ class SpecEngine:
         state.record_k(k, reason)
         return plan
 
-    def _reserve(self, plans: list[_Round], may_preempt: bool) -> list[_Round]:
+    def _reserve(self, plans: list[RoundPlan], may_preempt: bool) -> list[RoundPlan]:
         cfg = self.config
         items = [ReserveItem(cfg.target_namespace, p.state.request_id, len(p.target_pending) + p.k, self.verifier_holder)
                  for p in plans]
@@ -325,7 +312,7 @@ class SpecEngine:
                               self.drafter_holder) for p in plans if p.uses_model_drafter]
         results = self.kv.reserve(items)
         grants = {(r.namespace, r.request_id): r for r in results if not isinstance(r, KVError)}
-        kept: list[_Round] = []
+        kept: list[RoundPlan] = []
         for plan in plans:
             rid = plan.state.request_id
             target = grants.get((cfg.target_namespace, rid))
@@ -333,7 +320,7 @@ class SpecEngine:
                 if plan.uses_model_drafter and (cfg.draft_namespace, rid) in grants:
                     self.kv.rollback([(cfg.draft_namespace, rid)])
                 continue  # out of blocks this round: skipped; preempted below if nothing runs
-            plan.target_grant = target  # type: ignore[attr-defined]
+            plan.target_grant = target
             if plan.uses_model_drafter:
                 draft = grants.get((cfg.draft_namespace, rid))
                 if draft is None:
@@ -341,7 +328,7 @@ class SpecEngine:
                     plan.k = 0
                     plan.state.record_k(0, "draft cache out of blocks")
                 else:
-                    plan.draft_grant = draft  # type: ignore[attr-defined]
+                    plan.draft_grant = draft
             kept.append(plan)
         if not kept and plans and may_preempt:
             self._preempt(self.running[-1])
@@ -357,23 +344,11 @@ class SpecEngine:
         self.waiting.appendleft(state)
         self.fallback_events.append({"at": time.time(), "request_id": state.request_id, "event": "preempted"})
 
-    def _propose(self, plans: list[_Round]) -> float:
+    def _propose(self, plans: list[RoundPlan]) -> float:
         model_plans = [p for p in plans if p.uses_model_drafter and p.k > 0]
         if not model_plans:
             return 0.0
-        items = []
-        for p in model_plans:
-            s, grant = p.state, p.draft_grant  # type: ignore[attr-defined]
-            penalties = s.request.sampling.has_penalties
-            items.append(ProposeItem(
-                request_id=s.request_id, input_ids=p.draft_pending, past_len=s.draft_cached,
-                block_table=list(grant.block_table), slot_mapping=list(grant.slot_mapping), k=p.k,
-                sampling=s.request.sampling, seed=s.seed, position=len(s.token_ids),
-                want_probs=s.request.spec.contract == "exact" and not s.request.sampling.is_greedy,
-                prompt_ids=s.token_ids[:s.prompt_len] if penalties else [],
-                output_ids=s.output_ids if penalties else [],
-                copy_blocks=list(grant.copy_on_write),
-            ))
+        items = [propose_item(p) for p in model_plans]
         start = time.perf_counter()
         try:
             result = self.drafter.propose(ProposeBatch(items))
@@ -400,7 +375,7 @@ class SpecEngine:
         for state in self.running:
             state.draft_cached, state.draft_admitted = 0, False
 
-    def _recover_verifier(self, plans: list[_Round], reason: str) -> None:
+    def _recover_verifier(self, plans: list[RoundPlan], reason: str) -> None:
         """The target KV is gone: expire the verifier's epoch, roll back this round and requeue every
         running request; it is re-admitted and re-prefilled from its tokens (nothing emitted is lost)."""
         log.error("%s; re-prefilling %d running requests", reason, len(self.running))
@@ -415,7 +390,7 @@ class SpecEngine:
             self.running.remove(state)
             self.waiting.appendleft(state)
 
-    def _on_drafter_failure(self, plans: list[_Round], exc: Exception) -> None:
+    def _on_drafter_failure(self, plans: list[RoundPlan], exc: Exception) -> None:
         log.error("drafter failed (%s); falling back to plain decoding", exc)
         self._drafter_down_since = time.monotonic()
         self.fallback_events.append({"at": time.time(), "event": "drafter unavailable", "error": repr(exc)})
@@ -426,20 +401,8 @@ class SpecEngine:
         for state in self.running:
             state.draft_cached, state.draft_admitted = 0, False
 
-    def _verify(self, plans: list[_Round]) -> VerifyResult | None:
-        items = []
-        for p in plans:
-            s, grant = p.state, p.target_grant  # type: ignore[attr-defined]
-            n_slots = len(p.target_pending) + len(p.drafts)
-            penalties = s.request.sampling.has_penalties
-            items.append(VerifyItem(
-                request_id=s.request_id, input_ids=p.target_pending, draft_ids=p.drafts, draft_probs=p.draft_probs,
-                past_len=s.target_cached, block_table=list(grant.block_table),
-                slot_mapping=list(grant.slot_mapping[:n_slots]), sampling=s.request.sampling,
-                contract=s.request.spec.contract, seed=s.seed, position=len(s.token_ids),
-                prompt_ids=s.token_ids[:s.prompt_len] if penalties else [],
-                output_ids=s.output_ids if penalties else [], copy_blocks=list(grant.copy_on_write),
-            ))
+    def _verify(self, plans: list[RoundPlan]) -> VerifyResult | None:
+        items = [verify_item(p) for p in plans]
         try:
             result = self.verifier.verify(VerifyBatch(items))
         except Exception as exc:
@@ -459,7 +422,7 @@ class SpecEngine:
         self.cost.observe_verify(tokens_per_request, result.seconds)
         return result
 
-    def _accept_and_commit(self, plans: list[_Round], outputs: list[VerifyOutput]) -> list[TokenChunk]:
+    def _accept_and_commit(self, plans: list[RoundPlan], outputs: list[VerifyOutput]) -> list[TokenChunk]:
         cfg = self.config
         commits: list[CommitItem] = []
         chunks: list[TokenChunk] = []
@@ -540,22 +503,10 @@ class SpecEngine:
             "round_seconds": self.totals.get("round_seconds", 0.0),
             "cost_model": {"draft_token_seconds": self.cost.draft_token,
                            "verify_seconds_by_tokens": dict(self.cost.verify_by_tokens)},
-            **self._busy_fractions(),
+            **busy_fractions(self.totals),
             "fallback_events": list(self.fallback_events),
             "kv_free_fraction": self.kv.free_fraction(self.config.target_namespace),
         }
-
-    def _busy_fractions(self) -> dict[str, float]:
-        """Busy fractions of drafter and verifier over the engine's active time, and the overlap achieved:
-        the share of the shorter busy time that ran concurrently with the other."""
-        wall = self.totals.get("round_seconds", 0.0)
-        draft, verify = self.totals.get("draft_seconds", 0.0), self.totals.get("verify_seconds", 0.0)
-        if wall <= 0:
-            return {"drafter_busy_fraction": 0.0, "verifier_busy_fraction": 0.0, "overlap_fraction": 0.0}
-        shorter = min(draft, verify)
-        overlap = max(0.0, draft + verify - wall) / shorter if shorter > 0 else 0.0
-        return {"drafter_busy_fraction": min(1.0, draft / wall), "verifier_busy_fraction": min(1.0, verify / wall),
-                "overlap_fraction": min(1.0, overlap)}
 
     def close(self) -> None:
         """Stop the draft thread (after its in-flight work)."""
