@@ -78,7 +78,9 @@ def load_weights(
     inter = config.intermediate_size // tp_size
 
     def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype=dtype, device=device).contiguous()
+        # copy=True: a whole-tensor read can alias the memory-mapped file; weights must own their memory
+        # (an mmapped matrix is re-read from disk whenever the page cache is under pressure)
+        return t.to(dtype=dtype, device=device, copy=True).contiguous()
 
     def head_rows(name: str, heads: int) -> torch.Tensor:
         return src.rows(name, tp_rank * heads * d, (tp_rank + 1) * heads * d)
