@@ -1,9 +1,12 @@
-"""`specserve bench runtime | spec | kv`: benchmark figures, printed as tables and written as JSON.
+"""`specserve bench runtime | spec | serve | kv`: benchmark figures, printed as tables and written as JSON.
 
     bench runtime   forward-pass step times and multi-token scoring ratios, ours vs transformers
                     (cluster/bench_runtime.py)
     bench spec      speculative decoding end to end vs plain decoding and transformers' assisted
                     generation, per prompt category (cluster/bench_spec.py); optional PNG plot
+    bench serve     the Ray Serve cluster through gRPC at several concurrencies, speculation on and off:
+                    TTFT, TPOT, per-token ITL, tokens/s, goodput, overhead vs in process
+                    (cluster/bench_serve.py; starts Ray: run it under scripts/in-netns.sh)
     bench kv        the KV-block manager's own benchmark (kv_manager/bench.py, when present)
 
 Figures only, never timed assertions. Progress lines go to stderr, tables to stdout.
@@ -22,7 +25,7 @@ from cluster.cli_generate import parse_k
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="benchmarks: runtime | spec | kv (figures and JSON)")
+    p = subparsers.add_parser("bench", help="benchmarks: runtime | spec | serve | kv (figures and JSON)")
     benches = p.add_subparsers(dest="bench", required=True)
 
     rt = benches.add_parser("runtime", help="decode step time, k-token scoring ratio, ours vs transformers")
@@ -53,6 +56,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     help="tiny run on smollm2-135m with n-gram drafts (~1 minute); explicit flags still apply")
     _common(sp)
     sp.set_defaults(_bench_run=_run_spec)
+
+    sv = benches.add_parser("serve", help="the Serve cluster through gRPC under load: TTFT, TPOT, ITL, goodput, "
+                                          "overhead vs in process; starts Ray: run it under scripts/in-netns.sh")
+    sv.add_argument("--model", default=None, help="target (default smollm2-135m; the product pair is "
+                                                  "qwen2.5-coder-1.5b + qwen2.5-coder-0.5b, slow on CPU)")
+    sv.add_argument("--draft", default=None, help="draft model name/dir, or 'ngram' (default ngram)")
+    sv.add_argument("--concurrency", nargs="+", type=int, default=None, help="closed-loop clients (default 1 4 16)")
+    sv.add_argument("--requests", type=int, default=None,
+                    help="requests per concurrency level and mode (default max(8, 2 x concurrency))")
+    sv.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 64)")
+    sv.add_argument("--k", type=parse_k, default=None, help="draft tokens per round with speculation on (default auto)")
+    sv.add_argument("--categories", nargs="+", default=None, help="prompt categories (default: all five)")
+    sv.add_argument("--per-category", type=int, default=None, help="prompts per category (default 2)")
+    sv.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT (default 2000)")
+    sv.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT (default 200)")
+    sv.add_argument("--no-inprocess", action="store_true", help="skip the overhead comparison with the engine in process")
+    sv.add_argument("--grpc-port", type=int, default=None, help="default 9100")
+    sv.add_argument("--http-port", type=int, default=None, help="default 8100")
+    _common(sv)
+    sv.set_defaults(_bench_run=_run_serve)
 
     kv = benches.add_parser("kv", help="the KV-block manager's benchmark (kv_manager/bench.py); its actor part "
                                        "starts Ray: run it under scripts/in-netns.sh")
@@ -245,6 +268,65 @@ def plot_spec(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"plot written to {path}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------- serve
+def _run_serve(args: argparse.Namespace) -> int:
+    from cluster.bench_serve import ServeBenchSettings, run_serve_bench
+
+    flags = {"model": args.model, "draft": args.draft, "concurrency": args.concurrency, "requests": args.requests,
+             "max_tokens": args.max_tokens, "categories": args.categories, "per_category": args.per_category,
+             "slo_ttft_s": None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
+             "slo_tpot_s": None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000,
+             "grpc_port": args.grpc_port, "http_port": args.http_port}
+    settings = ServeBenchSettings(**{key: value for key, value in flags.items() if value is not None}, k=args.k,
+                                  threads=args.threads, inprocess=not args.no_inprocess)
+    result = run_serve_bench(settings)
+    write_json(result, args.json_out)
+    print(format_serve(result))
+    return 0
+
+
+def format_serve(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    ms = 1000.0
+
+    def dist(row: dict[str, Any], key: str, stat: str) -> float | None:
+        values = row[key]
+        return None if values is None else values[stat] * ms
+
+    out = [f"bench serve: {s['model']} (draft {s['draft']}) through gRPC, greedy, max {s['max_tokens']} tokens; "
+           f"latencies in ms, ITL per token (chunk = m tokens at once); SLO TTFT <= {s['slo_ttft_s'] * ms:.0f} ms "
+           f"and TPOT <= {s['slo_tpot_s'] * ms:.0f} ms"]
+    headers = ["conc", "mode", "reqs", "tok/s", "TTFT p50", "TTFT p99", "TPOT mean", "TPOT p99", "ITL p50",
+               "ITL p90", "ITL p99", "goodput/s", "SLO %", "accept", "tok/round", "=plain"]
+    rows = []
+    for r in result["levels"]:
+        acc = r.get("acceptance") or {}
+        rows.append([r["concurrency"], r["mode"], r["requests"], r["output_tokens_per_second"],
+                     dist(r, "ttft_seconds", "p50"), dist(r, "ttft_seconds", "p99"), dist(r, "tpot_seconds", "mean"),
+                     dist(r, "tpot_seconds", "p99"), dist(r, "itl_seconds", "p50"), dist(r, "itl_seconds", "p90"),
+                     dist(r, "itl_seconds", "p99"), r["goodput_requests_per_second"], _pct(r["slo_attainment"]),
+                     acc.get("acceptance_rate"), acc.get("mean_tokens_per_round"), r.get("same_output_as_plain")])
+    out.append(table(headers, rows))
+    if result["inprocess_overhead"]:
+        out.append("\ncluster overhead vs the in-process engine, concurrency 1, same requests (goal <= 10%):")
+        out.append(table(
+            ["mode", "reqs", "e2e ms", "in-proc ms", "e2e +%", "TTFT +%", "TPOT +%", "<=10%", "=in-proc"],
+            [[o["mode"], o["requests"], o["cluster"]["latency_seconds"] * ms, o["inprocess"]["latency_seconds"] * ms,
+              _pct(o["latency_overhead"]), _pct(o["ttft_overhead"]), _pct(o["tpot_overhead"]), o["meets_goal_10pct"],
+              o["same_output"]] for o in result["inprocess_overhead"]]))
+    split = result.get("round_split_concurrency_1") or {}
+    if all(split.get(side) for side in ("cluster", "inprocess")):
+        out.append("\nper engine round at concurrency 1 (ms; other = RPCs to workers and KV ledger, planning):")
+        parts = ["round", "verify", "draft", "reconcile", "other"]
+        out.append(table(["side", "rounds", *parts], [[side, split[side]["rounds"], *[split[side][f"{p}_ms"] for p in parts]]
+                                                      for side in ("cluster", "inprocess")]))
+    env = result["environment"]
+    out.append(f"\nload average {env['loadavg_at_start'][0]:.1f} -> {env['loadavg_at_end'][0]:.1f}; "
+               f"KV blocks leaked: {result['cluster']['kv_leaked_blocks']}; "
+               f"fallback events: {len(result['cluster']['fallback_events'])}")
+    return "\n".join(out)
 
 
 # ---------------------------------------------------------------------- kv

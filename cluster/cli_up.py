@@ -6,6 +6,10 @@ Prints, once every replica is up, exactly:
     http: http://HOST:PORT
     dashboard: http://HOST:PORT
 
+With --once "PROMPT" it streams one generation through gRPC instead of serving (text to stdout as
+it arrives, then one line of statistics as JSON; cluster/up_once.py) and exits 0 after shutting
+down; --json makes stdout one JSON object (addresses, text, token ids, statistics).
+
 Without --address it starts an embedded local Ray bound to loopback (dashboard on 127.0.0.1);
 with --address it joins that cluster. On exit it shuts down Serve, then Ray (a joined cluster
 keeps running; only this driver disconnects).
@@ -14,13 +18,16 @@ keeps running; only this driver disconnects).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 import threading
 from types import FrameType
+from typing import TextIO
 
 from cluster.api import SpecServeError
+from cluster.cli_generate import parse_k
 from cluster.config import ClusterConfig, ConfigError, load_config
 
 log = logging.getLogger("specserve.up")
@@ -39,6 +46,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--http-port", type=int, default=None)
     p.add_argument("--dashboard-port", type=int, default=None)
     p.add_argument("--tp", type=int, default=None, dest="tensor_parallel_size", help="verifier TP ranks")
+    p.add_argument("--once", default=None, metavar="PROMPT",
+                   help="generate for PROMPT through gRPC, print its statistics, shut down and exit")
+    p.add_argument("--json", action="store_true", help="with --once: stdout is one JSON object")
+    p.add_argument("--max-tokens", type=int, default=64, help="with --once (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="with --once (default 0: greedy)")
+    p.add_argument("--k", type=parse_k, default=None, help="with --once: draft tokens per round, N or auto")
+    p.add_argument("--seed", type=int, default=None, help="with --once")
+    p.add_argument("--chat", action="store_true", help="with --once: apply the model's chat template")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -81,7 +96,18 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.once is None:
+        if args.json:
+            print("error: --json needs --once", file=sys.stderr)
+            return 2
+        return _up(config, args, sys.stdout)
+    from cluster.up_once import reserved_stdout
 
+    with reserved_stdout() as out:  # Ray's own lines cannot land between the text and its statistics
+        return _up(config, args, out)
+
+
+def _up(config: ClusterConfig, args: argparse.Namespace, out: TextIO) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -105,10 +131,11 @@ def run(args: argparse.Namespace) -> int:
         log.info("deploying %s: model %s, draft %s, TP %d, %d KV blocks of %d", APP_NAME, config.model, config.draft,
                  config.tensor_parallel_size, config.kv_blocks, config.block_size)
         deploy(config)
-        print(f"grpc: {config.host}:{config.grpc_port}")
-        print(f"http: http://{config.host}:{config.http_port}")
-        print(f"dashboard: http://{dashboard}" if dashboard else "dashboard: (none)")
-        sys.stdout.flush()
+        addresses = {"grpc": f"{config.host}:{config.grpc_port}", "http": f"http://{config.host}:{config.http_port}",
+                     "dashboard": f"http://{dashboard}" if dashboard else "(none)"}
+        if args.once is not None:
+            return run_once(config, args, addresses, out)
+        print_addresses(addresses, out)
         log.info("serving; Ctrl-C or SIGTERM to stop")
         while not stop.wait(0.5):
             pass
@@ -133,3 +160,28 @@ def run(args: argparse.Namespace) -> int:
                 log.exception("serve.shutdown failed")
             log.info("shutting down Ray")
             ray.shutdown()
+
+
+def print_addresses(addresses: dict[str, str], out: TextIO) -> None:
+    for name, address in addresses.items():
+        print(f"{name}: {address}", file=out)
+    out.flush()
+
+
+def run_once(config: ClusterConfig, args: argparse.Namespace, addresses: dict[str, str], out: TextIO) -> int:
+    """`up --once`: one generation through gRPC; the caller's `finally` shuts Serve and Ray down."""
+    from cluster.up_once import generate_once
+
+    fields = {"max_tokens": args.max_tokens, "temperature": args.temperature, "k": args.k, "seed": args.seed,
+              "chat": args.chat or None}
+    if not args.json:
+        print_addresses(addresses, out)
+    log.info("generating once (max %d tokens)", args.max_tokens)
+    result = generate_once(config, args.once, fields, out=None if args.json else out)
+    if args.json:
+        print(json.dumps({**addresses, "prompt": args.once, **result}), file=out)
+    else:
+        print(file=out)
+        print(json.dumps(result["stats"]), file=out)
+    out.flush()
+    return 0

@@ -1,6 +1,6 @@
 """A small Python client of the specserve gRPC API (and `specserve generate --server HOST:PORT`).
 
-    client = SpecServeClient("127.0.0.1:9000")
+    client = SpecServeClient("127.0.0.1:9000")  # application="specserve": the Serve app it routes to
     for item in client.generate("def fib(n):", max_tokens=32, draft="ngram"):
         print(item.chunk.text_delta, end="")
     client.health(); client.list_models(); client.stats()
@@ -24,7 +24,8 @@ from cluster.proto import specserve_pb2 as pb
 from cluster.proto import specserve_pb2_grpc as pb_grpc
 from cluster.protocol import IndexedChunk, chunk_from_proto
 
-APP_METADATA = (("application", "specserve"),)  # Serve's gRPC proxy routes by application name
+APP_NAME = "specserve"
+APP_METADATA = (("application", APP_NAME),)  # Serve's gRPC proxy routes by application name
 
 
 class RemoteError(SpecServeError):
@@ -82,9 +83,10 @@ def build_request(prompt: str | Sequence[int] | None = None, **fields: Any) -> p
 
 
 class SpecServeClient:
-    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+    def __init__(self, address: str, timeout_s: float | None = None, application: str = APP_NAME) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.metadata = (("application", application),)  # the Serve application to route to
         self._channel = grpc.insecure_channel(address)
         self._stub = pb_grpc.SpecServeStub(self._channel)
 
@@ -103,11 +105,11 @@ class SpecServeClient:
         contract=, k=, draft=, n=, seed=, chat=, messages=[(role, content)], request_id=, ...)."""
         request = build_request(prompt, **fields)
         timeout = timeout_s if timeout_s is not None else self.timeout_s
-        return GenerateStream(self._stub.Generate(request, timeout=timeout, metadata=APP_METADATA))
+        return GenerateStream(self._stub.Generate(request, timeout=timeout, metadata=self.metadata))
 
     def _unary(self, method: Any, request: Any) -> Any:
         try:
-            return method(request, timeout=self.timeout_s, metadata=APP_METADATA)
+            return method(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as error:
             raise map_rpc_error(error) from None
 

@@ -64,6 +64,8 @@ class ClusterConfig(BaseModel):
     max_batch: int = Field(16, ge=1, le=4096, description="requests per engine round")
     max_context: int = Field(2048, ge=16, le=1 << 20, description="prompt + max_tokens limit (capped by the model)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="extra EngineConfig fields, e.g. k_max")
+    drafter_timeout_s: float = Field(5.0, gt=0, le=3600, description="a propose call unanswered this long counts "
+                                     "as a drafter failure: plain decoding until the engine retries the drafter")
 
     # Serve health checks and graceful shutdown (applied to every deployment)
     health_check_period_s: float = Field(10.0, gt=0, le=3600)

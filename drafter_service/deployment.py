@@ -9,6 +9,7 @@ engine is the only caller and calls once per round, so `propose` runs synchronou
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from ray import serve
@@ -38,6 +39,10 @@ class Drafter:
 
     def vocab_size(self) -> int:
         return self.worker.config.vocab_size
+
+    def pid(self) -> int:
+        """The replica's process id (fault-injection tests kill it)."""
+        return os.getpid()
 
 
 DrafterDeployment = serve.deployment(Drafter, name="Drafter")
