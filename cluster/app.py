@@ -57,7 +57,7 @@ def bind_verifier(config: ClusterConfig) -> serve.Application:
                     "ray_actor_options": {"num_cpus": bundles[0]["CPU"]}}
     return VerifierDeployment.options(**options).bind(
         config.model, config.kv_blocks, config.block_size, config.device, config.tensor_parallel_size,
-        config.worker_threads, gpus)
+        config.threads_per_worker, gpus)
 
 
 def bind_drafter(config: ClusterConfig) -> serve.Application | None:
@@ -68,7 +68,7 @@ def bind_drafter(config: ClusterConfig) -> serve.Application | None:
         num_replicas=config.drafter_replicas, max_ongoing_requests=4,
         ray_actor_options={"num_cpus": 0, "num_gpus": config.gpus_per_worker if config.uses_gpu else 0.0},
         **_common_options(config),
-    ).bind(config.draft, config.kv_blocks, config.block_size, config.device, config.worker_threads)
+    ).bind(config.draft, config.kv_blocks, config.block_size, config.device, config.threads_per_worker)
 
 
 def build_app(config: ClusterConfig, engine_builder: EngineBuilder | None = None) -> serve.Application:

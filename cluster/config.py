@@ -13,6 +13,7 @@ Example (`specserve up --config cluster.yaml`):
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,9 @@ class ClusterConfig(BaseModel):
     drafter_replicas: int = Field(1, ge=1, le=1, description="draft KV pool lives in the replica")
     verifier_replicas: int = Field(1, ge=1, le=1, description="target KV pool lives in the replica")
     tensor_parallel_size: int = Field(1, ge=1, le=8, description="verifier TP ranks (gloo on CPU)")
-    worker_threads: int = Field(0, ge=0, le=256, description="torch threads per worker; 0 = torch default")
+    worker_threads: int = Field(0, ge=0, le=256,
+                                description="torch threads per model process; 0 = this machine's cores shared "
+                                            "evenly among the model processes (TP ranks + drafter)")
     gpus_per_worker: float = Field(1.0, gt=0, le=1, description="CUDA only: GPUs per drafter replica and per "
                                    "verifier TP rank (0.5 lets a drafter share a TP=1 verifier's GPU)")
 
@@ -136,6 +139,14 @@ class ClusterConfig(BaseModel):
     @property
     def uses_gpu(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def threads_per_worker(self) -> int:
+        """Oversubscribing a CPU with several 'all cores' torch processes collapses throughput."""
+        if self.worker_threads > 0:
+            return self.worker_threads
+        processes = self.tensor_parallel_size + (1 if self.uses_draft_model else 0)
+        return max(1, (os.cpu_count() or 1) // processes)
 
     @property
     def uses_draft_model(self) -> bool:

@@ -110,6 +110,7 @@ class SpecEngine:
         self._verifier_instance: str | None = None
         self._drafter_instance: str | None = None
         self._verifier_failures = 0
+        self._drafter_failures = 0  # consecutive; retries back off exponentially
         self._first_round_at: float | None = None
         self._in_flight: dict[int, Future] = {}
         self._in_flight_ids: set[str] = set()
@@ -245,7 +246,8 @@ class SpecEngine:
             return False
         if self._drafter_down_since is None:
             return True
-        if time.monotonic() - self._drafter_down_since >= self.config.drafter_retry_seconds:
+        backoff = self.config.drafter_retry_seconds * 2 ** min(self._drafter_failures - 1, 5)
+        if time.monotonic() - self._drafter_down_since >= backoff:
             self._drafter_down_since = None  # try again with a new epoch; a replacement may be up
             self.drafter_holder = self.kv.register_worker("drafter")
             self.fallback_events.append({"at": time.time(), "event": "drafter retried"})
@@ -355,9 +357,15 @@ class SpecEngine:
         except Exception as exc:  # the drafter died: continue by plain decoding
             self._on_drafter_failure(model_plans, exc)
             return time.perf_counter() - start
-        if self._drafter_instance is not None and result.worker_instance != self._drafter_instance:
-            self._on_drafter_replaced()
+        self._drafter_failures = 0
+        replaced = self._drafter_instance is not None and result.worker_instance != self._drafter_instance
         self._drafter_instance = result.worker_instance
+        if replaced:  # its drafts came from an empty KV pool: worthless, so this round decodes plainly
+            self._on_drafter_replaced()
+            for p in model_plans:
+                p.uses_model_drafter, p.k, p.drafts, p.draft_probs = False, 0, [], None
+                p.state.record_k(0, "drafter replaced: re-prefilling its cache")
+            return time.perf_counter() - start
         self.cost.observe_draft(max(p.k for p in model_plans), result.seconds)
         by_id = {o.request_id: o for o in result.outputs}
         for p in model_plans:
@@ -366,8 +374,8 @@ class SpecEngine:
         return time.perf_counter() - start
 
     def _on_drafter_replaced(self) -> None:
-        """A new drafter process: its pool is empty, so every request re-enters the draft namespace.
-        This round's drafts stay valid proposals (the verifier decides); their commit is refused."""
+        """A new drafter process: its pool is empty, so every request re-enters the draft namespace
+        (expiring the old epoch drops its grants, this round's reservations included)."""
         log.warning("drafter replaced; re-prefilling draft caches")
         self.fallback_events.append({"at": time.time(), "event": "drafter replaced"})
         self.kv.expire_worker("drafter")
@@ -391,6 +399,7 @@ class SpecEngine:
             self.waiting.appendleft(state)
 
     def _on_drafter_failure(self, plans: list[RoundPlan], exc: Exception) -> None:
+        self._drafter_failures += 1
         log.error("drafter failed (%s); falling back to plain decoding", exc)
         self._drafter_down_since = time.monotonic()
         self.fallback_events.append({"at": time.time(), "event": "drafter unavailable", "error": repr(exc)})
