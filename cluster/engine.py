@@ -70,7 +70,7 @@ class EngineConfig:
     target_namespace: str = "verifier/target"
     draft_namespace: str = "drafter/draft"
     max_context: int = 4096
-    probe_every: int = 16
+    probe_every: int = 32  # rounds of plain decoding before auto re-measures acceptance
     pressure_free_fraction: float = 0.1
     drafter_retry_seconds: float = 5.0
     max_verifier_failures: int = 20  # consecutive failed verify calls before the engine gives up
@@ -285,7 +285,8 @@ class SpecEngine:
             decision = choose_k(
                 state.acceptance, self.acceptance, self.cost, k_cap, len(plan.target_pending),
                 self._rounds_at_zero.get(state.request_id, 0), self.config.probe_every,
-                self.kv.free_fraction(self.config.target_namespace), self.config.pressure_free_fraction)
+                self.kv.free_fraction(self.config.target_namespace), self.config.pressure_free_fraction,
+                draft_cost_per_token=0.0 if spec.draft == "ngram" else self.cost.draft_token)
             k, reason = decision.k, decision.reason
         if k == 0:
             self._rounds_at_zero[state.request_id] = self._rounds_at_zero.get(state.request_id, 0) + 1

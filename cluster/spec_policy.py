@@ -41,6 +41,9 @@ class CostModel:
         old = self.verify_by_tokens.get(bucket)
         self.verify_by_tokens[bucket] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
 
+    def measured(self, tokens: int) -> float | None:
+        return self.verify_by_tokens.get(min(tokens, 16))
+
     def verify_time(self, tokens: int) -> float | None:
         if not self.verify_by_tokens:
             return None
@@ -82,13 +85,16 @@ class AutoDecision:
 def choose_k(
     own: AcceptanceStats, engine: AcceptanceStats, cost: CostModel, k_max: int, catch_up: int,
     rounds_at_zero: int, probe_every: int, free_fraction: float, pressure_free_fraction: float,
+    draft_cost_per_token: float | None,
 ) -> AutoDecision:
+    """`draft_cost_per_token`: measured seconds per draft step (None: not measured yet; 0 for n-gram)."""
     if k_max == 0:
         return AutoDecision(0, "no drafter")
     cap = 1 if free_fraction < pressure_free_fraction else k_max
-    if cost.draft_token is None or cost.verify_time(catch_up + 1) is None:
-        k = min(2, cap)
-        return AutoDecision(k, "warm-up: measuring draft and verify cost")
+    if cost.measured(catch_up) is None:
+        return AutoDecision(0, "warm-up: measuring plain-decode cost")
+    if draft_cost_per_token is None or not any(b > min(catch_up, 16) for b in cost.verify_by_tokens):
+        return AutoDecision(min(2, cap), "warm-up: measuring draft and verify cost")
     survival = blended_survival(own, engine, k_max)
     best_k, best_rate = 0, 0.0
     rates = []
@@ -96,14 +102,14 @@ def choose_k(
         expected = 1.0 + sum(survival[:k])
         t_verify = cost.verify_time(catch_up + k)
         assert t_verify is not None
-        rate = expected / (k * cost.draft_token + t_verify)
+        rate = expected / (k * draft_cost_per_token + t_verify)
         rates.append(rate)
         if rate > best_rate * 1.02 or k == 0:  # prefer smaller k unless clearly better
             best_k, best_rate = k, rate
     if best_k == 0 and rounds_at_zero >= probe_every:
         return AutoDecision(1, "probe: re-measuring acceptance after plain decoding")
     if best_k == 0:
-        return AutoDecision(0, f"fallback: plain decoding is faster ({rates[0]:.2f} tok/s-units vs best spec "
+        return AutoDecision(0, f"fallback: plain decoding is faster ({rates[0]:.2f} tokens/s vs best speculative "
                                f"{max(rates[1:], default=0):.2f})")
     reason = "memory pressure: k capped at 1" if cap < k_max and best_k == cap else "cost model"
     return AutoDecision(best_k, reason)

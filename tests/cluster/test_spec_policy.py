@@ -23,7 +23,7 @@ def cost(draft: float, verify: dict[int, float]) -> CostModel:
 
 def choose(own: AcceptanceStats, c: CostModel, **kw) -> tuple[int, str]:
     args = dict(k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16, free_fraction=1.0,
-                pressure_free_fraction=0.1)
+                pressure_free_fraction=0.1, draft_cost_per_token=c.draft_token)
     args.update(kw)
     d = choose_k(own, AcceptanceStats(), c, **args)
     return d.k, d.reason
@@ -53,9 +53,19 @@ def test_memory_pressure_caps_k() -> None:
     assert k == 1 and "memory pressure" in reason
 
 
-def test_warm_up_before_measurements() -> None:
+def test_warm_up_measures_plain_then_speculative_cost() -> None:
     k, reason = choose(AcceptanceStats(), CostModel())
-    assert k == 2 and reason.startswith("warm-up")
+    assert k == 0 and "plain-decode cost" in reason
+    k, reason = choose(AcceptanceStats(), cost(None, {1: 0.3}))  # type: ignore[arg-type]
+    assert k == 2 and "draft and verify cost" in reason
+
+
+def test_ngram_costs_nothing_to_draft() -> None:
+    own = stats_with([2], proposed=4, rounds=50)  # two of four survive
+    c = cost(None, {1: 0.30, 5: 0.60})  # type: ignore[arg-type]
+    d = choose_k(own, AcceptanceStats(), c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16,
+                 free_fraction=1.0, pressure_free_fraction=0.1, draft_cost_per_token=0.0)
+    assert d.k >= 2 and d.reason == "cost model"
 
 
 def test_survival_is_per_position_and_monotone() -> None:
