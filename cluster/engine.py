@@ -367,7 +367,8 @@ class SpecEngine:
                 p.uses_model_drafter, p.k, p.drafts, p.draft_probs = False, 0, [], None
                 p.state.record_k(0, "drafter replaced: re-prefilling its cache")
             return time.perf_counter() - start
-        self.cost.observe_draft(max(p.k for p in model_plans), result.seconds)
+        if all(len(p.draft_pending) <= 2 for p in model_plans):  # a catch-up prefill is not a draft step
+            self.cost.observe_draft(max(p.k for p in model_plans), result.seconds)
         by_id = {o.request_id: o for o in result.outputs}
         for p in model_plans:
             out = by_id[p.state.request_id]
