@@ -45,22 +45,25 @@ def test_prefill_decode_verify_match_transformers(random_ckpt: Path) -> None:
     check_incremental_parity(random_ckpt, prompt, [[5], [77], [123], [9, 8, 7, 6]])
 
 
-def test_greedy_64_tokens_match_generate(random_ckpt: Path) -> None:
-    ours = CausalLM.load(random_ckpt)
-    hf = AutoModelForCausalLM.from_pretrained(random_ckpt, dtype=torch.float32).eval()
-    prompt = [1, 55, 66, 77, 88]
-    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, min_new_tokens=64,
+def check_greedy_matches_generate(ckpt: Path, prompt: list[int], block_size: int, steps: int = 64) -> None:
+    ours = CausalLM.load(ckpt)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, min_new_tokens=steps,
                            pad_token_id=0)[0, len(prompt):].tolist()
-    alloc = LocalAllocator(num_blocks=64, block_size=4)
-    kv = ours.allocate_kv(64, 4)
+    alloc = LocalAllocator(num_blocks=64, block_size=block_size)
+    kv = ours.allocate_kv(64, block_size)
     seq = LocalSequence()
     (logits,) = ours.forward_seqs([alloc.extend(seq, prompt, logits="last")], kv)
     generated: list[int] = []
-    for _ in range(64):
+    for _ in range(steps):
         token = int(logits[-1].argmax())
         generated.append(token)
         (logits,) = ours.forward_seqs([alloc.extend(seq, [token])], kv)
     assert generated == expected
+
+
+def test_greedy_64_tokens_match_generate(random_ckpt: Path) -> None:
+    check_greedy_matches_generate(random_ckpt, [1, 55, 66, 77, 88], block_size=4)
 
 
 def test_smollm2_matches_transformers(smollm2_dir: Path) -> None:
@@ -69,18 +72,4 @@ def test_smollm2_matches_transformers(smollm2_dir: Path) -> None:
 
 
 def test_smollm2_greedy_64_tokens_match_generate(smollm2_dir: Path) -> None:
-    ours = CausalLM.load(smollm2_dir)
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    prompt = [504, 3458, 282, 4649, 314, 5248, 30]
-    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, min_new_tokens=64,
-                           pad_token_id=0)[0, len(prompt):].tolist()
-    alloc = LocalAllocator(num_blocks=64, block_size=16)
-    kv = ours.allocate_kv(64, 16)
-    seq = LocalSequence()
-    (logits,) = ours.forward_seqs([alloc.extend(seq, prompt, logits="last")], kv)
-    generated: list[int] = []
-    for _ in range(64):
-        token = int(logits[-1].argmax())
-        generated.append(token)
-        (logits,) = ours.forward_seqs([alloc.extend(seq, [token])], kv)
-    assert generated == expected
+    check_greedy_matches_generate(smollm2_dir, [504, 3458, 282, 4649, 314, 5248, 30], block_size=16)
