@@ -48,7 +48,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] long
     seqs: list[SeqInput]
     offsets: list[int]  # start of each sequence's new tokens in the flat tensors
-    block_tables: list[torch.Tensor]  # per sequence, blocks covering its past
+    kv_slots: list[torch.Tensor]  # per sequence, flat pool slots of its past then its new tokens
     masks: list[torch.Tensor]  # per sequence [n, past_len + n] bool
     logits_rows: torch.Tensor  # [R] rows of the flat batch whose logits are returned
     logits_counts: list[int]  # per sequence number of rows in logits_rows
@@ -59,7 +59,7 @@ class ForwardBatch:
         positions: list[int] = []
         slots: list[int] = []
         offsets: list[int] = []
-        tables: list[torch.Tensor] = []
+        kv_slots: list[torch.Tensor] = []
         masks: list[torch.Tensor] = []
         rows: list[int] = []
         counts: list[int] = []
@@ -68,7 +68,9 @@ class ForwardBatch:
             offsets.append(len(tokens))
             needed_blocks = -(-seq.past_len // block_size)
             assert len(seq.block_table) >= needed_blocks, "block table does not cover the past"
-            tables.append(torch.tensor(seq.block_table[:needed_blocks], dtype=torch.long))
+            table = torch.tensor(seq.block_table[:needed_blocks], dtype=torch.long)
+            past_slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:seq.past_len]
+            kv_slots.append(torch.cat([past_slots, torch.tensor(seq.slot_mapping, dtype=torch.long)]))
             new_mask = seq.attn_mask if seq.attn_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
             past_mask = torch.ones(n, seq.past_len, dtype=torch.bool)
             masks.append(torch.cat([past_mask, new_mask.to(torch.bool)], dim=1))
@@ -84,7 +86,7 @@ class ForwardBatch:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             seqs=seqs,
             offsets=offsets,
-            block_tables=tables,
+            kv_slots=kv_slots,
             masks=masks,
             logits_rows=torch.tensor(rows, dtype=torch.long),
             logits_counts=counts,

@@ -16,20 +16,8 @@ import torch.nn.functional as F
 from model_runtime.batch import ForwardBatch, SeqInput
 from model_runtime.config import ModelConfig
 from model_runtime.kv_pool import KVPool
+from model_runtime.small_matmul import calibrate_all, linear
 from model_runtime.weights import LayerWeights, ModelWeights, load_weights
-
-# Row counts the CPU matmul library handles slowly, and the count it runs faster at (measured with
-# torch 2.13 on this project's CPU: a [3, 1536] x [1536, 17920] product takes 1.7x the time of [4, ...]).
-# Verify rounds score k+1 = 2..8 rows, so padding them is the difference between speculation paying or not.
-_PAD_ROWS = {2: 4, 3: 4, 5: 8, 6: 8, 7: 8}
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    rows = x.shape[0]
-    padded = _PAD_ROWS.get(rows) if x.device.type == "cpu" else None
-    if padded is None:
-        return F.linear(x, weight, bias)
-    return F.linear(torch.cat([x, x.new_zeros(padded - rows, x.shape[1])]), weight, bias)[:rows]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,6 +56,8 @@ class CausalLM:
         self.num_kv_heads = config.num_kv_heads // tp_size
         self.dtype = weights.embed.dtype
         self.device = weights.embed.device
+        first = weights.layers[0]
+        self.matmul_widths = calibrate_all([first.qkv, first.o, first.gate_up, first.down, weights.lm_head])
 
     @classmethod
     def load(
@@ -125,17 +115,16 @@ class CausalLM:
         q = apply_rope(q.view(tokens, hq, d), cos, sin)
         k = apply_rope(k.view(tokens, hkv, d), cos, sin)
         v = v.view(tokens, hkv, d)
-        k_pool, v_pool = kv.k[layer_idx], kv.v[layer_idx]
-        k_pool.view(-1, hkv, d).index_copy_(0, slots, k)
-        v_pool.view(-1, hkv, d).index_copy_(0, slots, v)
+        k_flat, v_flat = kv.k[layer_idx].view(-1, hkv, d), kv.v[layer_idx].view(-1, hkv, d)
+        k_flat.index_copy_(0, slots, k)
+        v_flat.index_copy_(0, slots, v)
         out = torch.empty(tokens, hq, d, dtype=x.dtype, device=x.device)
-        for seq, start, table, mask in zip(batch.seqs, batch.offsets, batch.block_tables, batch.masks, strict=True):
+        for seq, start, kv_slots, mask in zip(batch.seqs, batch.offsets, batch.kv_slots, batch.masks, strict=True):
             n = len(seq.token_ids)
             k_seq, v_seq = k[start:start + n], v[start:start + n]
-            if seq.past_len:
-                blocks = table.to(x.device)
-                k_seq = torch.cat([k_pool[blocks].view(-1, hkv, d)[:seq.past_len], k_seq])
-                v_seq = torch.cat([v_pool[blocks].view(-1, hkv, d)[:seq.past_len], v_seq])
+            if seq.past_len:  # one gather of past + new from the pool (the new tokens were just written)
+                idx = kv_slots.to(x.device)
+                k_seq, v_seq = k_flat.index_select(0, idx), v_flat.index_select(0, idx)
             attn = F.scaled_dot_product_attention(
                 q[start:start + n].transpose(0, 1), k_seq.transpose(0, 1), v_seq.transpose(0, 1),
                 attn_mask=None if n == 1 else mask.to(x.device),  # one new token sees everything

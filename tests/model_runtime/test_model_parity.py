@@ -1,4 +1,9 @@
-"""Our paged forward against transformers on the same weights (fp32, max abs logits diff 1e-4)."""
+"""Our paged forward against transformers on the same weights (fp32, max abs logits diff 5e-4).
+
+Both are fp32 but sum the dot products in different orders (our small-row linears run as W @ x^T in
+4-column blocks, see model_runtime/model.py), which moves SmolLM2's logits (magnitude ~20) by up to
+~2e-4, a relative 1e-5. Greedy tokens are checked for identity separately.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from model_runtime.local_alloc import LocalAllocator, LocalSequence
 from model_runtime.model import CausalLM
 from model_runtime.testing import make_random_checkpoint
 
-TOL = 1e-4
+TOL = 5e-4
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
