@@ -17,6 +17,7 @@ from typing import Literal
 
 Contract = Literal["exact", "greedy", "typical"]
 CONTRACTS: tuple[str, ...] = ("exact", "greedy", "typical")
+DRAFT_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")  # see model_runtime.tp.draft_dtype
 FinishReason = Literal["stop", "length", "eos", "abort", "error"]
 MAX_TOKENS_LIMIT = 8192
 MAX_K = 8

@@ -77,6 +77,7 @@ class SpecSettings:
     hf: bool = True
     hf_lookup_tokens: int = 10  # transformers' prompt_lookup_num_tokens (its documented example value)
     max_context: int = 1024
+    draft_dtype: str = "auto"  # see model_runtime.tp.draft_dtype
 
     def __post_init__(self) -> None:
         if self.draft == "none" and "model" in self.drafts:
@@ -154,7 +155,8 @@ class SpecBench:
         self.s = s
         progress(f"spec: loading {s.model} (draft {s.draft})")
         self.base = build_local_engine(s.model, s.draft, EngineOptions(max_batch=max(s.batches),
-                                                                         max_context=s.max_context))
+                                                                         max_context=s.max_context,
+                                                                         draft_dtype=s.draft_dtype))
         self.prompts = load_prompts(s.categories, s.per_category)
         self.prompt_ids = {p.id: tokenize_prompt(self.base.tokenizer, p.text, chat=True) for p in self.prompts}
         self.hf_target = self.hf_draft = None

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cluster.api import DRAFT_DTYPES
 from cluster.cli_generate import parse_k
 
 
@@ -50,6 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sp.add_argument("--batches", nargs="+", type=int, default=None, help="concurrent requests (default 1 8)")
     sp.add_argument("--max-tokens", type=int, default=None, help="output tokens per prompt (default 64)")
     sp.add_argument("--seed", type=int, default=None)
+    sp.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
+                    help="draft model precision (default auto: float16 on CPU, bfloat16 on CUDA)")
     sp.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     sp.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
     sp.add_argument("--quick", action="store_true",
@@ -154,7 +157,8 @@ def _run_spec(args: argparse.Namespace) -> int:
     base: dict[str, Any] = dict(QUICK) if args.quick else {}
     flags = {"model": args.model, "draft": args.draft, "drafts": args.drafts, "categories": args.categories,
              "per_category": args.per_category, "ks": args.ks, "temperatures": args.temperatures,
-             "batches": args.batches, "max_tokens": args.max_tokens, "seed": args.seed}
+             "batches": args.batches, "max_tokens": args.max_tokens, "seed": args.seed,
+             "draft_dtype": args.draft_dtype}
     base.update({key: value for key, value in flags.items() if value is not None})
     if args.model and args.model != "qwen2.5-coder-1.5b" and args.draft is None and not args.quick:
         base.setdefault("draft", "none")

@@ -14,7 +14,7 @@ import sys
 import uuid
 from typing import Any
 
-from cluster.api import CONTRACTS, GenerationRequest, SamplingParams, SpecParams, SpecServeError
+from cluster.api import CONTRACTS, DRAFT_DTYPES, GenerationRequest, SamplingParams, SpecParams, SpecServeError
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
@@ -36,6 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--draft", default=None,
                    help=f"draft model name/dir, 'ngram' or 'none' (default: {DEFAULT_DRAFT} for the default model, "
                         "ngram otherwise)")
+    p.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
+                   help="draft model precision (auto: float16 on CPU, bfloat16 on CUDA); changes acceptance, "
+                        "never the output")
     p.add_argument("--k", type=parse_k, default=None, help="draft tokens per round: N or 'auto' (default auto)")
     p.add_argument("--contract", choices=CONTRACTS, default=None,
                    help="acceptance contract (default: greedy at temperature 0, exact otherwise)")
@@ -106,7 +109,8 @@ def _run_in_process(args: argparse.Namespace) -> int:
     draft_kind = draft if draft in NON_MODEL_DRAFTS else "model"
     print(f"loading {args.model} (draft: {draft}) ...", file=sys.stderr)
     engine = build_local_engine(args.model, draft, EngineOptions(max_batch=max(1, args.n),
-                                                                 max_context=args.max_context))
+                                                                 max_context=args.max_context,
+                                                                 draft_dtype=args.draft_dtype))
     prompt_ids = tokenize_prompt(engine.tokenizer, args.prompt, args.chat)
     requests = build_requests(args, prompt_ids, draft_kind)
     for request in requests:

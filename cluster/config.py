@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -47,6 +47,9 @@ class ClusterConfig(BaseModel):
     model: str = Field("qwen2.5-coder-1.5b", description="target model: registry name or HF checkpoint dir")
     draft: str = Field("qwen2.5-coder-0.5b", description="draft model name/dir, or 'ngram'")
     device: str = Field("cpu", description="torch device of the drafter and verifier workers")
+    draft_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="draft model precision (auto: float16 on CPU, bfloat16 on CUDA); changes acceptance, "
+                            "never the output")
 
     # deployments
     ingress_replicas: int = Field(1, ge=1, le=64)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from cluster.api import InvalidRequestError
 from cluster.engine import EngineConfig, SpecEngine
 from cluster.kv_client import LocalKV
@@ -20,6 +22,7 @@ from drafter_service.worker import DraftWorker
 from kv_manager.ledger import BlockLedger
 from kv_manager.schema import NamespaceConfig
 from model_runtime.config import ModelConfig
+from model_runtime.tp import draft_dtype
 from verifier_service.worker import LocalRunner, VerifierWorker
 
 log = logging.getLogger("specserve.factory")
@@ -42,6 +45,7 @@ class EngineOptions:
     num_blocks: int | None = None  # default: enough for max_batch full contexts
     k_max: int = 4
     device: str = "cpu"
+    draft_dtype: str = "auto"  # see model_runtime.tp.draft_dtype
 
     def blocks(self) -> int:
         if self.num_blocks is not None:
@@ -116,12 +120,12 @@ def build_local_engine(model: str, draft: str = "none", options: EngineOptions |
     opts = options or EngineOptions()
     blocks = opts.blocks()
 
-    def runner(checkpoint_dir: Path) -> LocalRunner:
-        return LocalRunner(str(checkpoint_dir), blocks, opts.block_size, opts.device)
+    def runner(checkpoint_dir: Path, dtype: torch.dtype | None = None) -> LocalRunner:
+        return LocalRunner(str(checkpoint_dir), blocks, opts.block_size, opts.device, dtype)
 
     config = EngineConfig(max_batch=opts.max_batch, k_max=opts.k_max, max_context=opts.max_context)
     return assemble_engine(
         model, draft, config, blocks, opts.block_size,
-        make_verifier=lambda d: VerifierWorker(runner(d)), make_drafter=lambda d: DraftWorker(runner(d)),
+        make_verifier=lambda d: VerifierWorker(runner(d)), make_drafter=lambda d: DraftWorker(runner(d, draft_dtype(opts.draft_dtype, opts.device))),
         make_kv=lambda namespaces: LocalKV(BlockLedger(namespaces)), tokenizer=tokenizer,
     )

@@ -53,9 +53,37 @@ class RequestRefused(SpecServeError):
     """Raised after the gRPC status is set on the context; one message argument, so Ray can pickle it."""
 
 
-async def _empty() -> AsyncIterator[IndexedChunk]:
-    return
-    yield  # an async generator with no items
+class ChunkStream:
+    """One request's chunks from the scheduler. `cancel()` is synchronous and idempotent, so a consumer's
+    `finally` reaches the scheduler at once (an abandoned async generator would only be closed whenever the
+    garbage collector finalises it, and the request would run to its end)."""
+
+    def __init__(self, stream: Any = None, first: IndexedChunk | None = None) -> None:
+        self._stream = stream
+        self._first = first
+
+    def __aiter__(self) -> "ChunkStream":
+        return self
+
+    async def __anext__(self) -> IndexedChunk:
+        if self._first is not None:
+            item, self._first = self._first, None
+        elif self._stream is None:
+            raise StopAsyncIteration
+        else:
+            item = await self._stream.__anext__()
+        if isinstance(item, StreamError):
+            self.cancel()
+            raise item.to_exception()
+        return item
+
+    def cancel(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()  # a no-op once the stream is done
+
+
+def _empty() -> ChunkStream:
+    return ChunkStream()
 
 
 def http_error(error: StreamError) -> JSONResponse:
@@ -71,7 +99,7 @@ class Ingress:
         self._scheduler = scheduler
         self._defaults = ServerDefaults(config.model, "model" if config.uses_draft_model else "ngram")
 
-    async def _open(self, args: GenerateArgs) -> "tuple[StreamError | None, AsyncIterator[IndexedChunk]]":
+    async def _open(self, args: GenerateArgs) -> "tuple[StreamError | None, ChunkStream]":
         """Start the scheduler stream; a refusal is returned before the first chunk is."""
         stream = self._scheduler.options(stream=True).generate.remote(args)
         try:
@@ -82,22 +110,7 @@ class Ingress:
         if isinstance(first, StreamError):
             stream.cancel()
             return first, _empty()
-
-        async def chunks() -> AsyncIterator[IndexedChunk]:
-            try:
-                item = first
-                while True:
-                    if isinstance(item, StreamError):
-                        raise item.to_exception()
-                    yield item
-                    try:
-                        item = await stream.__anext__()
-                    except StopAsyncIteration:
-                        return
-            finally:
-                stream.cancel()  # no-op once the stream is done; aborts the request otherwise
-
-        return None, chunks()
+        return None, ChunkStream(stream, first)
 
     # -- gRPC (method names = rpc names of specserve.v1.SpecServe) ----------------------------------
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateChunk]:
@@ -117,6 +130,8 @@ class Ingress:
             grpc_context.set_code(grpc.StatusCode.INTERNAL)
             grpc_context.set_details(str(exc))
             raise RequestRefused(str(exc)) from None
+        finally:
+            chunks.cancel()  # leaving early (disconnect, deadline) aborts the request at the scheduler
 
     async def ListModels(self, request: pb.ListModelsRequest) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.ModelInfo(**model) for model in self._models()])
@@ -180,9 +195,11 @@ class Ingress:
                 collected.add(item)
         except SpecServeError as exc:
             return http_error(StreamError("internal", str(exc)))
+        finally:
+            chunks.cancel()
         return JSONResponse(completion_body(args.request_id, self._config.model, collected, chat))
 
-    async def _sse(self, args: GenerateArgs, chunks: AsyncIterator[IndexedChunk], chat: bool) -> AsyncIterator[str]:
+    async def _sse(self, args: GenerateArgs, chunks: ChunkStream, chat: bool) -> AsyncIterator[str]:
         started: set[int] = set()
         try:
             async for item in chunks:
@@ -190,6 +207,8 @@ class Ingress:
                 started.add(item.index)
         except SpecServeError as exc:
             yield f"data: {json.dumps(error_body(str(exc), 'internal_error'))}\n\n"
+        finally:
+            chunks.cancel()
         yield SSE_DONE
 
 

@@ -22,17 +22,19 @@ logger = logging.getLogger("ray.serve")
 
 class Drafter:
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
-                 worker_threads: int = 0) -> None:
+                 worker_threads: int = 0, dtype: str = "auto") -> None:
         from model_runtime.prepare import prepare_model
+        from model_runtime.tp import draft_dtype
         from verifier_service.worker import LocalRunner
 
         if worker_threads > 0:
             torch.set_num_threads(worker_threads)
         checkpoint = prepare_model(model, progress=False)
         device = "cuda:0" if device.startswith("cuda") else device  # Ray shows only the assigned GPU
-        self.worker = DraftWorker(LocalRunner(str(checkpoint), num_blocks, block_size, device))
+        precision = draft_dtype(dtype, device)
+        self.worker = DraftWorker(LocalRunner(str(checkpoint), num_blocks, block_size, device, precision))
         self.model = model
-        logger.info("drafter ready: %s, %d KV blocks of %d", model, num_blocks, block_size)
+        logger.info("drafter ready: %s (%s), %d KV blocks of %d", model, precision, num_blocks, block_size)
 
     def propose(self, batch: ProposeBatch) -> ProposeResult:
         return self.worker.propose(batch)

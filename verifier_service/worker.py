@@ -32,10 +32,11 @@ class ForwardRunner(Protocol):
 class LocalRunner:
     """TP=1 in this process: the model and its pool (owner of both)."""
 
-    def __init__(self, checkpoint_dir: str, num_blocks: int, block_size: int, device: str = "cpu") -> None:
+    def __init__(self, checkpoint_dir: str, num_blocks: int, block_size: int, device: str = "cpu",
+                 dtype: torch.dtype | None = None) -> None:
         from model_runtime.tp import TPRank
 
-        self.rank = TPRank(checkpoint_dir, 0, 1, num_blocks, block_size, device)
+        self.rank = TPRank(checkpoint_dir, 0, 1, num_blocks, block_size, device, dtype)
         self.config = self.rank.model.config
 
     def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
