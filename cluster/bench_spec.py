@@ -21,6 +21,7 @@ same config, as in a long-running server. Transformers models share our weight t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -37,6 +38,7 @@ from cluster.cli_generate import tokenize_prompt
 from cluster.engine import SpecEngine
 from cluster.kv_client import LocalKV
 from kv_manager.ledger import BlockLedger
+from model_runtime.model import CausalLM
 from verifier_service.acceptance_stats import AcceptanceStats
 
 PROMPTS_PATH = Path(__file__).parent / "prompts" / "bench_prompts.jsonl"
@@ -156,14 +158,20 @@ class SpecBench:
         progress(f"spec: loading {s.model} (draft {s.draft})")
         self.base = build_local_engine(s.model, s.draft, EngineOptions(max_batch=max(s.batches),
                                                                          max_context=s.max_context,
-                                                                         draft_dtype=s.draft_dtype))
+                                                                         draft_dtype=s.draft_dtype,
+                                                                         warm_up=True))
         self.prompts = load_prompts(s.categories, s.per_category)
         self.prompt_ids = {p.id: tokenize_prompt(self.base.tokenizer, p.text, chat=True) for p in self.prompts}
         self.hf_target = self.hf_draft = None
         if s.hf:
             self.hf_target = hf_model_sharing_weights(self.base.verifier.runner.rank.model, model_dir(s.model))
             if self.base.drafter is not None:
-                self.hf_draft = hf_model_sharing_weights(self.base.drafter.runner.rank.model, model_dir(s.draft))
+                # transformers' assistant runs in float32, as it would for a CPU user (its float16 has no
+                # fast CPU kernels); ours keeps its own draft precision.
+                draft = self.base.drafter.runner.rank.model
+                if draft.dtype != torch.float32:
+                    draft = CausalLM.load(model_dir(s.draft))
+                self.hf_draft = hf_model_sharing_weights(draft, model_dir(s.draft))
         self.tallies: dict[Config, Tally] = {}
         self.hf_tallies: dict[tuple[str, float], Tally] = {}
         self.policy: dict[Config, tuple[Any, AcceptanceStats]] = {}  # auto policy state carried per config
@@ -178,6 +186,8 @@ class SpecBench:
                             model_name=base.model_name, draft_name=base.draft_name)
         if config in self.policy:
             engine.cost, engine.acceptance = self.policy[config]
+        else:  # the costs the base engine measured in its warm-up (cluster/engine_warmup.py)
+            engine.cost = copy.deepcopy(base.cost)
         return engine
 
     def _request(self, config: Config, prompt: BenchPrompt, index: int, max_tokens: int) -> GenerationRequest:

@@ -39,6 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
                    help="draft model precision (auto: float16 on CPU, bfloat16 on CUDA); changes acceptance, "
                         "never the output")
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="skip measuring verify/draft costs before generating (auto then learns them in the first "
+                        "rounds)")
     p.add_argument("--k", type=parse_k, default=None, help="draft tokens per round: N or 'auto' (default auto)")
     p.add_argument("--contract", choices=CONTRACTS, default=None,
                    help="acceptance contract (default: greedy at temperature 0, exact otherwise)")
@@ -110,7 +113,8 @@ def _run_in_process(args: argparse.Namespace) -> int:
     print(f"loading {args.model} (draft: {draft}) ...", file=sys.stderr)
     engine = build_local_engine(args.model, draft, EngineOptions(max_batch=max(1, args.n),
                                                                  max_context=args.max_context,
-                                                                 draft_dtype=args.draft_dtype))
+                                                                 draft_dtype=args.draft_dtype,
+                                                                 warm_up=args.k is None and not args.no_warm_up))
     prompt_ids = tokenize_prompt(engine.tokenizer, args.prompt, args.chat)
     requests = build_requests(args, prompt_ids, draft_kind)
     for request in requests:

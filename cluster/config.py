@@ -70,6 +70,9 @@ class ClusterConfig(BaseModel):
     max_batch: int = Field(16, ge=1, le=4096, description="requests per engine round")
     max_context: int = Field(2048, ge=16, le=1 << 20, description="prompt + max_tokens limit (capped by the model)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="extra EngineConfig fields, e.g. k_max")
+    warm_up: bool = Field(True, description="before serving, time verify for k = 0..k_max and the draft step "
+                                            "through the real round path, so auto speculation starts from measured "
+                                            "costs (cluster/engine_warmup.py)")
     drafter_timeout_s: float = Field(5.0, gt=0, le=3600, description="a propose call unanswered this long counts "
                                      "as a drafter failure: plain decoding until the engine retries the drafter")
 

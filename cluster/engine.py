@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cluster.api import CapacityError, GenerationRequest, InvalidRequestError, TokenChunk
+from cluster.engine_overlap import OverlapRounds
+from cluster.engine_recovery import WorkerRecovery
 from cluster.engine_stats import busy_fractions
 from cluster.request_state import RequestState, TextTracker
 from cluster.round_messages import (
@@ -77,7 +79,7 @@ class EngineConfig:
     overlap: bool = False  # draft one group while verifying the other (separate devices/processes pay off)
 
 
-class SpecEngine:
+class SpecEngine(OverlapRounds, WorkerRecovery):
     def __init__(
         self, verifier: VerifierBackend, drafter: DrafterBackend | None, kv: Any, tokenizer: Any,
         eos_token_ids: tuple[int, ...], vocab_size: int, config: EngineConfig | None = None,
@@ -111,7 +113,6 @@ class SpecEngine:
         self._drafter_instance: str | None = None
         self._verifier_failures = 0
         self._drafter_failures = 0  # consecutive; retries back off exponentially
-        self._first_round_at: float | None = None
         self._in_flight: dict[int, Future] = {}
         self._in_flight_ids: set[str] = set()
         self._draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-draft")
@@ -167,8 +168,6 @@ class SpecEngine:
         if not self.running:
             return chunks
         round_start = time.perf_counter()
-        if self._first_round_at is None:
-            self._first_round_at = round_start
         if self.config.overlap:
             plans, draft_seconds = self._overlapped_prepare()
         else:
@@ -193,37 +192,6 @@ class SpecEngine:
         self.totals["round_seconds"] += time.perf_counter() - round_start
         return chunks
 
-    # ------------------------------------------------------------------ overlap (two groups, ping-pong)
-    #   step t   : verify(group A) on this thread  ||  plan+reserve+propose(group B) on the draft thread
-    #   step t+1 : verify(group B)                 ||  plan+reserve+propose(group A)
-    def _prepare(self, states: list[RequestState]) -> tuple[list[RoundPlan], float]:
-        plans = self._reserve([self._plan(s) for s in states], may_preempt=False)
-        return plans, self._propose(plans)
-
-    def _overlapped_prepare(self) -> tuple[list[RoundPlan], float]:
-        turn = self._turn
-        self._turn ^= 1
-        mine = [s for s in self.running if s.group == turn]
-        others = [s for s in self.running if s.group != turn]
-        future = self._in_flight.pop(turn, None)
-        if future is not None:
-            plans, draft_seconds = future.result()
-            self._in_flight_ids.difference_update(p.state.request_id for p in plans)
-            stale = [p for p in plans if p.state not in self.running]
-            self.kv.rollback([(ns, p.state.request_id) for p in stale for ns in self._namespaces])
-            plans = [p for p in plans if p.state in self.running]
-        elif mine:
-            plans, draft_seconds = self._prepare(mine)
-        else:
-            plans, draft_seconds = [], 0.0
-        if others and (1 - turn) not in self._in_flight:
-            self._in_flight_ids.update(s.request_id for s in others)
-            self._in_flight[1 - turn] = self._draft_pool.submit(self._prepare, others)
-        idle = [s for s in self.running if s.request_id not in self._in_flight_ids]
-        if not plans and not self._in_flight and idle:
-            self._preempt(idle[-1])
-        return plans, draft_seconds
-
     def _admit(self) -> None:
         cfg = self.config
         while self.waiting and len(self.running) < cfg.max_batch:
@@ -240,19 +208,6 @@ class SpecEngine:
             self.running.append(state)
             log.debug("admitted %s (%d prompt tokens, %d cached)", state.request_id, state.prompt_len,
                       state.target_cached)
-
-    def _drafter_usable(self) -> bool:
-        if self.drafter is None:
-            return False
-        if self._drafter_down_since is None:
-            return True
-        backoff = self.config.drafter_retry_seconds * 2 ** min(self._drafter_failures - 1, 5)
-        if time.monotonic() - self._drafter_down_since >= backoff:
-            self._drafter_down_since = None  # try again with a new epoch; a replacement may be up
-            self.drafter_holder = self.kv.register_worker("drafter")
-            self.fallback_events.append({"at": time.time(), "event": "drafter retried"})
-            return True
-        return False
 
     def _admit_draft(self, state: RequestState) -> bool:
         """Enter the request in the draft namespace (first speculative round, or after a drafter restart)."""
@@ -375,43 +330,6 @@ class SpecEngine:
             p.drafts, p.draft_probs = out.draft_ids, out.draft_probs
         return time.perf_counter() - start
 
-    def _on_drafter_replaced(self) -> None:
-        """A new drafter process: its pool is empty, so every request re-enters the draft namespace
-        (expiring the old epoch drops its grants, this round's reservations included)."""
-        log.warning("drafter replaced; re-prefilling draft caches")
-        self.fallback_events.append({"at": time.time(), "event": "drafter replaced"})
-        self.kv.expire_worker("drafter")
-        self.drafter_holder = self.kv.register_worker("drafter")
-        for state in self.running:
-            state.draft_cached, state.draft_admitted = 0, False
-
-    def _recover_verifier(self, plans: list[RoundPlan], reason: str) -> None:
-        """The target KV is gone: expire the verifier's epoch, roll back this round and requeue every
-        running request; it is re-admitted and re-prefilled from its tokens (nothing emitted is lost)."""
-        log.error("%s; re-prefilling %d running requests", reason, len(self.running))
-        self.fallback_events.append({"at": time.time(), "event": "verifier recovery", "reason": reason})
-        self.kv.rollback([(self.config.draft_namespace, p.state.request_id) for p in plans if p.uses_model_drafter])
-        self.kv.expire_worker("verifier")
-        self.verifier_holder = self.kv.register_worker("verifier")
-        for state in reversed(self.running):
-            if state.request_id in self._in_flight_ids:
-                continue  # its group's drafts are in flight; requeued when they land (not in running)
-            state.target_cached, state.admitted = 0, False
-            self.running.remove(state)
-            self.waiting.appendleft(state)
-
-    def _on_drafter_failure(self, plans: list[RoundPlan], exc: Exception) -> None:
-        self._drafter_failures += 1
-        log.error("drafter failed (%s); falling back to plain decoding", exc)
-        self._drafter_down_since = time.monotonic()
-        self.fallback_events.append({"at": time.time(), "event": "drafter unavailable", "error": repr(exc)})
-        self.kv.expire_worker("drafter")  # rolls back every draft-namespace grant of the dead epoch
-        for p in plans:
-            p.uses_model_drafter, p.k, p.drafts, p.draft_probs = False, 0, [], None
-            p.state.record_k(0, "fallback: drafter failed, plain decoding")
-        for state in self.running:
-            state.draft_cached, state.draft_admitted = 0, False
-
     def _verify(self, plans: list[RoundPlan]) -> VerifyResult | None:
         items = [verify_item(p) for p in plans]
         try:
@@ -518,6 +436,12 @@ class SpecEngine:
             "fallback_events": list(self.fallback_events),
             "kv_free_fraction": self.kv.free_fraction(self.config.target_namespace),
         }
+
+    def reset_statistics(self) -> None:
+        """Forget acceptance, time totals and events (after warm-up); the cost model stays."""
+        self.acceptance = AcceptanceStats()
+        self.totals = collections.defaultdict(float)
+        self.fallback_events.clear()
 
     def close(self) -> None:
         """Stop the draft thread (after its in-flight work)."""

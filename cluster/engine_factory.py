@@ -17,6 +17,7 @@ import torch
 
 from cluster.api import InvalidRequestError
 from cluster.engine import EngineConfig, SpecEngine
+from cluster.engine_warmup import warm_up
 from cluster.kv_client import LocalKV
 from drafter_service.worker import DraftWorker
 from kv_manager.ledger import BlockLedger
@@ -46,6 +47,7 @@ class EngineOptions:
     k_max: int = 4
     device: str = "cpu"
     draft_dtype: str = "auto"  # see model_runtime.tp.draft_dtype
+    warm_up: bool = False  # measure verify/draft costs before serving (cluster/engine_warmup.py)
 
     def blocks(self) -> int:
         if self.num_blocks is not None:
@@ -124,8 +126,12 @@ def build_local_engine(model: str, draft: str = "none", options: EngineOptions |
         return LocalRunner(str(checkpoint_dir), blocks, opts.block_size, opts.device, dtype)
 
     config = EngineConfig(max_batch=opts.max_batch, k_max=opts.k_max, max_context=opts.max_context)
-    return assemble_engine(
+    engine = assemble_engine(
         model, draft, config, blocks, opts.block_size,
-        make_verifier=lambda d: VerifierWorker(runner(d)), make_drafter=lambda d: DraftWorker(runner(d, draft_dtype(opts.draft_dtype, opts.device))),
+        make_verifier=lambda d: VerifierWorker(runner(d)),
+        make_drafter=lambda d: DraftWorker(runner(d, draft_dtype(opts.draft_dtype, opts.device))),
         make_kv=lambda namespaces: LocalKV(BlockLedger(namespaces)), tokenizer=tokenizer,
     )
+    if opts.warm_up:
+        warm_up(engine)
+    return engine

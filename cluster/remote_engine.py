@@ -146,9 +146,14 @@ def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any) -> 
     engine_config = EngineConfig(max_batch=config.max_batch, max_waiting=config.queue_capacity,
                                  max_context=config.max_context, **config.engine_options)
     log.info("cluster engine: target %s, draft %s, max_batch %d", config.model, config.draft, config.max_batch)
-    return assemble_engine(
+    engine = assemble_engine(
         config.model, config.draft, engine_config, config.kv_blocks,
         config.block_size, make_verifier=lambda _dir: HandleVerifier(verifier),
         make_drafter=(lambda _dir: HandleDrafter(drafter, config.drafter_timeout_s)) if drafter is not None else None,
         make_kv=lambda namespaces: RemoteKV(KVManagerActor.options(name=None).remote(namespaces)),
     )
+    if config.warm_up:
+        from cluster.engine_warmup import warm_up
+
+        warm_up(engine)
+    return engine

@@ -7,7 +7,11 @@ ARCHITECTURE.md section 2:
     t_cycle(k) = k * t_draft_token + t_verify(n + k) (online cost model, n = catch-up tokens)
     pick k* = argmax_k E[Y](k) / t_cycle(k)   over k = 0..k_max   (k = 0 is plain decoding)
 
-Before a request has its own measurements, s_i comes from the engine-wide survival (with a prior).
+s_i blends what the request measured at position i with a geometric extrapolation a^i, where a is the
+request's per-draft acceptance rate accepted / (accepted + rejections), itself shrunk towards the
+engine-wide rate (and that towards PRIOR_SURVIVAL). So a request that ran at k=1 and kept every draft
+expects deeper drafts to survive too and tries them, instead of holding positions it never measured at a
+fixed prior forever.
 While plain decoding wins, the request re-probes speculation every `probe_every` rounds. Under
 memory pressure (ledger free fraction below `pressure_free_fraction`) k is capped at 1.
 Every change of k is recorded on the request with its reason.
@@ -60,17 +64,19 @@ class CostModel:
         return self.verify_by_tokens[below[-1] if below else above[0]]
 
 
+def _rate(stats: AcceptanceStats, prior: float, weight: float) -> float:
+    """Per-draft acceptance rate, shrunk towards `prior` with `weight` pseudo-drafts."""
+    return (stats.accepted + weight * prior) / (stats.accepted + stats.rejections + weight)
+
+
 def blended_survival(own: AcceptanceStats, engine: AcceptanceStats, k_max: int) -> list[float]:
-    """s_1..s_kmax: the request's own per-position survival, shrunk towards engine-wide and prior values."""
+    """s_1..s_kmax: the request's per-position survival, shrunk towards its geometric extrapolation."""
+    rate = _rate(own, _rate(engine, PRIOR_SURVIVAL, PRIOR_ROUNDS), PRIOR_ROUNDS)
     out = []
     for i in range(k_max):
-        prior = PRIOR_SURVIVAL ** (i + 1)
-        if i < len(engine.reached) and engine.reached[i]:
-            e_surv = engine.survived[i] if i < len(engine.survived) else 0
-            prior = (e_surv + PRIOR_ROUNDS * prior) / (engine.reached[i] + PRIOR_ROUNDS)
         reached = own.reached[i] if i < len(own.reached) else 0
         survived = own.survived[i] if i < len(own.survived) else 0
-        out.append((survived + PRIOR_ROUNDS * prior) / (reached + PRIOR_ROUNDS))
+        out.append((survived + PRIOR_ROUNDS * rate ** (i + 1)) / (reached + PRIOR_ROUNDS))
     for i in range(1, k_max):  # survival cannot grow with depth
         out[i] = min(out[i], out[i - 1])
     return out
@@ -93,7 +99,8 @@ def choose_k(
     cap = 1 if free_fraction < pressure_free_fraction else k_max
     if cost.measured(catch_up) is None:
         return AutoDecision(0, "warm-up: measuring plain-decode cost")
-    if draft_cost_per_token is None or not any(b > min(catch_up, 16) for b in cost.verify_by_tokens):
+    bucket = min(catch_up, 16)
+    if draft_cost_per_token is None or (bucket < 16 and not any(b > bucket for b in cost.verify_by_tokens)):
         return AutoDecision(min(2, cap), "warm-up: measuring draft and verify cost")
     survival = blended_survival(own, engine, k_max)
     best_k, best_rate = 0, 0.0

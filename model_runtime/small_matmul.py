@@ -3,13 +3,13 @@
 On CPU the matmul library's [M, K] x [K, N] kernels are slow for small M. Measured with torch 2.13 on this
 project's 2-core CPU, Qwen-1.5B's gate_up weight [17920, 1536] (110 MB fp32): F.linear takes 5.3 ms at
 M=1, 17.3 ms at M=3, 10.5 ms at M=4; `W @ x^T` over a block of four columns takes 2.8 ms, streaming the
-weight once at memory speed. Which block width is fastest depends on the weight's shape and the row count
-(the [1536, 8960] down projection is fastest at two columns for one row, at four for three or four rows),
-so each shape's cost per width is measured once per process (`calibrate`) and every row count gets the
-width with the lowest total time. Rows go through in zero-padded blocks of that width; the values of the
-other rows in a product never change a row's result (bitwise).
+weight once at memory speed. Which block width is fastest depends on the weight's shape (the [1536, 8960]
+down projection: 1.9 ms for one or two columns, 2.2 ms for three, 3.4 ms for four), so each shape's time per
+width is measured once per process (`calibrate`) and every row count gets the split into blocks with the
+lowest total time (three rows of the down projection: one block of three). Rows go through in zero-padded
+blocks; the values of the other rows in a product never change a row's result (bitwise).
 
-Owner of `_WIDTHS`: this module; it only grows (shape -> width per row count) and is read by `linear`.
+Owner of `_PLANS`: this module; it only grows (shape -> block widths per row count) and is read by `linear`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 SMALL_ROWS = 8  # above this many rows F.linear's kernels are efficient enough
-_CANDIDATES = (1, 2, 4)
-_WIDTHS: dict[tuple[tuple[int, int], torch.dtype, int], tuple[int, ...]] = {}  # [rows - 1] -> width
+_CANDIDATES = (1, 2, 3, 4)
+Plan = tuple[tuple[int, ...], ...]  # [rows - 1] -> block widths, e.g. 5 rows -> (3, 2)
+_PLANS: dict[tuple[tuple[int, int], torch.dtype, int], Plan] = {}
 
 
 def _key(weight: torch.Tensor) -> tuple[tuple[int, int], torch.dtype, int]:
@@ -39,29 +40,44 @@ def _median_ms(weight: torch.Tensor, width: int, repeats: int) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def calibrate(weight: torch.Tensor, repeats: int = 5) -> tuple[int, ...]:
-    """Measure this weight shape's block widths (once per shape, dtype and thread count)."""
+def best_splits(cost: dict[int, float], max_rows: int) -> Plan:
+    """For 1..max_rows rows, the blocks (widths from `cost`) with the lowest total time; a block may be
+    wider than the rows left (zero-padded)."""
+    best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
+    for rows in range(1, max_rows + 1):
+        best.append(min((best[max(0, rows - w)][0] + c, best[max(0, rows - w)][1] + (w,)) for w, c in cost.items()))
+    return tuple(blocks for _, blocks in best[1:])
+
+
+def calibrate(weight: torch.Tensor, repeats: int = 5) -> Plan:
+    """Measure this weight shape's time per block width (once per shape, dtype and thread count)."""
     key = _key(weight)
-    if key not in _WIDTHS:
-        cost = {w: _median_ms(weight, w, repeats) for w in _CANDIDATES}
-        _WIDTHS[key] = tuple(
-            min(_CANDIDATES, key=lambda w, m=m: -(-m // w) * cost[w]) for m in range(1, SMALL_ROWS + 1)
-        )
-    return _WIDTHS[key]
+    if key not in _PLANS:
+        _PLANS[key] = best_splits({w: _median_ms(weight, w, repeats) for w in _CANDIDATES}, SMALL_ROWS)
+    return _PLANS[key]
 
 
 @torch.inference_mode()
-def calibrate_all(weights: list[torch.Tensor]) -> dict[tuple[int, int], tuple[int, ...]]:
+def calibrate_all(weights: list[torch.Tensor]) -> dict[tuple[int, int], Plan]:
     return {tuple(w.shape): calibrate(w) for w in weights if w.device.type == "cpu"}  # type: ignore[misc]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.shape[0]
-    if x.device.type != "cpu" or rows > SMALL_ROWS or rows == 0:
+    if x.device.type != "cpu" or rows == 0:
         return F.linear(x, weight, bias)
-    width = (_WIDTHS.get(_key(weight)) or calibrate(weight))[rows - 1]
-    padded = -(-rows // width) * width
+    if rows > SMALL_ROWS:
+        if weight.dtype == torch.float16:
+            # This CPU has no float16 GEMM: F.linear runs one row at a time (Qwen-0.5B's gate_up, 200 rows:
+            # 65 ms; float32 20 ms; bfloat16 4.5 ms), which made a float16 draft's prompt prefill 3.3x slower
+            # than float32. Many-row products (prefill) go through bfloat16 instead.
+            bf16_bias = bias.bfloat16() if bias is not None else None
+            return F.linear(x.bfloat16(), weight.bfloat16(), bf16_bias).to(torch.float16)
+        return F.linear(x, weight, bias)
+    blocks = (_PLANS.get(_key(weight)) or calibrate(weight))[rows - 1]
+    padded = sum(blocks)
     xt = (torch.cat([x, x.new_zeros(padded - rows, x.shape[1])]) if padded != rows else x).T
-    blocks = [torch.mm(weight, xt[:, i:i + width]) for i in range(0, padded, width)]
-    out = (blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)).T[:rows].contiguous()
+    starts = [sum(blocks[:i]) for i in range(len(blocks))]
+    parts = [torch.mm(weight, xt[:, s:s + w]) for s, w in zip(starts, blocks, strict=True)]
+    out = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).T[:rows].contiguous()
     return out + bias if bias is not None else out

@@ -6,6 +6,9 @@ Glossary:
   survived[i]  of those, rounds whose first i+1 drafts were all accepted.
   s_k          survived[k-1] / reached[k-1]: the probability that the first k drafts all survive,
                measured per position (never derived from a single i.i.d. acceptance rate).
+  rejections   rounds that rejected a draft (accepted_len < proposed); with `accepted` it gives the
+               per-draft acceptance rate accepted / (accepted + rejections), which the auto policy
+               uses only to extrapolate to positions it has not measured yet.
   E[Y]         expected tokens per round at k = gamma: 1 + sum_{k=1..gamma} s_k (ARCHITECTURE.md section 2);
                `mean_tokens_per_round` is the measured mean over the rounds actually run (mixed k).
 """
@@ -25,6 +28,7 @@ class AcceptanceStats:
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
+    rejections: int = 0
     accepted_len_histogram: list[int] = field(default_factory=list)  # index = accepted_len
     reached: list[int] = field(default_factory=list)  # index i = draft position i+1
     survived: list[int] = field(default_factory=list)
@@ -36,6 +40,7 @@ class AcceptanceStats:
         self.rounds += 1
         self.proposed += proposed
         self.accepted += accepted_len
+        self.rejections += int(accepted_len < proposed)
         self.accepted_len_histogram = _add(self.accepted_len_histogram, [0] * accepted_len + [1])
         self.reached = _add(self.reached, [1] * proposed)
         self.survived = _add(self.survived, [1] * accepted_len)
@@ -68,6 +73,7 @@ class AcceptanceStats:
             rounds=self.rounds + other.rounds,
             proposed=self.proposed + other.proposed,
             accepted=self.accepted + other.accepted,
+            rejections=self.rejections + other.rejections,
             accepted_len_histogram=_add(self.accepted_len_histogram, other.accepted_len_histogram),
             reached=_add(self.reached, other.reached),
             survived=_add(self.survived, other.survived),
@@ -79,6 +85,7 @@ class AcceptanceStats:
             "rounds": self.rounds,
             "proposed": self.proposed,
             "accepted": self.accepted,
+            "rejections": self.rejections,
             "acceptance_rate": self.acceptance_rate,
             "mean_tokens_per_round": self.mean_tokens_per_round,
             "accepted_len_histogram": list(self.accepted_len_histogram),
@@ -95,6 +102,7 @@ class AcceptanceStats:
             rounds=data["rounds"],
             proposed=data["proposed"],
             accepted=data["accepted"],
+            rejections=data.get("rejections", 0),
             accepted_len_histogram=list(data["accepted_len_histogram"]),
             reached=list(data["reached"]),
             survived=list(data["survived"]),

@@ -79,3 +79,21 @@ def test_cost_model_interpolates_verify_time() -> None:
     c = cost(0.01, {1: 0.3, 5: 0.7})
     assert abs(c.verify_time(3) - 0.5) < 1e-9
     assert c.verify_time(9) == 0.7
+
+
+def test_unmeasured_positions_follow_the_measured_acceptance_rate() -> None:
+    """A request that kept every draft at k=1 expects deeper drafts to survive and tries a larger k;
+    one that lost half of them at k=1 does not."""
+    c = cost(0.047, {1: 0.167, 2: 0.169, 3: 0.209, 4: 0.254, 5: 0.373})  # Qwen 1.5B / 0.5B fp16 draft
+    kept = stats_with([1], proposed=1, rounds=20)
+    s = blended_survival(kept, AcceptanceStats(), 4)
+    assert s[0] > 0.95 and s[3] > 0.7
+    d = choose_k(kept, AcceptanceStats(), c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16,
+                 free_fraction=1.0, pressure_free_fraction=0.1, draft_cost_per_token=0.047)
+    assert d.k >= 2, d
+    half = stats_with([0, 1], proposed=1, rounds=20)
+    s = blended_survival(half, AcceptanceStats(), 4)
+    assert 0.4 < s[0] < 0.6 and s[1] < 0.35
+    d = choose_k(half, AcceptanceStats(), c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16,
+                 free_fraction=1.0, pressure_free_fraction=0.1, draft_cost_per_token=0.047)
+    assert d.k <= 1, d

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from model_runtime import small_matmul
-from model_runtime.small_matmul import SMALL_ROWS, calibrate, linear
+from model_runtime.small_matmul import SMALL_ROWS, best_splits, calibrate, linear
 
 
 @pytest.mark.parametrize("shape", [(96, 64), (40, 200), (300, 48)])
@@ -32,7 +32,15 @@ def test_rows_are_independent_of_their_batch(shape: tuple[int, int]) -> None:
 
 def test_width_is_measured_once_per_shape() -> None:
     weight = torch.randn(64, 32)
-    widths = calibrate(weight)
-    assert len(widths) == SMALL_ROWS and set(widths) <= {1, 2, 4}
-    assert calibrate(weight) == widths
-    assert sum(1 for key in small_matmul._WIDTHS if key[0] == (64, 32) and key[2] == torch.get_num_threads()) == 1
+    plan = calibrate(weight)
+    assert len(plan) == SMALL_ROWS and all(sum(blocks) >= rows for rows, blocks in enumerate(plan, 1))
+    assert calibrate(weight) == plan
+    assert sum(1 for key in small_matmul._PLANS if key[0] == (64, 32) and key[2] == torch.get_num_threads()) == 1
+
+
+def test_best_splits_minimise_total_time() -> None:
+    # the down projection's measured shape: three rows in one block of three, four in one of four
+    plan = best_splits({1: 1.9, 2: 1.9, 3: 2.2, 4: 3.4}, 8)
+    assert plan[0] in ((1,), (2,)) and plan[2] == (3,) and plan[3] == (4,)
+    assert sorted(plan[4]) == [2, 3] and sum(plan[7]) >= 8
+    assert best_splits({4: 1.0}, 5) == ((4,), (4,), (4,), (4,), (4, 4))
