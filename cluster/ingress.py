@@ -10,7 +10,7 @@ request in the engine.
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -58,9 +58,12 @@ class ChunkStream:
     `finally` reaches the scheduler at once (an abandoned async generator would only be closed whenever the
     garbage collector finalises it, and the request would run to its end)."""
 
-    def __init__(self, stream: Any = None, first: IndexedChunk | None = None) -> None:
+    def __init__(self, stream: Any = None, first: IndexedChunk | None = None,
+                 abort: Callable[[], Any] | None = None) -> None:
         self._stream = stream
         self._first = first
+        self._abort = abort  # tells the scheduler directly (a second path besides the stream's cancel)
+        self._done = stream is None
 
     def __aiter__(self) -> "ChunkStream":
         return self
@@ -71,8 +74,13 @@ class ChunkStream:
         elif self._stream is None:
             raise StopAsyncIteration
         else:
-            item = await self._stream.__anext__()
+            try:
+                item = await self._stream.__anext__()
+            except StopAsyncIteration:
+                self._done = True
+                raise
         if isinstance(item, StreamError):
+            self._done = True
             self.cancel()
             raise item.to_exception()
         return item
@@ -80,6 +88,9 @@ class ChunkStream:
     def cancel(self) -> None:
         if self._stream is not None:
             self._stream.cancel()  # a no-op once the stream is done
+        if not self._done and self._abort is not None:
+            self._done = True
+            self._abort()
 
 
 def _empty() -> ChunkStream:
@@ -104,13 +115,14 @@ class Ingress:
         stream = self._scheduler.options(stream=True).generate.remote(args)
         try:
             first = await stream.__anext__()
-        except BaseException:
+        except BaseException:  # the client left (or the call failed) before the first chunk
             stream.cancel()
+            self._scheduler.abort.remote(args.request_id)
             raise
         if isinstance(first, StreamError):
             stream.cancel()
             return first, _empty()
-        return None, ChunkStream(stream, first)
+        return None, ChunkStream(stream, first, abort=lambda: self._scheduler.abort.remote(args.request_id))
 
     # -- gRPC (method names = rpc names of specserve.v1.SpecServe) ----------------------------------
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateChunk]:

@@ -60,6 +60,7 @@ class Scheduler:
         self._config = config
         self._loop = EngineLoop(lambda: engine_builder(config, drafter, verifier))
         self._live = 0  # admitted completions not yet finished or aborted
+        self._pending: dict[str, dict[str, int]] = {}  # client request id -> unfinished engine ids (event loop)
         self._counters = {"admitted": 0, "rejected_capacity": 0, "rejected_invalid": 0, "aborted": 0,
                           "finished": 0, "errored": 0}
         self._started_at = time.time()
@@ -78,8 +79,13 @@ class Scheduler:
             yield StreamError("capacity", f"server is full: {self._live} requests in flight, "
                               f"queue_capacity={self._config.queue_capacity}; retry later")
             return
+        if args.request_id in self._pending:
+            self._counters["rejected_invalid"] += 1
+            yield StreamError("invalid", f"request id {args.request_id!r} is already in flight", "request_id")
+            return
         self._live += len(completion_ids)  # taken before the first await: admission cannot overshoot
         pending: dict[str, int] = {}  # engine request id -> completion index, until its final chunk
+        self._pending[args.request_id] = pending
         try:
             try:
                 prompt = encode_prompt(self._loop.engine.tokenizer, args)
@@ -108,7 +114,7 @@ class Scheduler:
             while pending:
                 index, chunk = await chunks.get()
                 if chunk.finished:
-                    del pending[chunk.request_id]
+                    pending.pop(chunk.request_id, None)
                     self._counters["errored" if chunk.finish_reason == "error" else "finished"] += 1
                     stats = {**(chunk.stats or {}), "prompt_tokens": len(prompt)}
                     chunk = dataclasses.replace(chunk, stats=stats)
@@ -119,9 +125,24 @@ class Scheduler:
             yield StreamError.of(exc)
         finally:
             self._live -= len(completion_ids)
-            for engine_id in pending:
-                self._counters["aborted"] += 1
-                self._loop.abort(engine_id)
+            self._abort_pending(pending)
+            if self._pending.get(args.request_id) is pending:
+                del self._pending[args.request_id]
+
+    def _abort_pending(self, pending: dict[str, int]) -> int:
+        for engine_id in pending:
+            self._counters["aborted"] += 1
+            self._loop.abort(engine_id)
+        count = len(pending)
+        pending.clear()
+        return count
+
+    async def abort(self, request_id: str) -> int:
+        """Abort a request's unfinished completions (the ingress calls this when its client leaves, besides
+        cancelling the stream: a cancelled stream alone reaches this replica only when Serve closes the
+        generator). Returns how many were aborted; 0 if it already finished."""
+        pending = self._pending.get(request_id)
+        return self._abort_pending(pending) if pending else 0
 
     async def stats(self) -> dict:
         engine_stats, audit = await self._loop.acall(lambda engine: (engine.stats(), engine.kv.audit()))
