@@ -148,11 +148,22 @@ class ClusterConfig(BaseModel):
 
     @property
     def threads_per_worker(self) -> int:
-        """Oversubscribing a CPU with several 'all cores' torch processes collapses throughput."""
+        """Torch threads per verifier TP rank. Oversubscribing a CPU with several 'all cores' torch processes
+        collapses throughput: ranks compute at the same time, and so does the drafter under overlap."""
         if self.worker_threads > 0:
             return self.worker_threads
-        processes = self.tensor_parallel_size + (1 if self.uses_draft_model else 0)
-        return max(1, (os.cpu_count() or 1) // processes)
+        concurrent = self.tensor_parallel_size + (1 if self.uses_draft_model and self.overlap else 0)
+        return max(1, (os.cpu_count() or 1) // concurrent)
+
+    @property
+    def drafter_threads(self) -> int:
+        """Torch threads of the drafter: without overlap it runs while the verifier waits for its drafts,
+        so it may use the verifier's cores."""
+        return self.threads_per_worker
+
+    @property
+    def overlap(self) -> bool:
+        return bool(self.engine_options.get("overlap", False))
 
     @property
     def uses_draft_model(self) -> bool:
