@@ -241,7 +241,8 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
                 state.acceptance, self.acceptance, self.cost, k_cap, len(plan.target_pending),
                 self._rounds_at_zero.get(state.request_id, 0), self.config.probe_every,
                 self.kv.free_fraction(self.config.target_namespace), self.config.pressure_free_fraction,
-                draft_cost_per_token=0.0 if spec.draft == "ngram" else self.cost.draft_token)
+                draft_cost_per_token=0.0 if spec.draft == "ngram" else self.cost.draft_token,
+                batch=self._batch_size(state))
             k, reason = decision.k, decision.reason
         if k == 0:
             self._rounds_at_zero[state.request_id] = self._rounds_at_zero.get(state.request_id, 0) + 1
@@ -261,6 +262,12 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
         plan.k = k
         state.record_k(k, reason)
         return plan
+
+    def _batch_size(self, state: RequestState) -> int:
+        """Requests verified together with `state` (its group under overlap)."""
+        if self.config.overlap:
+            return sum(1 for s in self.running if s.group == state.group)
+        return len(self.running)
 
     def _reserve(self, plans: list[RoundPlan], may_preempt: bool) -> list[RoundPlan]:
         cfg = self.config
@@ -347,8 +354,7 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
             return None
         self._verifier_instance = result.worker_instance
         self._verifier_failures = 0
-        tokens_per_request = max(len(i.input_ids) + len(i.draft_ids) for i in items)
-        self.cost.observe_verify(tokens_per_request, result.seconds)
+        self.cost.observe_verify(sum(len(i.input_ids) + len(i.draft_ids) for i in items), result.seconds)
         return result
 
     def _accept_and_commit(self, plans: list[RoundPlan], outputs: list[VerifyOutput]) -> list[TokenChunk]:

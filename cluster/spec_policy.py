@@ -25,6 +25,7 @@ from verifier_service.acceptance_stats import AcceptanceStats
 
 PRIOR_SURVIVAL = 0.6  # assumed s_1 before any measurement; s_i = PRIOR_SURVIVAL ** i
 PRIOR_ROUNDS = 4  # weight of the prior, in rounds
+MAX_ROWS = 128  # verify times are kept per rows scored by the whole batch, up to this many
 
 
 @dataclass
@@ -33,25 +34,25 @@ class CostModel:
 
     alpha: float = 0.2
     draft_token: float | None = None  # one draft step for one batch
-    verify_by_tokens: dict[int, float] = field(default_factory=dict)  # scored tokens per request -> verify time
+    verify_by_tokens: dict[int, float] = field(default_factory=dict)  # rows scored by the batch -> verify time
 
     def observe_draft(self, steps: int, seconds: float) -> None:
         if steps > 0:
             per = seconds / steps
             self.draft_token = per if self.draft_token is None else (1 - self.alpha) * self.draft_token + self.alpha * per
 
-    def observe_verify(self, tokens_per_request: int, seconds: float) -> None:
-        bucket = min(tokens_per_request, 16)
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        bucket = min(rows, MAX_ROWS)
         old = self.verify_by_tokens.get(bucket)
         self.verify_by_tokens[bucket] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
 
-    def measured(self, tokens: int) -> float | None:
-        return self.verify_by_tokens.get(min(tokens, 16))
+    def measured(self, rows: int) -> float | None:
+        return self.verify_by_tokens.get(min(rows, MAX_ROWS))
 
-    def verify_time(self, tokens: int) -> float | None:
+    def verify_time(self, rows: int) -> float | None:
         if not self.verify_by_tokens:
             return None
-        bucket = min(tokens, 16)
+        bucket = min(rows, MAX_ROWS)
         if bucket in self.verify_by_tokens:
             return self.verify_by_tokens[bucket]
         known = sorted(self.verify_by_tokens)
@@ -91,23 +92,25 @@ class AutoDecision:
 def choose_k(
     own: AcceptanceStats, engine: AcceptanceStats, cost: CostModel, k_max: int, catch_up: int,
     rounds_at_zero: int, probe_every: int, free_fraction: float, pressure_free_fraction: float,
-    draft_cost_per_token: float | None,
+    draft_cost_per_token: float | None, batch: int = 1,
 ) -> AutoDecision:
-    """`draft_cost_per_token`: measured seconds per draft step (None: not measured yet; 0 for n-gram)."""
+    """`draft_cost_per_token`: measured seconds per draft step (None: not measured yet; 0 for n-gram).
+    `batch`: requests in the round; the verify cost of k is read at batch * (catch_up + k) scored rows, as if
+    every request picked the same k (at batch 8 on a CPU, 24 rows cost far more than 3)."""
     if k_max == 0:
         return AutoDecision(0, "no drafter")
     cap = 1 if free_fraction < pressure_free_fraction else k_max
-    if cost.measured(catch_up) is None:
+    if cost.measured(batch * catch_up) is None:
         return AutoDecision(0, "warm-up: measuring plain-decode cost")
-    bucket = min(catch_up, 16)
-    if draft_cost_per_token is None or (bucket < 16 and not any(b > bucket for b in cost.verify_by_tokens)):
+    bucket = min(batch * catch_up, MAX_ROWS)
+    if draft_cost_per_token is None or (bucket < MAX_ROWS and not any(b > bucket for b in cost.verify_by_tokens)):
         return AutoDecision(min(2, cap), "warm-up: measuring draft and verify cost")
     survival = blended_survival(own, engine, k_max)
     best_k, best_rate = 0, 0.0
     rates = []
     for k in range(0, cap + 1):
         expected = 1.0 + sum(survival[:k])
-        t_verify = cost.verify_time(catch_up + k)
+        t_verify = cost.verify_time(batch * (catch_up + k))
         assert t_verify is not None
         rate = expected / (k * draft_cost_per_token + t_verify)
         rates.append(rate)

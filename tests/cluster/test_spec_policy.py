@@ -97,3 +97,14 @@ def test_unmeasured_positions_follow_the_measured_acceptance_rate() -> None:
     d = choose_k(half, AcceptanceStats(), c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16,
                  free_fraction=1.0, pressure_free_fraction=0.1, draft_cost_per_token=0.047)
     assert d.k <= 1, d
+
+
+def test_verify_cost_is_read_at_the_rows_of_the_whole_batch() -> None:
+    """Batch 1: 2-3 rows cost ~1.1x one row, so speculation pays. Batch 8: the library's GEMM is compute
+    bound, 16 rows cost 2x 8 rows, so the same acceptance does not pay and auto decodes plainly."""
+    c = cost(0.03, {1: 0.20, 2: 0.20, 3: 0.22, 8: 0.50, 16: 1.00, 24: 1.40, 32: 1.80, 40: 2.20})
+    own = stats_with([1, 2], proposed=2, rounds=20)  # s_1 = 1.0, s_2 = 0.5
+    args = dict(k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16, free_fraction=1.0,
+                pressure_free_fraction=0.1, draft_cost_per_token=0.03)
+    assert choose_k(own, AcceptanceStats(), c, batch=1, **args).k >= 1  # type: ignore[arg-type]
+    assert choose_k(own, AcceptanceStats(), c, batch=8, **args).k == 0  # type: ignore[arg-type]
