@@ -68,7 +68,7 @@ def bind_drafter(config: ClusterConfig) -> serve.Application | None:
         num_replicas=config.drafter_replicas, max_ongoing_requests=4,
         ray_actor_options={"num_cpus": 0, "num_gpus": config.gpus_per_worker if config.uses_gpu else 0.0},
         **_common_options(config),
-    ).bind(config.draft, config.kv_blocks, config.block_size, config.device, config.drafter_threads,
+    ).bind(config.draft, config.kv_blocks, config.block_size, config.device, config.threads_per_worker,
                                 config.draft_dtype)
 
 

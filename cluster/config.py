@@ -148,18 +148,14 @@ class ClusterConfig(BaseModel):
 
     @property
     def threads_per_worker(self) -> int:
-        """Torch threads per verifier TP rank. Oversubscribing a CPU with several 'all cores' torch processes
-        collapses throughput: ranks compute at the same time, and so does the drafter under overlap."""
+        """Torch threads per model process (each verifier TP rank, the drafter). Oversubscribing a CPU with
+        several 'all cores' torch processes collapses throughput, so the cores are shared among the processes
+        that compute at the same time: the ranks, plus the drafter only under overlap (otherwise it drafts
+        while the verifier waits for its drafts)."""
         if self.worker_threads > 0:
             return self.worker_threads
         concurrent = self.tensor_parallel_size + (1 if self.uses_draft_model and self.overlap else 0)
         return max(1, (os.cpu_count() or 1) // concurrent)
-
-    @property
-    def drafter_threads(self) -> int:
-        """Torch threads of the drafter: without overlap it runs while the verifier waits for its drafts,
-        so it may use the verifier's cores."""
-        return self.threads_per_worker
 
     @property
     def overlap(self) -> bool:

@@ -93,10 +93,6 @@ class ChunkStream:
             self._abort()
 
 
-def _empty() -> ChunkStream:
-    return ChunkStream()
-
-
 def http_error(error: StreamError) -> JSONResponse:
     status, kind = HTTP_ERRORS[error.code]
     return JSONResponse(error_body(error.describe(), kind, error.field), status_code=status)
@@ -121,7 +117,7 @@ class Ingress:
             raise
         if isinstance(first, StreamError):
             stream.cancel()
-            return first, _empty()
+            return first, ChunkStream()
         return None, ChunkStream(stream, first, abort=lambda: self._scheduler.abort.remote(args.request_id))
 
     # -- gRPC (method names = rpc names of specserve.v1.SpecServe) ----------------------------------
@@ -130,7 +126,7 @@ class Ingress:
             args = args_from_proto(request, self._defaults)
             error, chunks = await self._open(args)
         except InvalidRequestError as exc:
-            error, chunks = StreamError.of(exc), _empty()
+            error, chunks = StreamError.of(exc), ChunkStream()
         if error is not None:
             grpc_context.set_code(GRPC_CODES[error.code])
             grpc_context.set_details(error.describe())
@@ -196,7 +192,7 @@ class Ingress:
             args = (parse_chat if chat else parse_completion)(body, self._defaults)
             error, chunks = await self._open(args)
         except InvalidRequestError as exc:
-            error, chunks = StreamError.of(exc), _empty()
+            error, chunks = StreamError.of(exc), ChunkStream()
         if error is not None:
             return http_error(error)
         if body.get("stream"):

@@ -105,7 +105,7 @@ class Scheduler:
                 try:
                     await asyncio.wrap_future(self._loop.submit(request, sink))
                 except (InvalidRequestError, CapacityError) as exc:
-                    del pending[engine_id]
+                    pending.pop(engine_id, None)
                     key = "rejected_invalid" if isinstance(exc, InvalidRequestError) else "rejected_capacity"
                     self._counters[key] += 1
                     yield StreamError.of(exc)
@@ -113,8 +113,7 @@ class Scheduler:
             self._counters["admitted"] += len(completion_ids)
             while pending:
                 index, chunk = await chunks.get()
-                if chunk.finished:
-                    pending.pop(chunk.request_id, None)
+                if chunk.finished and pending.pop(chunk.request_id, None) is not None:  # aborts are counted already
                     self._counters["errored" if chunk.finish_reason == "error" else "finished"] += 1
                     stats = {**(chunk.stats or {}), "prompt_tokens": len(prompt)}
                     chunk = dataclasses.replace(chunk, stats=stats)

@@ -14,6 +14,7 @@ positions (root depth d -> position past_len + d) and slots (one per node).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,13 @@ class ForwardBatch:
     masks: list[torch.Tensor]  # per sequence [n, past_len + n] bool
     logits_rows: torch.Tensor  # [R] rows of the flat batch whose logits are returned
     logits_counts: list[int]  # per sequence number of rows in logits_rows
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        """The same batch with its tensors on `device` (once per forward, not once per layer)."""
+        return dataclasses.replace(
+            self, token_ids=self.token_ids.to(device), positions=self.positions.to(device),
+            slot_mapping=self.slot_mapping.to(device), kv_slots=[s.to(device) for s in self.kv_slots],
+            masks=[m.to(device) for m in self.masks], logits_rows=self.logits_rows.to(device))
 
     @classmethod
     def build(cls, seqs: list[SeqInput], block_size: int) -> ForwardBatch:

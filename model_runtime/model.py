@@ -89,25 +89,23 @@ class CausalLM:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         cfg = self.config
-        dev = self.device
-        positions = batch.positions.to(dev)
-        slots = batch.slot_mapping.to(dev)
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
-        h = F.embedding(batch.token_ids.to(dev), self.weights.embed)
+        batch = batch.to(self.device)
+        cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
+        h = F.embedding(batch.token_ids, self.weights.embed)
         for layer_idx, lw in enumerate(self.weights.layers):
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
-            h = h + self._attention(layer_idx, lw, x, cos, sin, slots, batch, kv)
+            h = h + self._attention(layer_idx, lw, x, cos, sin, batch, kv)
             x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
             gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
             h = h + self._all_reduce(linear(F.silu(gate) * up, lw.down))
         if self.tp_rank != 0 or batch.logits_rows.numel() == 0:
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32)
-        h = rms_norm(h[batch.logits_rows.to(dev)], self.weights.final_norm, cfg.rms_norm_eps)
+        h = rms_norm(h[batch.logits_rows], self.weights.final_norm, cfg.rms_norm_eps)
         return linear(h, self.weights.lm_head).float()
 
     def _attention(
         self, layer_idx: int, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        slots: torch.Tensor, batch: ForwardBatch, kv: KVPool,
+        batch: ForwardBatch, kv: KVPool,
     ) -> torch.Tensor:
         d, hq, hkv = self.config.head_dim, self.num_heads, self.num_kv_heads
         tokens = x.shape[0]
@@ -116,18 +114,17 @@ class CausalLM:
         k = apply_rope(k.view(tokens, hkv, d), cos, sin)
         v = v.view(tokens, hkv, d)
         k_flat, v_flat = kv.k[layer_idx].view(-1, hkv, d), kv.v[layer_idx].view(-1, hkv, d)
-        k_flat.index_copy_(0, slots, k)
-        v_flat.index_copy_(0, slots, v)
+        k_flat.index_copy_(0, batch.slot_mapping, k)
+        v_flat.index_copy_(0, batch.slot_mapping, v)
         out = torch.empty(tokens, hq, d, dtype=x.dtype, device=x.device)
         for seq, start, kv_slots, mask in zip(batch.seqs, batch.offsets, batch.kv_slots, batch.masks, strict=True):
             n = len(seq.token_ids)
             k_seq, v_seq = k[start:start + n], v[start:start + n]
             if seq.past_len:  # one gather of past + new from the pool (the new tokens were just written)
-                idx = kv_slots.to(x.device)
-                k_seq, v_seq = k_flat.index_select(0, idx), v_flat.index_select(0, idx)
+                k_seq, v_seq = k_flat.index_select(0, kv_slots), v_flat.index_select(0, kv_slots)
             attn = F.scaled_dot_product_attention(
                 q[start:start + n].transpose(0, 1), k_seq.transpose(0, 1), v_seq.transpose(0, 1),
-                attn_mask=None if n == 1 else mask.to(x.device),  # one new token sees everything
+                attn_mask=None if n == 1 else mask,  # one new token sees everything
                 is_causal=False, enable_gqa=hq != hkv,
             )
             out[start:start + n] = attn.transpose(0, 1)
