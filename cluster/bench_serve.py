@@ -206,6 +206,7 @@ def run_serve_bench(s: ServeBenchSettings) -> dict[str, Any]:
     started_ray = not ray.is_initialized()
     if started_ray:
         progress("starting a local Ray (loopback)")
+        config.local_ray_env()
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         progress(f"deploying {s.model} (draft {s.draft}) on gRPC 127.0.0.1:{s.grpc_port}")

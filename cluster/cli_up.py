@@ -68,6 +68,7 @@ def init_ray(config: ClusterConfig) -> str:
     else:
         log.info("starting a local Ray (dashboard on 127.0.0.1:%d)", config.dashboard_port)
         node_ip = {"_node_ip_address": "127.0.0.1"} if config.host in LOOPBACK_HOSTS else {}
+        config.local_ray_env()
         context = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=config.dashboard_port,
                            num_cpus=config.ray_num_cpus, **node_ip)
     return context.dashboard_url or ""

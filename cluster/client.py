@@ -22,7 +22,7 @@ import grpc
 from cluster.api import CapacityError, InvalidRequestError, SpecServeError
 from cluster.proto import specserve_pb2 as pb
 from cluster.proto import specserve_pb2_grpc as pb_grpc
-from cluster.protocol import IndexedChunk, chunk_from_proto
+from cluster.protocol import TIMEOUT_METADATA, IndexedChunk, chunk_from_proto
 
 APP_NAME = "specserve"
 APP_METADATA = (("application", APP_NAME),)  # Serve's gRPC proxy routes by application name
@@ -105,7 +105,10 @@ class SpecServeClient:
         contract=, k=, draft=, n=, seed=, chat=, messages=[(role, content)], request_id=, ...)."""
         request = build_request(prompt, **fields)
         timeout = timeout_s if timeout_s is not None else self.timeout_s
-        return GenerateStream(self._stub.Generate(request, timeout=timeout, metadata=self.metadata))
+        metadata = self.metadata
+        if timeout is not None:  # gRPC's own deadline stops at Serve's proxy: the ingress keeps this copy
+            metadata += ((TIMEOUT_METADATA, f"{timeout:.6g}"),)
+        return GenerateStream(self._stub.Generate(request, timeout=timeout, metadata=metadata))
 
     def _unary(self, method: Any, request: Any) -> Any:
         try:

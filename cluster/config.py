@@ -92,6 +92,13 @@ class ClusterConfig(BaseModel):
     dashboard_port: int = Field(8265, ge=1, le=65535)
     ray_address: str | None = Field(None, description="join this Ray cluster; None = start a local one")
     ray_num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local Ray (None = detect)")
+    # Ray starts workers at niceness 15 so its own daemons stay responsive; our replicas are compute-bound
+    # and, on a small machine, share the cores with those daemons: a local Ray's workers run at 0.
+    worker_niceness: int = Field(0, ge=0, le=19, description="niceness of a local Ray's worker processes")
+
+    def local_ray_env(self) -> None:
+        """Environment a local Ray must see before it starts (read by its raylet)."""
+        os.environ["RAY_worker_niceness"] = str(self.worker_niceness)
 
     @field_validator("model")
     @classmethod

@@ -5,13 +5,20 @@ first in the message), then stream from the Scheduler. A refusal from the schedu
 stream's first item (capacity -> RESOURCE_EXHAUSTED / HTTP 429), before anything is sent to the
 client. Leaving the stream early (disconnect, deadline) cancels the scheduler call, which aborts the
 request in the engine.
+
+Deadlines: a gRPC deadline never reaches a Serve replica (the proxy keeps it), and the proxy does not
+always pass a client's departure on (ray-project/ray#42665). So a gRPC call also states its time limit
+in the `specserve-timeout-s` metadata (the Python client sends its timeout there); the ingress keeps
+that limit itself, capped by the server's `request_timeout_s`, aborts the request at the scheduler
+when it passes and ends the call with DEADLINE_EXCEEDED.
 """
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from fastapi import FastAPI, Request
@@ -31,6 +38,7 @@ from cluster.openai_api import (
 )
 from cluster.proto import specserve_pb2 as pb
 from cluster.protocol import (
+    TIMEOUT_METADATA,
     GenerateArgs,
     IndexedChunk,
     ServerDefaults,
@@ -53,16 +61,38 @@ class RequestRefused(SpecServeError):
     """Raised after the gRPC status is set on the context; one message argument, so Ray can pickle it."""
 
 
+class DeadlineExceeded(SpecServeError, TimeoutError):
+    """The call's time limit passed before its last chunk (the request was aborted)."""
+
+
+def call_timeout(metadata: Any, server_limit: float | None) -> float | None:
+    """The call's time limit in seconds: its `specserve-timeout-s` metadata, capped by the server's limit."""
+    limit = server_limit
+    for key, value in metadata or ():
+        if key != TIMEOUT_METADATA:
+            continue
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = float("nan")
+        if not 0 < seconds < float("inf"):
+            raise InvalidRequestError(TIMEOUT_METADATA, f"{TIMEOUT_METADATA} must be a positive number of seconds, "
+                                                        f"got {value!r}")
+        limit = seconds if limit is None else min(limit, seconds)
+    return limit
+
+
 class ChunkStream:
     """One request's chunks from the scheduler. `cancel()` is synchronous and idempotent, so a consumer's
     `finally` reaches the scheduler at once (an abandoned async generator would only be closed whenever the
     garbage collector finalises it, and the request would run to its end)."""
 
     def __init__(self, stream: Any = None, first: IndexedChunk | None = None,
-                 abort: Callable[[], Any] | None = None) -> None:
+                 abort: Callable[[], Any] | None = None, deadline: float | None = None) -> None:
         self._stream = stream
         self._first = first
         self._abort = abort  # tells the scheduler directly (a second path besides the stream's cancel)
+        self._deadline = deadline  # time.monotonic() after which the request is aborted
         self._done = stream is None
 
     def __aiter__(self) -> "ChunkStream":
@@ -75,9 +105,12 @@ class ChunkStream:
             raise StopAsyncIteration
         else:
             try:
-                item = await self._stream.__anext__()
+                item = await until(self._stream.__anext__(), self._deadline)
             except StopAsyncIteration:
                 self._done = True
+                raise
+            except DeadlineExceeded:
+                self.cancel()
                 raise
         if isinstance(item, StreamError):
             self._done = True
@@ -93,6 +126,23 @@ class ChunkStream:
             self._abort()
 
 
+def deadline_exceeded(grpc_context: Any, timeout_s: float | None) -> NoReturn:
+    logger.info("call deadline of %.3fs passed: request aborted", timeout_s or 0.0)
+    grpc_context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+    grpc_context.set_details(f"deadline of {timeout_s}s exceeded; the request was aborted")
+    raise RequestRefused(f"deadline of {timeout_s}s exceeded")
+
+
+async def until(awaitable: Any, deadline: float | None) -> Any:
+    """Await `awaitable`, or raise DeadlineExceeded once time.monotonic() passes `deadline`."""
+    if deadline is None:
+        return await awaitable
+    try:
+        return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise DeadlineExceeded("deadline exceeded") from None
+
+
 def http_error(error: StreamError) -> JSONResponse:
     status, kind = HTTP_ERRORS[error.code]
     return JSONResponse(error_body(error.describe(), kind, error.field), status_code=status)
@@ -106,27 +156,33 @@ class Ingress:
         self._scheduler = scheduler
         self._defaults = ServerDefaults(config.model, "model" if config.uses_draft_model else "ngram")
 
-    async def _open(self, args: GenerateArgs) -> "tuple[StreamError | None, ChunkStream]":
+    async def _open(self, args: GenerateArgs,
+                    timeout_s: float | None = None) -> "tuple[StreamError | None, ChunkStream]":
         """Start the scheduler stream; a refusal is returned before the first chunk is."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         stream = self._scheduler.options(stream=True).generate.remote(args)
         try:
-            first = await stream.__anext__()
-        except BaseException:  # the client left (or the call failed) before the first chunk
+            first = await until(stream.__anext__(), deadline)
+        except BaseException:  # the client left, the deadline passed or the call failed before the first chunk
             stream.cancel()
             self._scheduler.abort.remote(args.request_id)
             raise
         if isinstance(first, StreamError):
             stream.cancel()
             return first, ChunkStream()
-        return None, ChunkStream(stream, first, abort=lambda: self._scheduler.abort.remote(args.request_id))
+        return None, ChunkStream(stream, first, abort=lambda: self._scheduler.abort.remote(args.request_id),
+                                 deadline=deadline)
 
     # -- gRPC (method names = rpc names of specserve.v1.SpecServe) ----------------------------------
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateChunk]:
         try:
+            timeout_s = call_timeout(grpc_context.invocation_metadata(), self._config.request_timeout_s)
             args = args_from_proto(request, self._defaults)
-            error, chunks = await self._open(args)
+            error, chunks = await self._open(args, timeout_s)
         except InvalidRequestError as exc:
             error, chunks = StreamError.of(exc), ChunkStream()
+        except DeadlineExceeded:
+            deadline_exceeded(grpc_context, timeout_s)
         if error is not None:
             grpc_context.set_code(GRPC_CODES[error.code])
             grpc_context.set_details(error.describe())
@@ -134,6 +190,8 @@ class Ingress:
         try:
             async for item in chunks:
                 yield chunk_to_proto(item)
+        except DeadlineExceeded:
+            deadline_exceeded(grpc_context, timeout_s)
         except SpecServeError as exc:
             grpc_context.set_code(grpc.StatusCode.INTERNAL)
             grpc_context.set_details(str(exc))

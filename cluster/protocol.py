@@ -29,6 +29,8 @@ MAX_N = 16
 MAX_PROMPT_CHARS = 1 << 20  # a cheap bound before tokenizing; the context length is checked after
 CHAT_ROLES = ("system", "user", "assistant")
 
+TIMEOUT_METADATA = "specserve-timeout-s"  # gRPC metadata: the call's time limit in seconds (cluster/ingress.py)
+
 
 @dataclass(frozen=True)
 class GenerateArgs:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +37,6 @@ log = logging.getLogger("specserve.cluster")
 
 TARGET_NAMESPACE = EngineConfig.target_namespace
 DRAFT_NAMESPACE = EngineConfig.draft_namespace
-FREE_FRACTION_TTL_S = 0.05  # the policy reads it per request per round; one RPC per 50 ms is plenty
 
 
 class HandleVerifier:
@@ -69,14 +67,18 @@ class HandleDrafter:
 
 
 class RemoteKV:
-    """LocalKV's methods (cluster/kv_client.py) over the KV manager actor, synchronously."""
+    """LocalKV's methods (cluster/kv_client.py) over the KV manager actor, synchronously.
+
+    This engine is the ledger's only client (build_cluster_engine creates the actor for it), so the
+    free fractions change only through its own calls: `reserve` and `commit` bring them back with
+    their answers, any other mutating call marks them stale, and `free_fraction` fetches only then.
+    """
 
     def __init__(self, actor: Any, timeout_s: float = 60.0) -> None:
         self.actor = actor
         self.timeout_s = timeout_s
         self.incarnation: str = ray.get(actor.incarnation.remote(), timeout=timeout_s)
-        self._free: dict[str, float] = {}
-        self._free_at = float("-inf")
+        self._free: dict[str, float] | None = None  # None = stale
         self._free_lock = threading.Lock()  # with overlap, the engine's draft thread calls too
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -89,44 +91,59 @@ class RemoteKV:
         except RayActorError as lost:
             raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
 
+    def _mutating(self, method: str, *args: Any) -> Any:
+        try:
+            return self._call(method, *args)
+        finally:
+            self._free = None
+
+    def _reporting(self, method: str, *args: Any) -> Any:
+        try:
+            outcomes, free = self._call(method, *args)
+        except BaseException:
+            self._free = None
+            raise
+        self._free = free
+        return outcomes
+
     def register_worker(self, worker_id: str) -> Holder:
-        return self._call("register_worker", worker_id)
+        return self._mutating("register_worker", worker_id)
 
     def expire_worker(self, worker_id: str) -> int:
-        return self._call("expire_worker", worker_id)
+        return self._mutating("expire_worker", worker_id)
 
     def can_admit(self, items: Sequence[AdmitItem], lookahead: int) -> bool:
         return self._call("can_admit", {i.namespace: len(i.prompt_token_ids) + lookahead for i in items})
 
     def admit(self, items: Sequence[AdmitItem]) -> list[Admission]:
         """All or nothing: a refusal releases the admissions the same call made."""
-        outcomes = self._call("add_requests", list(items))
+        outcomes = self._mutating("add_requests", list(items))
         refusals = [o for o in outcomes if isinstance(o, KVError)]
         if refusals:
             done = [(o.namespace, o.request_id) for o in outcomes if not isinstance(o, KVError)]
             if done:
-                self._call("release", done)
+                self._mutating("release", done)
             raise refusals[0]
         return outcomes
 
     def reserve(self, items: Sequence[ReserveItem]) -> list[Reservation | KVError]:
-        return self._call("reserve", list(items), False)
+        return self._reporting("reserve_with_free", list(items), False)
 
     def commit(self, items: Sequence[CommitItem]) -> list[CommitResult | KVError]:
-        return self._call("commit", list(items))
+        return self._reporting("commit_with_free", list(items))
 
     def rollback(self, keys: Sequence[tuple[str, str]]) -> None:
-        self._raise_unexpected(self._call("rollback", list(keys)))
+        self._raise_unexpected(self._mutating("rollback", list(keys)))
 
     def release(self, request_id: str, namespaces: Sequence[str]) -> None:
-        self._raise_unexpected(self._call("release", [(namespace, request_id) for namespace in namespaces]))
+        self._raise_unexpected(self._mutating("release", [(namespace, request_id) for namespace in namespaces]))
 
     def free_fraction(self, namespace: str) -> float:
         with self._free_lock:
-            now = time.monotonic()
-            if now - self._free_at > FREE_FRACTION_TTL_S:
-                self._free, self._free_at = self._call("free_fractions"), now
-            return self._free[namespace]
+            free = self._free
+            if free is None:
+                free = self._free = self._call("free_fractions")
+            return free[namespace]
 
     def audit(self) -> AuditReport:
         return self._call("audit")

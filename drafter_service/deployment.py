@@ -3,7 +3,8 @@
     scheduler --ProposeBatch--> Drafter.propose --> DraftWorker --ProposeResult--> scheduler
 
 Only built when the cluster has a draft model (`draft: ngram` drafts inside the scheduler). The
-engine is the only caller and calls once per round, so `propose` runs synchronously.
+engine is the only caller and calls once per round. The model and its KV pool are owned by the
+replica's `ComputeThread`: loading and every `propose` run there, never on Serve's threads.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
 from ray import serve
 
 from cluster.round_messages import ProposeBatch, ProposeResult
 from drafter_service.worker import DraftWorker
+from model_runtime.compute_thread import ComputeThread
 
 logger = logging.getLogger("ray.serve")
 
@@ -27,17 +28,17 @@ class Drafter:
         from model_runtime.tp import draft_dtype
         from verifier_service.worker import LocalRunner
 
-        if worker_threads > 0:
-            torch.set_num_threads(worker_threads)
+        self.compute = ComputeThread("drafter-compute", worker_threads)
         checkpoint = prepare_model(model, progress=False)
         device = "cuda:0" if device.startswith("cuda") else device  # Ray shows only the assigned GPU
         precision = draft_dtype(dtype, device)
-        self.worker = DraftWorker(LocalRunner(str(checkpoint), num_blocks, block_size, device, precision))
+        self.worker = self.compute.call(
+            lambda: DraftWorker(LocalRunner(str(checkpoint), num_blocks, block_size, device, precision)))
         self.model = model
         logger.info("drafter ready: %s (%s), %d KV blocks of %d", model, precision, num_blocks, block_size)
 
-    def propose(self, batch: ProposeBatch) -> ProposeResult:
-        return self.worker.propose(batch)
+    async def propose(self, batch: ProposeBatch) -> ProposeResult:
+        return await self.compute.run(self.worker.propose, batch)
 
     def vocab_size(self) -> int:
         return self.worker.config.vocab_size

@@ -4,7 +4,8 @@
 
 One batch call per step of a round: `reserve` for the whole batch before the forward, `commit`
 after it (`CommitItem.finished` releases finished requests in the same call): at most two RPCs per
-round. The actor is async and every method runs to completion on its event loop without awaiting,
+round. The `*_with_free` forms also return the pools' free fractions, which the scheduler's policy
+reads every round, so that reading costs no third call. The actor is async and every method runs to completion on its event loop without awaiting,
 so concurrent callers never interleave inside a ledger call.
 
 Restart policy (ACTOR_OPTIONS): Ray restarts the actor forever (max_restarts=-1) and never re-runs
@@ -99,6 +100,20 @@ class KVManager:
     async def commit(self, incarnation: str, items: Sequence[CommitItem]) -> list[CommitResult | KVError]:
         return self._check(incarnation).commit(items)
 
+    async def reserve_with_free(
+        self, incarnation: str, items: Sequence[ReserveItem], atomic: bool = False
+    ) -> tuple[list[Reservation | KVError], dict[str, float]]:
+        """`reserve`, plus every namespace's free fraction after it (spares a `free_fractions` call)."""
+        outcomes = self._check(incarnation).reserve(items, atomic=atomic)
+        return outcomes, self._fractions()
+
+    async def commit_with_free(
+        self, incarnation: str, items: Sequence[CommitItem]
+    ) -> tuple[list[CommitResult | KVError], dict[str, float]]:
+        """`commit`, plus every namespace's free fraction after it."""
+        outcomes = self._check(incarnation).commit(items)
+        return outcomes, self._fractions()
+
     async def rollback(self, incarnation: str, keys: Sequence[RequestKey]) -> list[int | KVError]:
         ledger = self._check(incarnation)
         return _each(lambda key: ledger.rollback(*key), keys)
@@ -111,8 +126,11 @@ class KVManager:
         return self._check(incarnation).can_admit(plan)
 
     async def free_fractions(self, incarnation: str) -> dict[str, float]:
-        ledger = self._check(incarnation)
-        return {namespace: ledger.free_fraction(namespace) for namespace in ledger.pools}
+        self._check(incarnation)
+        return self._fractions()
+
+    def _fractions(self) -> dict[str, float]:
+        return {namespace: self._ledger.free_fraction(namespace) for namespace in self._ledger.pools}
 
     async def audit(self, incarnation: str) -> AuditReport:
         return self._check(incarnation).audit()

@@ -29,6 +29,9 @@ def ray_session() -> Iterator[ModuleType]:
     if ray.is_initialized():
         yield ray
         return
+    from cluster.config import ClusterConfig
+
+    ClusterConfig().local_ray_env()  # workers at the niceness `specserve up` gives them
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         yield ray

@@ -2,7 +2,8 @@
 
     scheduler --VerifyBatch--> Verifier.verify --> VerifierWorker --forward--> TP ranks (rank 0 answers)
 
-TP = 1: the replica itself holds the model and its KV pool (`LocalRunner`).
+TP = 1: the replica itself holds the model and its KV pool (`LocalRunner`), owned by the replica's
+`ComputeThread` (loading and every forward run there, never on Serve's request threads).
 TP > 1: the replica's placement group has one bundle for itself plus one per rank; each rank is a
 Ray actor (`TPRankActor`) in its own bundle holding its weight shard and KV-pool shard. The ranks
 join one torch.distributed group (gloo on CPU, rendezvous at rank 0's node) and run every forward
@@ -23,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.round_messages import VerifyBatch, VerifyResult
 from model_runtime.batch import SeqInput
+from model_runtime.compute_thread import ComputeThread
 from verifier_service.worker import LocalRunner, VerifierWorker
 
 logger = logging.getLogger("ray.serve")
@@ -111,11 +113,11 @@ class Verifier:
                  tensor_parallel_size: int = 1, worker_threads: int = 0, gpus_per_rank: float = 0.0) -> None:
         from model_runtime.prepare import prepare_model
 
-        if worker_threads > 0:
-            torch.set_num_threads(worker_threads)
+        self.compute = ComputeThread("verifier-compute", worker_threads)  # owns the runner and its KV pool
         checkpoint = str(prepare_model(model, progress=False))
         if tensor_parallel_size == 1:
-            self.runner: Any = LocalRunner(checkpoint, num_blocks, block_size, worker_device(device))
+            self.runner: Any = self.compute.call(LocalRunner, checkpoint, num_blocks, block_size,
+                                                 worker_device(device))
         else:
             self.runner = TPGroupRunner(checkpoint, tensor_parallel_size, num_blocks, block_size, device,
                                         worker_threads, gpus_per_rank)
@@ -124,8 +126,8 @@ class Verifier:
         logger.info("verifier ready: %s, TP=%d, %d KV blocks of %d", model, tensor_parallel_size, num_blocks,
                     block_size)
 
-    def verify(self, batch: VerifyBatch) -> VerifyResult:
-        return self.worker.verify(batch)
+    async def verify(self, batch: VerifyBatch) -> VerifyResult:
+        return await self.compute.run(self.worker.verify, batch)
 
     def vocab_size(self) -> int:
         return self.worker.config.vocab_size

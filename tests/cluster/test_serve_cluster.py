@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(300)
 
 GRPC_PORT, HTTP_PORT = 19310, 18310
 MAX_CONTEXT = 256
+LONG = 230  # output tokens of a request a deadline should cut (prompt + LONG fits MAX_CONTEXT)
 QUEUE_CAPACITY = 100
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n\ndef normalize(x):", "The capital of France is"]
 MAX_TOKENS = 20
@@ -277,11 +278,35 @@ def test_deadline_aborts_the_request(client: SpecServeClient) -> None:
     aborted_before = scheduler_call("stats")["scheduler"]["aborted"]
     received: list[int] = []
     with pytest.raises(RemoteError) as info:
-        for item in client.generate(PROMPTS[1], max_tokens=200, k=0, ignore_eos=True, timeout_s=2.0):
+        for item in client.generate(PROMPTS[1], max_tokens=LONG, k=0, ignore_eos=True, timeout_s=2.0):
             received.extend(item.chunk.token_ids)
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert 0 < len(received) < 200, "the deadline should fall mid-stream"
+    assert 0 < len(received) < LONG, "the deadline should fall mid-stream"
     wait_aborted(aborted_before + 1)
+    assert_no_leaks()
+
+
+def test_the_server_keeps_the_call_time_limit_from_metadata(cluster: ClusterConfig) -> None:
+    """No gRPC deadline at all, only `specserve-timeout-s`: the ingress aborts the request itself."""
+    from cluster.client import APP_METADATA, build_request
+    from cluster.proto import specserve_pb2_grpc
+    from cluster.protocol import TIMEOUT_METADATA
+
+    aborted_before = scheduler_call("stats")["scheduler"]["aborted"]
+    received: list[int] = []
+    request = build_request(PROMPTS[1], max_tokens=LONG, k=0, ignore_eos=True)
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
+        stub = specserve_pb2_grpc.SpecServeStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            for chunk in stub.Generate(request, metadata=(*APP_METADATA, (TIMEOUT_METADATA, "1.0"))):
+                received.extend(chunk.token_ids)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
+        assert 0 < len(received) < LONG
+        wait_aborted(aborted_before + 1)
+        with pytest.raises(grpc.RpcError) as bad:
+            list(stub.Generate(request, metadata=(*APP_METADATA, (TIMEOUT_METADATA, "soon")), timeout=60))
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad.value.details().startswith(f"{TIMEOUT_METADATA}: ")
     assert_no_leaks()
 
 
