@@ -158,17 +158,19 @@ def level_row(s: ServeBenchSettings, concurrency: int, mode: str, timings: list[
     return row
 
 
-ROUND_PARTS = ("round", "verify", "draft", "reconcile")
+ROUND_PARTS = ("round", "verify", "verify_call", "draft", "kv")
 
 
 def round_split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float] | None:
-    """Mean milliseconds per engine round between two `engine.stats()` snapshots; `other` is the round's
-    time outside the workers' own compute: RPCs to the workers and the KV ledger, planning."""
+    """Mean milliseconds per engine round between two `engine.stats()` snapshots: `verify` as timed in
+    the verifier, `verify_hop` the rest of the verify call (transport), `draft` the propose call, `kv`
+    the reserve and commit calls, `other` the rest (planning, acceptance, bookkeeping)."""
     rounds = after["rounds"] - before["rounds"]
     if rounds <= 0:
         return None
     ms = {part: 1000 * (after[f"{part}_seconds"] - before[f"{part}_seconds"]) / rounds for part in ROUND_PARTS}
-    ms["other"] = ms["round"] - ms["verify"] - ms["draft"] - ms["reconcile"]
+    ms["verify_hop"] = ms.pop("verify_call") - ms["verify"]
+    ms["other"] = ms["round"] - ms["verify"] - ms["verify_hop"] - ms["draft"] - ms["kv"]
     return {"rounds": rounds, **{f"{part}_ms": value for part, value in ms.items()}}
 
 

@@ -275,7 +275,9 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
                  for p in plans]
         items += [ReserveItem(cfg.draft_namespace, p.state.request_id, len(p.draft_pending) + p.k - 1,
                               self.drafter_holder) for p in plans if p.uses_model_drafter]
+        kv_start = time.perf_counter()
         results = self.kv.reserve(items)
+        self.totals["kv_seconds"] += time.perf_counter() - kv_start
         grants = {(r.namespace, r.request_id): r for r in results if not isinstance(r, KVError)}
         kept: list[RoundPlan] = []
         for plan in plans:
@@ -339,6 +341,7 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
 
     def _verify(self, plans: list[RoundPlan]) -> VerifyResult | None:
         items = [verify_item(p) for p in plans]
+        call_start = time.perf_counter()
         try:
             result = self.verifier.verify(VerifyBatch(items))
         except Exception as exc:
@@ -354,6 +357,7 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
             return None
         self._verifier_instance = result.worker_instance
         self._verifier_failures = 0
+        self.totals["verify_call_seconds"] += time.perf_counter() - call_start  # result.seconds + the hop
         self.cost.observe_verify(sum(len(i.input_ids) + len(i.draft_ids) for i in items), result.seconds)
         return result
 
@@ -391,7 +395,9 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
                 self.running.remove(s)
                 self._forget(s.request_id)
             chunks.append(chunk)
+        kv_start = time.perf_counter()
         results = self.kv.commit(commits)
+        self.totals["kv_seconds"] += time.perf_counter() - kv_start
         for item, res in zip(commits, results, strict=True):
             if not isinstance(res, KVError):
                 continue
@@ -436,6 +442,8 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
             "verify_seconds": self.totals.get("verify_seconds", 0.0),
             "reconcile_seconds": self.totals.get("reconcile_seconds", 0.0),
             "round_seconds": self.totals.get("round_seconds", 0.0),
+            "verify_call_seconds": self.totals.get("verify_call_seconds", 0.0),  # verify + the hop to it
+            "kv_seconds": self.totals.get("kv_seconds", 0.0),  # the round's reserve and commit calls
             "cost_model": {"draft_token_seconds": self.cost.draft_token,
                            "verify_seconds_by_tokens": dict(self.cost.verify_by_tokens)},
             **busy_fractions(self.totals),

@@ -87,6 +87,8 @@ def test_bench_serve_smoke(ray_session: Any, smollm2_dir: Path, tmp_path: Path,
     for side in ("cluster", "inprocess"):
         split = result["round_split_concurrency_1"][side]
         assert split["rounds"] > 0 and split["round_ms"] >= split["verify_ms"] > 0
+        assert split["verify_hop_ms"] >= 0 and split["kv_ms"] > 0 and split["other_ms"] >= 0
+        assert split["round_ms"] >= split["verify_ms"] + split["verify_hop_ms"] + split["kv_ms"]
     assert result["cluster"]["kv_leaked_blocks"] == 0 and result["cluster"]["scheduler"]["live"] == 0
     printed = capsys.readouterr().out
     assert "goodput/s" in printed and "cluster overhead vs the in-process engine" in printed
