@@ -10,6 +10,12 @@ One round for the running batch (ARCHITECTURE.md section 1):
     commit   ONE ledger call: the accepted prefix of every reservation; the rest goes back
     emit     tokens appended one by one with stop checks, exactly where plain decoding stops
 
+Deferred commit (without overlap): when every request of the round goes on, its commit is held
+back and sent with the next round's reserve in one ledger call (`commit_then_reserve`), so a steady
+round costs one round trip to the ledger. Anything else that touches the ledger (admission, aborts,
+recovery, a finished request) sends the held commit first; a round that finishes a request commits
+at once, so a client that sees its last token sees its blocks released.
+
 Ownership: the engine (the thread that calls `step`) owns every RequestState. `submit` and
 `abort` may be called from other threads: they only enqueue, and `step` applies them first.
 The workers own the KV tensors, the ledger owns block ids; tokens here are the truth.
@@ -115,6 +121,7 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
         self._drafter_failures = 0  # consecutive; retries back off exponentially
         self._in_flight: dict[int, Future] = {}
         self._in_flight_ids: set[str] = set()
+        self._held_commits: list[CommitItem] = []  # deferred commit of the last round (engine thread only)
         self._draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-draft")
         self._namespaces = [self.config.target_namespace] + ([self.config.draft_namespace] if drafter else [])
 
@@ -156,6 +163,8 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
         chunks: list[TokenChunk] = []
         while self._inbox:
             self.waiting.append(self._inbox.popleft())
+        if self._aborts or self.waiting:
+            self._send_held_commits()  # releases and admissions see the ledger up to date
         deferred = []
         while self._aborts:
             rid = self._aborts.popleft()
@@ -213,6 +222,7 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
         """Enter the request in the draft namespace (first speculative round, or after a drafter restart)."""
         if state.draft_admitted:
             return True
+        self._send_held_commits()
         try:
             (admission,) = self.kv.admit([AdmitItem(self.config.draft_namespace, state.request_id, state.token_ids,
                                                     self.drafter_holder)])
@@ -276,8 +286,14 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
         items += [ReserveItem(cfg.draft_namespace, p.state.request_id, len(p.draft_pending) + p.k - 1,
                               self.drafter_holder) for p in plans if p.uses_model_drafter]
         kv_start = time.perf_counter()
-        results = self.kv.reserve(items)
+        held, self._held_commits = self._held_commits, []
+        if held:
+            committed, results = self.kv.commit_then_reserve(held, items)
+        else:
+            results = self.kv.reserve(items)
         self.totals["kv_seconds"] += time.perf_counter() - kv_start
+        if held:
+            self._check_commits(held, committed)
         grants = {(r.namespace, r.request_id): r for r in results if not isinstance(r, KVError)}
         kept: list[RoundPlan] = []
         for plan in plans:
@@ -395,16 +411,30 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
                 self.running.remove(s)
                 self._forget(s.request_id)
             chunks.append(chunk)
+        if self.config.overlap or any(c.finished for c in chunks):
+            self._held_commits = commits
+            self._send_held_commits()
+        else:
+            self._held_commits = commits  # sent with the next round's reserve
+        return chunks
+
+    def _send_held_commits(self) -> None:
+        """Commit the held (deferred) commit of the last round now, if there is one."""
+        held, self._held_commits = self._held_commits, []
+        if not held:
+            return
         kv_start = time.perf_counter()
-        results = self.kv.commit(commits)
+        results = self.kv.commit(held)
         self.totals["kv_seconds"] += time.perf_counter() - kv_start
+        self._check_commits(held, results)
+
+    def _check_commits(self, commits: list[CommitItem], results: list[Any]) -> None:
         for item, res in zip(commits, results, strict=True):
             if not isinstance(res, KVError):
                 continue
-            if item.namespace == cfg.target_namespace:
+            if item.namespace == self.config.target_namespace:
                 raise res
             log.warning("draft commit refused for %s (%s); the drafter re-prefills it", item.request_id, res)
-        return chunks
 
     def _abort_now(self, request_id: str) -> list[TokenChunk]:
         for state in list(self.running):
@@ -458,8 +488,9 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
         self.fallback_events.clear()
 
     def close(self) -> None:
-        """Stop the draft thread (after its in-flight work)."""
+        """Stop the draft thread (after its in-flight work); send a held commit."""
         self._draft_pool.shutdown(wait=True)
+        self._send_held_commits()
 
     def run_to_completion(self) -> dict[str, list[TokenChunk]]:
         """Drive `step` until every submitted request has finished (in-process use)."""

@@ -78,6 +78,12 @@ class LocalKV:
         return self.ledger.commit(items)
 
     @_locked
+    def commit_then_reserve(self, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]
+                            ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError]]:
+        """A deferred commit and the next reserve as one step (one round trip for the remote client)."""
+        return self.ledger.commit(commits), self.ledger.reserve(reserves)
+
+    @_locked
     def rollback(self, keys: Sequence[tuple[str, str]]) -> None:
         for namespace, request_id in keys:
             try:

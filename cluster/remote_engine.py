@@ -132,6 +132,16 @@ class RemoteKV:
     def commit(self, items: Sequence[CommitItem]) -> list[CommitResult | KVError]:
         return self._reporting("commit_with_free", list(items))
 
+    def commit_then_reserve(self, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]
+                            ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError]]:
+        try:
+            committed, reserved, free = self._call("commit_then_reserve_with_free", list(commits), list(reserves))
+        except BaseException:
+            self._free = None
+            raise
+        self._free = free
+        return committed, reserved
+
     def rollback(self, keys: Sequence[tuple[str, str]]) -> None:
         self._raise_unexpected(self._mutating("rollback", list(keys)))
 

@@ -5,7 +5,9 @@
 One batch call per step of a round: `reserve` for the whole batch before the forward, `commit`
 after it (`CommitItem.finished` releases finished requests in the same call): at most two RPCs per
 round. The `*_with_free` forms also return the pools' free fractions, which the scheduler's policy
-reads every round, so that reading costs no third call. The actor is async and every method runs to completion on its event loop without awaiting,
+reads every round, so that reading costs no third call; `commit_then_reserve_with_free` carries a
+round's commit together with the next round's reserve when the scheduler defers the commit (then a
+round costs one call). The actor is async and every method runs to completion on its event loop without awaiting,
 so concurrent callers never interleave inside a ledger call.
 
 Restart policy (ACTOR_OPTIONS): Ray restarts the actor forever (max_restarts=-1) and never re-runs
@@ -113,6 +115,14 @@ class KVManager:
         """`commit`, plus every namespace's free fraction after it."""
         outcomes = self._check(incarnation).commit(items)
         return outcomes, self._fractions()
+
+    async def commit_then_reserve_with_free(
+        self, incarnation: str, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]
+    ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError], dict[str, float]]:
+        """The previous round's `commit`, then this round's `reserve`, in one call (one round trip)."""
+        ledger = self._check(incarnation)
+        committed = ledger.commit(commits)
+        return committed, ledger.reserve(reserves), self._fractions()
 
     async def rollback(self, incarnation: str, keys: Sequence[RequestKey]) -> list[int | KVError]:
         ledger = self._check(incarnation)

@@ -1,0 +1,98 @@
+"""Deferred commit: a steady round costs one ledger call (the last round's commit rides with this
+round's reserve); a round that finishes a request, an abort or an admission sends a held commit
+first. Every test ends with the ledger audit showing zero leaked blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.engine_factory import EngineOptions, build_local_engine
+from model_runtime.testing import make_random_checkpoint
+from tests.cluster.engine_helpers import plain_greedy, request
+
+LEDGER_CALLS = {"reserve", "commit", "commit_then_reserve", "admit", "can_admit", "release", "rollback",
+                "register_worker", "expire_worker"}
+
+
+class CountingKV:
+    """The engine's KV client with every ledger call recorded by name."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name not in LEDGER_CALLS:
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            return attr(*args, **kwargs)
+        return counted
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("deferral")
+    return (make_random_checkpoint(root / "t", seed=31, vocab_size=64),
+            make_random_checkpoint(root / "d", seed=32, vocab_size=64, num_layers=1))
+
+
+def engine_for(pair: tuple[Path, Path]) -> Any:
+    target, draft = pair
+    engine = build_local_engine(str(target), str(draft), EngineOptions(max_batch=4, block_size=4, num_blocks=256),
+                                tokenizer=None)
+    engine.kv = CountingKV(engine.kv)
+    return engine
+
+
+def live_ids(engine: Any, namespace: str) -> set[str]:
+    return set(engine.kv.inner.ledger.requests.get(namespace, {}))
+
+
+def test_steady_rounds_make_one_ledger_call_and_finishing_rounds_commit_at_once(pair) -> None:
+    target, _ = pair
+    engine = engine_for(pair)
+    engine.submit(request("short", [3, 4, 5], max_tokens=5, k=2, ignore_eos=True))
+    engine.submit(request("long", [7, 8, 9, 10], max_tokens=16, k=2, ignore_eos=True))
+    out: dict[str, list[int]] = {"short": [], "long": []}
+    steady = 0
+    while engine.has_unfinished():
+        engine.kv.calls.clear()
+        chunks = engine.step()
+        for c in chunks:
+            out[c.request_id] += c.token_ids
+        finished = {c.request_id for c in chunks if c.finished}
+        if finished:  # the finishing round sent its commit before returning: the ledger let go
+            assert engine.kv.calls[-1] == "commit", engine.kv.calls
+            for namespace in (engine.config.target_namespace, engine.config.draft_namespace):
+                assert not finished & live_ids(engine, namespace)
+        elif engine.kv.calls and engine.kv.calls[0] == "commit_then_reserve":
+            assert engine.kv.calls == ["commit_then_reserve"], engine.kv.calls
+            steady += 1
+    assert steady >= 3  # most rounds of "long" after "short" finished
+    assert out["short"] == plain_greedy(target, [3, 4, 5], 5)
+    assert out["long"] == plain_greedy(target, [7, 8, 9, 10], 16)
+    engine.kv.audit().assert_no_leaks()
+
+
+def test_an_abort_sends_the_held_commit_first(pair) -> None:
+    engine = engine_for(pair)
+    engine.submit(request("a", [3, 4, 5], max_tokens=30, k=2, ignore_eos=True))
+    engine.submit(request("b", [6, 7], max_tokens=30, k=2, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine._held_commits, "the last round's commit is held"
+    engine.kv.calls.clear()
+    engine.abort("a")
+    chunks = engine.step()
+    assert [c.finish_reason for c in chunks if c.request_id == "a"] == ["abort"]
+    assert engine.kv.calls[:2] == ["commit", "release"], engine.kv.calls
+    assert "a" not in live_ids(engine, engine.config.target_namespace)
+    engine.run_to_completion()
+    assert not engine._held_commits
+    engine.kv.audit().assert_no_leaks()
