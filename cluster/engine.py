@@ -163,7 +163,7 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
         chunks: list[TokenChunk] = []
         while self._inbox:
             self.waiting.append(self._inbox.popleft())
-        if self._aborts or self.waiting:
+        if self._aborts or (self.waiting and len(self.running) < self.config.max_batch):
             self._send_held_commits()  # releases and admissions see the ledger up to date
         deferred = []
         while self._aborts:

@@ -70,8 +70,9 @@ class RemoteKV:
     """LocalKV's methods (cluster/kv_client.py) over the KV manager actor, synchronously.
 
     This engine is the ledger's only client (build_cluster_engine creates the actor for it), so the
-    free fractions change only through its own calls: `reserve` and `commit` bring them back with
-    their answers, any other mutating call marks them stale, and `free_fraction` fetches only then.
+    free fractions change only through its own calls: `reserve`, `commit` and `commit_then_reserve`
+    bring them back with their answers, any other mutating call marks them stale, and `free_fraction`
+    fetches only then.
     """
 
     def __init__(self, actor: Any, timeout_s: float = 60.0) -> None:
@@ -98,13 +99,14 @@ class RemoteKV:
             self._free = None
 
     def _reporting(self, method: str, *args: Any) -> Any:
+        """A call whose answer ends with the free fractions after it (the `*_with_free` methods)."""
         try:
-            outcomes, free = self._call(method, *args)
+            *answer, free = self._call(method, *args)
         except BaseException:
             self._free = None
             raise
         self._free = free
-        return outcomes
+        return answer[0] if len(answer) == 1 else tuple(answer)
 
     def register_worker(self, worker_id: str) -> Holder:
         return self._mutating("register_worker", worker_id)
@@ -134,13 +136,7 @@ class RemoteKV:
 
     def commit_then_reserve(self, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]
                             ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError]]:
-        try:
-            committed, reserved, free = self._call("commit_then_reserve_with_free", list(commits), list(reserves))
-        except BaseException:
-            self._free = None
-            raise
-        self._free = free
-        return committed, reserved
+        return self._reporting("commit_then_reserve_with_free", list(commits), list(reserves))
 
     def rollback(self, keys: Sequence[tuple[str, str]]) -> None:
         self._raise_unexpected(self._mutating("rollback", list(keys)))

@@ -10,7 +10,7 @@ from types import ModuleType
 from typing import Any
 
 from cluster.remote_engine import RemoteKV
-from kv_manager import AdmitItem, CommitItem, NamespaceConfig, ReserveItem
+from kv_manager import AdmitItem, CommitItem, KVError, NamespaceConfig, ReserveItem
 from kv_manager.actor import KVManagerActor
 
 TARGET = "verifier/target"
@@ -45,6 +45,14 @@ def test_free_fraction_costs_no_extra_call_in_a_round_and_is_exact(ray_session: 
             kv.commit([CommitItem(TARGET, "a", 1, [7], holder)])
             assert kv.free_fraction(TARGET) == actual(), round_index
             assert kv.calls == ["reserve_with_free", "commit_with_free"], round_index
+        kv.calls.clear()  # a deferred commit with the next reserve: one call, fractions still exact
+        kv.reserve([ReserveItem(TARGET, "a", 4, holder)])
+        committed, reserved = kv.commit_then_reserve([CommitItem(TARGET, "a", 2, [7, 8], holder)],
+                                                     [ReserveItem(TARGET, "a", 3, holder)])
+        assert not isinstance(committed[0], KVError) and not isinstance(reserved[0], KVError)
+        assert kv.free_fraction(TARGET) == actual()
+        assert kv.calls == ["reserve_with_free", "commit_then_reserve_with_free"]
+        kv.commit([CommitItem(TARGET, "a", 0, [], holder)])
         kv.release("a", [TARGET])
         kv.calls.clear()
         assert kv.free_fraction(TARGET) == 1.0 and kv.calls == ["free_fractions"]
