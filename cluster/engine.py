@@ -435,6 +435,10 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
             if item.namespace == self.config.target_namespace:
                 raise res
             log.warning("draft commit refused for %s (%s); the drafter re-prefills it", item.request_id, res)
+            for state in self.running:  # the ledger and our draft_cached disagree: start the draft cache over
+                if state.request_id == item.request_id and state.draft_admitted:
+                    self.kv.release(state.request_id, [self.config.draft_namespace])
+                    state.draft_cached, state.draft_admitted = 0, False
 
     def _abort_now(self, request_id: str) -> list[TokenChunk]:
         for state in list(self.running):

@@ -1,6 +1,7 @@
 """Deferred commit: a steady round costs one ledger call (the last round's commit rides with this
 round's reserve); a round that finishes a request, an abort or an admission sends a held commit
-first. Every test ends with the ledger audit showing zero leaked blocks."""
+first. A refused draft commit (held or not) restarts that request's draft cache. Every test ends
+with the ledger audit showing zero leaked blocks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 
 from cluster.engine_factory import EngineOptions, build_local_engine
+from kv_manager.errors import StaleEpoch
 from model_runtime.testing import make_random_checkpoint
 from tests.cluster.engine_helpers import plain_greedy, request
 
@@ -96,3 +98,48 @@ def test_an_abort_sends_the_held_commit_first(pair) -> None:
     engine.run_to_completion()
     assert not engine._held_commits
     engine.kv.audit().assert_no_leaks()
+
+
+class RefusingKV(CountingKV):
+    """Refuses one draft-namespace commit item (as a ledger would refuse a stale holder's), once."""
+
+    def __init__(self, inner: Any, draft_namespace: str, after_calls: int) -> None:
+        super().__init__(inner)
+        self.draft_namespace = draft_namespace
+        self.after_calls = after_calls
+        self.refused: list[str] = []
+
+    def _refuse(self, commits: list[Any]) -> tuple[list[Any], int | None]:
+        if self.refused or len(self.calls) < self.after_calls:
+            return commits, None
+        for i, item in enumerate(commits):
+            if item.namespace == self.draft_namespace:
+                self.refused.append(item.request_id)
+                return commits[:i] + commits[i + 1:], i
+        return commits, None
+
+    def commit(self, commits: list[Any]) -> list[Any]:
+        self.calls.append("commit")
+        kept, at = self._refuse(commits)
+        results = self.inner.commit(kept)
+        return results if at is None else results[:at] + [StaleEpoch("refused", namespace=self.draft_namespace)] + results[at:]
+
+    def commit_then_reserve(self, commits: list[Any], reserves: list[Any]) -> tuple[list[Any], list[Any]]:
+        self.calls.append("commit_then_reserve")
+        kept, at = self._refuse(commits)
+        committed, reserved = self.inner.commit_then_reserve(kept, reserves)
+        if at is not None:
+            committed = committed[:at] + [StaleEpoch("refused", namespace=self.draft_namespace)] + committed[at:]
+        return committed, reserved
+
+
+def test_a_refused_draft_commit_restarts_that_draft_cache_and_output_stays_exact(pair) -> None:
+    target, _ = pair
+    engine = engine_for(pair)
+    engine.kv = RefusingKV(engine.kv.inner, engine.config.draft_namespace, after_calls=6)
+    engine.submit(request("r", [3, 4, 5, 6], max_tokens=20, k=2, ignore_eos=True))
+    out = [t for c in engine.run_to_completion()["r"] for t in c.token_ids]
+    assert engine.kv.refused == ["r"]
+    assert engine.kv.calls.count("admit") >= 3  # target once, draft once, draft again after the refusal
+    assert out == plain_greedy(target, [3, 4, 5, 6], 20)
+    engine.kv.inner.audit().assert_no_leaks()
