@@ -10,11 +10,8 @@ One round for the running batch (ARCHITECTURE.md section 1):
     commit   ONE ledger call: the accepted prefix of every reservation; the rest goes back
     emit     tokens appended one by one with stop checks, exactly where plain decoding stops
 
-Deferred commit (without overlap): when every request of the round goes on, its commit is held
-back and sent with the next round's reserve in one ledger call (`commit_then_reserve`), so a steady
-round costs one round trip to the ledger. Anything else that touches the ledger (admission, aborts,
-recovery, a finished request) sends the held commit first; a round that finishes a request commits
-at once, so a client that sees its last token sees its blocks released.
+Deferred commit (without overlap): a steady round's commit rides with the next round's reserve;
+see cluster/engine_commit.py.
 
 Ownership: the engine (the thread that calls `step`) owns every RequestState. `submit` and
 `abort` may be called from other threads: they only enqueue, and `step` applies them first.
@@ -33,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cluster.api import CapacityError, GenerationRequest, InvalidRequestError, TokenChunk
+from cluster.engine_commit import RoundCommit
 from cluster.engine_overlap import OverlapRounds
 from cluster.engine_recovery import WorkerRecovery
 from cluster.engine_stats import busy_fractions
@@ -41,7 +39,6 @@ from cluster.round_messages import (
     ProposeBatch,
     ProposeResult,
     VerifyBatch,
-    VerifyOutput,
     VerifyResult,
 )
 from cluster.round_plan import RoundPlan, propose_item, verify_item
@@ -85,7 +82,7 @@ class EngineConfig:
     overlap: bool = False  # draft one group while verifying the other (separate devices/processes pay off)
 
 
-class SpecEngine(OverlapRounds, WorkerRecovery):
+class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
     def __init__(
         self, verifier: VerifierBackend, drafter: DrafterBackend | None, kv: Any, tokenizer: Any,
         eos_token_ids: tuple[int, ...], vocab_size: int, config: EngineConfig | None = None,
@@ -376,69 +373,6 @@ class SpecEngine(OverlapRounds, WorkerRecovery):
         self.totals["verify_call_seconds"] += time.perf_counter() - call_start  # result.seconds + the hop
         self.cost.observe_verify(sum(len(i.input_ids) + len(i.draft_ids) for i in items), result.seconds)
         return result
-
-    def _accept_and_commit(self, plans: list[RoundPlan], outputs: list[VerifyOutput]) -> list[TokenChunk]:
-        cfg = self.config
-        commits: list[CommitItem] = []
-        chunks: list[TokenChunk] = []
-        for plan, out in zip(plans, outputs, strict=True):
-            s = plan.state
-            assert out.request_id == s.request_id
-            proposed = len(plan.drafts)
-            s.rounds += 1
-            if proposed:
-                s.acceptance.record(out.accepted_len, proposed, s.request.spec.contract)
-                self.acceptance.record(out.accepted_len, proposed, s.request.spec.contract)
-            accepted = plan.drafts[:out.accepted_len]
-            target_len = len(plan.target_pending) + out.accepted_len
-            kept, delta = s.append_tokens(out.tokens)
-            finished = s.finish_reason is not None
-            commits.append(CommitItem(cfg.target_namespace, s.request_id, target_len,
-                                      plan.target_pending + accepted, self.verifier_holder, finished=finished))
-            s.target_cached += target_len
-            if plan.uses_model_drafter:
-                draft_len = len(plan.draft_pending) + min(out.accepted_len, proposed - 1)
-                commits.append(CommitItem(cfg.draft_namespace, s.request_id, draft_len,
-                                          (plan.draft_pending + plan.drafts)[:draft_len], self.drafter_holder,
-                                          finished=finished))
-                s.draft_cached += draft_len
-            elif finished and s.draft_admitted:
-                self.kv.release(s.request_id, [cfg.draft_namespace])
-            chunk = TokenChunk(s.request_id, kept, delta, proposed=proposed,
-                               accepted=min(out.accepted_len, len(kept)), finish_reason=s.finish_reason)
-            if finished:
-                chunk.stats = s.stats()
-                self.running.remove(s)
-                self._forget(s.request_id)
-            chunks.append(chunk)
-        if self.config.overlap or any(c.finished for c in chunks):
-            self._held_commits = commits
-            self._send_held_commits()
-        else:
-            self._held_commits = commits  # sent with the next round's reserve
-        return chunks
-
-    def _send_held_commits(self) -> None:
-        """Commit the held (deferred) commit of the last round now, if there is one."""
-        held, self._held_commits = self._held_commits, []
-        if not held:
-            return
-        kv_start = time.perf_counter()
-        results = self.kv.commit(held)
-        self.totals["kv_seconds"] += time.perf_counter() - kv_start
-        self._check_commits(held, results)
-
-    def _check_commits(self, commits: list[CommitItem], results: list[Any]) -> None:
-        for item, res in zip(commits, results, strict=True):
-            if not isinstance(res, KVError):
-                continue
-            if item.namespace == self.config.target_namespace:
-                raise res
-            log.warning("draft commit refused for %s (%s); the drafter re-prefills it", item.request_id, res)
-            for state in self.running:  # the ledger and our draft_cached disagree: start the draft cache over
-                if state.request_id == item.request_id and state.draft_admitted:
-                    self.kv.release(state.request_id, [self.config.draft_namespace])
-                    state.draft_cached, state.draft_admitted = 0, False
 
     def _abort_now(self, request_id: str) -> list[TokenChunk]:
         for state in list(self.running):
