@@ -179,7 +179,7 @@ class SpecBench:
     # ------------------------------------------------------------------ our engine
     def _fresh_engine(self, config: Config) -> SpecEngine:
         base = self.base
-        namespaces = [pool.config for pool in base.kv.ledger.pools.values()]
+        namespaces = [pool.config for pool in base.kv.inner.ledger.pools.values()]
         engine = SpecEngine(base.verifier, base.drafter, LocalKV(BlockLedger(namespaces)), base.tokenizer,
                             tuple(base.eos_token_ids), base.vocab_size,
                             dataclasses.replace(base.config, max_batch=config.batch),

@@ -10,8 +10,8 @@ One round for the running batch (ARCHITECTURE.md section 1):
     commit   ONE ledger call: the accepted prefix of every reservation; the rest goes back
     emit     tokens appended one by one with stop checks, exactly where plain decoding stops
 
-Deferred commit (without overlap): a steady round's commit rides with the next round's reserve;
-see cluster/engine_commit.py.
+Held commit (without overlap): a steady round's commit rides with the next round's reserve;
+see cluster/held_commit.py.
 
 Ownership: the engine (the thread that calls `step`) owns every RequestState. `submit` and
 `abort` may be called from other threads: they only enqueue, and `step` applies them first.
@@ -34,6 +34,7 @@ from cluster.engine_commit import RoundCommit
 from cluster.engine_overlap import OverlapRounds
 from cluster.engine_recovery import WorkerRecovery
 from cluster.engine_stats import busy_fractions
+from cluster.held_commit import HeldCommitKV
 from cluster.request_state import RequestState, TextTracker
 from cluster.round_messages import (
     ProposeBatch,
@@ -45,7 +46,7 @@ from cluster.round_plan import RoundPlan, propose_item, verify_item
 from cluster.spec_policy import CostModel, choose_k
 from drafter_service.ngram import propose_ngram
 from kv_manager.errors import KVError, OutOfBlocks
-from kv_manager.schema import AdmitItem, CommitItem, Holder, ReserveItem
+from kv_manager.schema import AdmitItem, Holder, ReserveItem
 from verifier_service.acceptance_stats import AcceptanceStats
 
 log = logging.getLogger("specserve.engine")
@@ -90,7 +91,8 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
     ) -> None:
         self.verifier = verifier
         self.drafter = drafter
-        self.kv = kv  # kv_manager ledger (in process) or a client of its actor: same methods
+        # kv_manager ledger (in process) or a client of its actor, behind the held-commit wrapper
+        self.kv = HeldCommitKV(kv, self._check_commits)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
@@ -118,7 +120,6 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
         self._drafter_failures = 0  # consecutive; retries back off exponentially
         self._in_flight: dict[int, Future] = {}
         self._in_flight_ids: set[str] = set()
-        self._held_commits: list[CommitItem] = []  # deferred commit of the last round (engine thread only)
         self._draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-draft")
         self._namespaces = [self.config.target_namespace] + ([self.config.draft_namespace] if drafter else [])
 
@@ -160,8 +161,6 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
         chunks: list[TokenChunk] = []
         while self._inbox:
             self.waiting.append(self._inbox.popleft())
-        if self._aborts or (self.waiting and len(self.running) < self.config.max_batch):
-            self._send_held_commits()  # releases and admissions see the ledger up to date
         deferred = []
         while self._aborts:
             rid = self._aborts.popleft()
@@ -219,7 +218,6 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
         """Enter the request in the draft namespace (first speculative round, or after a drafter restart)."""
         if state.draft_admitted:
             return True
-        self._send_held_commits()
         try:
             (admission,) = self.kv.admit([AdmitItem(self.config.draft_namespace, state.request_id, state.token_ids,
                                                     self.drafter_holder)])
@@ -283,14 +281,8 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
         items += [ReserveItem(cfg.draft_namespace, p.state.request_id, len(p.draft_pending) + p.k - 1,
                               self.drafter_holder) for p in plans if p.uses_model_drafter]
         kv_start = time.perf_counter()
-        held, self._held_commits = self._held_commits, []
-        if held:
-            committed, results = self.kv.commit_then_reserve(held, items)
-        else:
-            results = self.kv.reserve(items)
+        results = self.kv.reserve(items)  # carries the last round's held commit, if any
         self.totals["kv_seconds"] += time.perf_counter() - kv_start
-        if held:
-            self._check_commits(held, committed)
         grants = {(r.namespace, r.request_id): r for r in results if not isinstance(r, KVError)}
         kept: list[RoundPlan] = []
         for plan in plans:
@@ -428,7 +420,7 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
     def close(self) -> None:
         """Stop the draft thread (after its in-flight work); send a held commit."""
         self._draft_pool.shutdown(wait=True)
-        self._send_held_commits()
+        self.kv.send_held()
 
     def run_to_completion(self) -> dict[str, list[TokenChunk]]:
         """Drive `step` until every submitted request has finished (in-process use)."""

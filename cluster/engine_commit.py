@@ -1,10 +1,7 @@
 """Accept and commit for SpecEngine: a round's outcome becomes tokens, chunks and ledger commits.
 
-Deferred commit (without overlap): when every request of the round goes on, its commit is held
-back and sent with the next round's reserve in one ledger call (`commit_then_reserve`), so a steady
-round costs one round trip to the ledger. Anything else that touches the ledger (admission, aborts,
-recovery, a finished request) sends the held commit first; a round that finishes a request commits
-at once, so a client that sees its last token sees its blocks released.
+Without overlap, a round in which no request finished holds its commit for the next round's reserve
+(cluster/held_commit.py); otherwise it commits at once.
 
 A mixin of SpecEngine (cluster/engine.py), which owns every attribute used here; everything runs
 on the engine thread.
@@ -14,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from cluster.api import TokenChunk
@@ -34,7 +32,6 @@ class RoundCommit:
     totals: dict[str, float]
     verifier_holder: Holder
     drafter_holder: Holder | None
-    _held_commits: list[CommitItem]
     _forget: Any
 
     def _accept_and_commit(self, plans: list[RoundPlan], outputs: list[VerifyOutput]) -> list[TokenChunk]:
@@ -71,24 +68,14 @@ class RoundCommit:
                 self.running.remove(s)
                 self._forget(s.request_id)
             chunks.append(chunk)
-        if self.config.overlap or any(c.finished for c in chunks):
-            self._held_commits = commits
-            self._send_held_commits()
-        else:
-            self._held_commits = commits  # sent with the next round's reserve
+        kv_start = time.perf_counter()
+        hold = not self.config.overlap and not any(c.finished for c in chunks)
+        self.kv.commit(commits, hold=hold)  # held: sent with the next round's reserve
+        self.totals["kv_seconds"] += time.perf_counter() - kv_start
         return chunks
 
-    def _send_held_commits(self) -> None:
-        """Commit the held (deferred) commit of the last round now, if there is one."""
-        held, self._held_commits = self._held_commits, []
-        if not held:
-            return
-        kv_start = time.perf_counter()
-        results = self.kv.commit(held)
-        self.totals["kv_seconds"] += time.perf_counter() - kv_start
-        self._check_commits(held, results)
-
-    def _check_commits(self, commits: list[CommitItem], results: list[Any]) -> None:
+    def _check_commits(self, commits: Sequence[CommitItem], results: Sequence[Any]) -> None:
+        """Outcomes of a commit whenever it reaches the ledger (cluster/held_commit.py)."""
         for item, res in zip(commits, results, strict=True):
             if not isinstance(res, KVError):
                 continue

@@ -34,7 +34,6 @@ class WorkerRecovery:
     _drafter_down_since: float | None
     _drafter_failures: int
     _in_flight_ids: set[str]
-    _send_held_commits: Any
 
     def _drafter_usable(self) -> bool:
         if self.drafter is None:
@@ -44,7 +43,6 @@ class WorkerRecovery:
         backoff = self.config.drafter_retry_seconds * 2 ** min(self._drafter_failures - 1, 5)
         if time.monotonic() - self._drafter_down_since >= backoff:
             self._drafter_down_since = None  # try again with a new epoch; a replacement may be up
-            self._send_held_commits()  # its draft items carry the old epoch
             self.drafter_holder = self.kv.register_worker("drafter")
             self.fallback_events.append({"at": time.time(), "event": "drafter retried"})
             return True
@@ -55,7 +53,6 @@ class WorkerRecovery:
         (expiring the old epoch drops its grants, this round's reservations included)."""
         log.warning("drafter replaced; re-prefilling draft caches")
         self.fallback_events.append({"at": time.time(), "event": "drafter replaced"})
-        self._send_held_commits()
         self.kv.expire_worker("drafter")
         self.drafter_holder = self.kv.register_worker("drafter")
         for state in self.running:
@@ -66,7 +63,6 @@ class WorkerRecovery:
         running request; it is re-admitted and re-prefilled from its tokens (nothing emitted is lost)."""
         log.error("%s; re-prefilling %d running requests", reason, len(self.running))
         self.fallback_events.append({"at": time.time(), "event": "verifier recovery", "reason": reason})
-        self._send_held_commits()
         self.kv.rollback([(self.config.draft_namespace, p.state.request_id) for p in plans if p.uses_model_drafter])
         self.kv.expire_worker("verifier")
         self.verifier_holder = self.kv.register_worker("verifier")

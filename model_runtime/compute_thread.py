@@ -27,13 +27,13 @@ class ComputeThread:
     def __init__(self, name: str, torch_threads: int = 0) -> None:
         self.name = name
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self.native_id: int = self.call(threading.get_native_id)
+        self.native_id: int = self._pool.submit(threading.get_native_id).result()
         if torch_threads > 0:
             self.call(torch.set_num_threads, torch_threads)
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn` on the compute thread and wait for it (from any thread except the compute thread)."""
-        assert threading.get_native_id() != getattr(self, "native_id", None), "call() from the compute thread"
+        assert threading.get_native_id() != self.native_id, "call() from the compute thread would deadlock"
         return self._pool.submit(fn, *args, **kwargs).result()
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

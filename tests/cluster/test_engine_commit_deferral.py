@@ -48,7 +48,7 @@ def engine_for(pair: tuple[Path, Path]) -> Any:
     target, draft = pair
     engine = build_local_engine(str(target), str(draft), EngineOptions(max_batch=4, block_size=4, num_blocks=256),
                                 tokenizer=None)
-    engine.kv = CountingKV(engine.kv)
+    engine.kv.inner = CountingKV(engine.kv.inner)  # below the held-commit wrapper: what reaches the ledger
     return engine
 
 
@@ -64,17 +64,17 @@ def test_steady_rounds_make_one_ledger_call_and_finishing_rounds_commit_at_once(
     out: dict[str, list[int]] = {"short": [], "long": []}
     steady = 0
     while engine.has_unfinished():
-        engine.kv.calls.clear()
+        engine.kv.inner.calls.clear()
         chunks = engine.step()
         for c in chunks:
             out[c.request_id] += c.token_ids
         finished = {c.request_id for c in chunks if c.finished}
         if finished:  # the finishing round sent its commit before returning: the ledger let go
-            assert engine.kv.calls[-1] == "commit", engine.kv.calls
+            assert engine.kv.inner.calls[-1] == "commit", engine.kv.inner.calls
             for namespace in (engine.config.target_namespace, engine.config.draft_namespace):
                 assert not finished & live_ids(engine, namespace)
-        elif engine.kv.calls and engine.kv.calls[0] == "commit_then_reserve":
-            assert engine.kv.calls == ["commit_then_reserve"], engine.kv.calls
+        elif engine.kv.inner.calls and engine.kv.inner.calls[0] == "commit_then_reserve":
+            assert engine.kv.inner.calls == ["commit_then_reserve"], engine.kv.inner.calls
             steady += 1
     assert steady >= 3  # most rounds of "long" after "short" finished
     assert out["short"] == plain_greedy(target, [3, 4, 5], 5)
@@ -88,15 +88,15 @@ def test_an_abort_sends_the_held_commit_first(pair) -> None:
     engine.submit(request("b", [6, 7], max_tokens=30, k=2, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine._held_commits, "the last round's commit is held"
-    engine.kv.calls.clear()
+    assert engine.kv.held, "the last round's commit is held"
+    engine.kv.inner.calls.clear()
     engine.abort("a")
     chunks = engine.step()
     assert [c.finish_reason for c in chunks if c.request_id == "a"] == ["abort"]
-    assert engine.kv.calls[:2] == ["commit", "release"], engine.kv.calls
+    assert engine.kv.inner.calls[:2] == ["commit", "release"], engine.kv.inner.calls
     assert "a" not in live_ids(engine, engine.config.target_namespace)
     engine.run_to_completion()
-    assert not engine._held_commits
+    assert not engine.kv.held
     engine.kv.audit().assert_no_leaks()
 
 
@@ -136,10 +136,10 @@ class RefusingKV(CountingKV):
 def test_a_refused_draft_commit_restarts_that_draft_cache_and_output_stays_exact(pair) -> None:
     target, _ = pair
     engine = engine_for(pair)
-    engine.kv = RefusingKV(engine.kv.inner, engine.config.draft_namespace, after_calls=6)
+    engine.kv.inner = RefusingKV(engine.kv.inner.inner, engine.config.draft_namespace, after_calls=6)
     engine.submit(request("r", [3, 4, 5, 6], max_tokens=20, k=2, ignore_eos=True))
     out = [t for c in engine.run_to_completion()["r"] for t in c.token_ids]
-    assert engine.kv.refused == ["r"]
-    assert engine.kv.calls.count("admit") >= 3  # target once, draft once, draft again after the refusal
+    assert engine.kv.inner.refused == ["r"]
+    assert engine.kv.inner.calls.count("admit") >= 3  # target once, draft once, draft again after the refusal
     assert out == plain_greedy(target, [3, 4, 5, 6], 20)
-    engine.kv.inner.audit().assert_no_leaks()
+    engine.kv.audit().assert_no_leaks()
