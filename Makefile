@@ -13,10 +13,12 @@ setup:
 	$(BIN)/specserve models prepare smollm2-135m
 
 test:
+	$(BIN)/lint-imports
 	scripts/in-netns.sh $(BIN)/python -m pytest -q tests
 
 lint:
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 bench-runtime:
 	scripts/in-netns.sh $(BIN)/specserve bench runtime

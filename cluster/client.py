@@ -11,18 +11,16 @@ RESOURCE_EXHAUSTED -> CapacityError, anything else -> SpecServeError (with .code
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
 
-from cluster.api import CapacityError, InvalidRequestError, SpecServeError
-from cluster.proto import specserve_pb2 as pb
-from cluster.proto import specserve_pb2_grpc as pb_grpc
-from cluster.protocol import TIMEOUT_METADATA, IndexedChunk, chunk_from_proto
+from specserve_types.api import CapacityError, InvalidRequestError, SpecServeError
+from specserve_types.proto import specserve_pb2 as pb
+from specserve_types.proto import specserve_pb2_grpc as pb_grpc
+from specserve_types.protocol import TIMEOUT_METADATA, IndexedChunk, chunk_from_proto
 
 APP_NAME = "specserve"
 APP_METADATA = (("application", APP_NAME),)  # Serve's gRPC proxy routes by application name
@@ -143,42 +141,3 @@ def collect(stream: Iterator[IndexedChunk]) -> dict[int, dict[str, Any]]:
             sample["finish_reason"] = item.chunk.finish_reason
             sample["stats"] = item.chunk.stats
     return samples
-
-
-def generate_via_server(args: argparse.Namespace) -> int:
-    """`specserve generate --server HOST:PORT`: the same flags and output as in process."""
-    from cluster.cli_generate import DEFAULT_MODEL
-
-    draft = args.draft
-    if draft is not None and draft not in ("ngram", "none"):
-        draft = "model"  # the server's draft model; which one is the server's configuration
-    fields = dict(
-        model="" if args.model == DEFAULT_MODEL else args.model, draft=draft or None, k=args.k,
-        contract=args.contract, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed, n=args.n, stop=args.stop,
-        max_tokens=args.max_tokens, chat=args.chat or None,
-    )
-    with SpecServeClient(args.server) as client:
-        stream = client.generate(args.prompt, **fields)
-        streaming = not args.json and args.n == 1
-        samples: dict[int, dict[str, Any]] = {}
-        if streaming:
-            for item in stream:
-                sys.stdout.write(item.chunk.text_delta)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-            return 0
-        samples = collect(stream)
-        ordered = [samples[i] for i in sorted(samples)]
-        if args.json:
-            stats = client.stats().get("engine", {})
-            stats["requests"] = [s.pop("stats") for s in ordered]
-            print(json.dumps({"model": args.model, "server": args.server, "draft": args.draft,
-                              "contract": ordered[0]["contract"] if ordered else args.contract,
-                              "samples": [{k: s[k] for k in ("token_ids", "text", "finish_reason")} for s in ordered],
-                              "stats": stats}))
-        else:
-            for i, sample in enumerate(ordered):
-                print(f"--- sample {i} ({sample['finish_reason']})\n{sample['text']}")
-    return 0

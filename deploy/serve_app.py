@@ -4,7 +4,7 @@
     args: {model: ..., draft: ..., device: cuda, tensor_parallel_size: 2, ...}   # ClusterConfig fields
 
 Ray Serve calls an application builder with exactly one argument, the `args` mapping of the config.
-`cluster.app.build_app(config, engine_builder=None)` takes two parameters and a `ClusterConfig`, so
+`cluster.serving.app.build_app(config, engine_builder=None)` takes two parameters and a `ClusterConfig`, so
 it cannot be named directly; this adapter validates `args` as a `ClusterConfig` (the same
 validation and error messages as `specserve up --config FILE`) and binds the same graph.
 
@@ -19,8 +19,8 @@ from typing import Any
 
 from ray import serve
 
-from cluster.app import build_app
-from cluster.config import ClusterConfig, ConfigError, load_config
+from cluster.serving.app import build_app
+from cluster.serving.config import ClusterConfig, ConfigError, load_config
 
 __all__ = ["NOT_APP_ARGS", "app_builder", "cluster_config"]
 

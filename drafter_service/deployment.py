@@ -14,9 +14,9 @@ import os
 
 from ray import serve
 
-from cluster.round_messages import ProposeBatch, ProposeResult
 from drafter_service.worker import DraftWorker
 from model_runtime.compute_thread import ComputeThread
+from specserve_types.round_messages import ProposeBatch, ProposeResult
 
 logger = logging.getLogger("ray.serve")
 

@@ -15,8 +15,8 @@ import uuid
 import numpy as np
 import torch
 
-from cluster.round_messages import ProposeBatch, ProposeItem, ProposeOutput, ProposeResult
 from model_runtime.batch import SeqInput
+from specserve_types.round_messages import ProposeBatch, ProposeItem, ProposeOutput, ProposeResult
 from verifier_service.sampling import penalized_logits_for_positions, sample_token, transform_logits
 from verifier_service.worker import ForwardRunner
 

@@ -14,18 +14,15 @@ A block with ref count > 0 that no live table holds is a leak.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kv_manager.block_pool import BlockPool
-from kv_manager.request_state import RequestState, cdiv
-from kv_manager.schema import AuditReport, BlockState, NamespaceCounts
-
-if TYPE_CHECKING:
-    from kv_manager.ledger import WorkerEpoch
+from kv_manager.request_blocks import RequestBlocks, cdiv
+from kv_manager.schema import AuditReport, BlockState, NamespaceCounts, WorkerEpoch
 
 
 def audit_ledger(
-    pools: Mapping[str, BlockPool], requests: Mapping[str, Mapping[str, RequestState]]
+    pools: Mapping[str, BlockPool], requests: Mapping[str, Mapping[str, RequestBlocks]]
 ) -> AuditReport:
     counts: dict[str, NamespaceCounts] = {}
     leaked: list[tuple[str, int]] = []
@@ -76,7 +73,7 @@ def audit_ledger(
 
 
 def _check_tables(
-    name: str, pool: BlockPool, requests: Mapping[str, RequestState], errors: list[str]
+    name: str, pool: BlockPool, requests: Mapping[str, RequestBlocks], errors: list[str]
 ) -> list[int]:
     """Count the tables holding each block, checking each table against its request's lengths."""
     bs = pool.block_size
@@ -101,7 +98,7 @@ def _check_tables(
 
 def snapshot_ledger(
     pools: Mapping[str, BlockPool],
-    requests: Mapping[str, Mapping[str, RequestState]],
+    requests: Mapping[str, Mapping[str, RequestBlocks]],
     workers: Mapping[str, WorkerEpoch],
 ) -> dict[str, Any]:
     return {

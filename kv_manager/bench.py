@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from kv_manager.ledger import BlockLedger
-from kv_manager.request_state import cdiv
+from kv_manager.request_blocks import cdiv
 from kv_manager.schema import AdmitItem, CommitItem, NamespaceConfig, ReserveItem
 
 NAMESPACE = "verifier/target"

@@ -33,8 +33,8 @@ from kv_manager.errors import (
     UnknownNamespace,
     UnknownRequest,
 )
-from kv_manager.request_state import (
-    RequestState,
+from kv_manager.request_blocks import (
+    RequestBlocks,
     cdiv,
     grow,
     index_full_blocks,
@@ -55,19 +55,14 @@ from kv_manager.schema import (
     NamespaceConfig,
     Reservation,
     ReserveItem,
+    WorkerEpoch,
 )
-
-
-@dataclass(slots=True)
-class WorkerEpoch:
-    epoch: int
-    alive: bool
 
 
 @dataclass(slots=True)
 class _ReservePlan:
     pool: BlockPool
-    state: RequestState
+    state: RequestBlocks
     num_new_slots: int
     num_new_blocks: int
     copy_on_write: bool
@@ -81,7 +76,7 @@ class BlockLedger:
     def __init__(self, namespaces: Iterable[NamespaceConfig], *, first_epoch: int = 0) -> None:
         self.first_epoch = first_epoch  # a restarted manager passes a larger one: epochs never repeat
         self.pools: dict[str, BlockPool] = {}
-        self.requests: dict[str, dict[str, RequestState]] = {}
+        self.requests: dict[str, dict[str, RequestBlocks]] = {}
         self.workers: dict[str, WorkerEpoch] = {}
         for config in namespaces:
             if config.name in self.pools:
@@ -163,7 +158,7 @@ class BlockLedger:
             raise ExceedsCapacity(
                 f"prompt of {prompt_len} tokens exceeds the namespace", namespace=namespace, request_id=request_id
             )
-        state = RequestState(request_id, holder)
+        state = RequestBlocks(request_id, holder)
         if pool.config.prefix_caching:
             hits, state.block_hashes = match_prefix(pool, prompt_token_ids)
             for block in hits:
@@ -183,7 +178,7 @@ class BlockLedger:
             raise ReservationInFlight("cannot fork during a reservation", namespace=namespace, request_id=parent_id)
         for block_id in parent.block_table:
             pool.incref(pool.blocks[block_id])
-        child = RequestState(
+        child = RequestBlocks(
             child_id,
             parent.holder,
             list(parent.block_table),
@@ -310,7 +305,7 @@ class BlockLedger:
         if not self.is_live(holder):
             raise StaleEpoch(f"holder {holder} is not a live epoch", namespace=namespace, request_id=request_id)
 
-    def _lookup(self, namespace: str, request_id: str, holder: Holder | None) -> tuple[BlockPool, RequestState]:
+    def _lookup(self, namespace: str, request_id: str, holder: Holder | None) -> tuple[BlockPool, RequestBlocks]:
         pool = self._pool(namespace)
         if holder is not None:
             self._check_live(holder, namespace, request_id)
@@ -368,7 +363,7 @@ class BlockLedger:
             pool.name, state.request_id, start, tuple(slots), tuple(state.block_table), copies, pool.block_size
         )
 
-    def _check_commit(self, item: CommitItem) -> tuple[BlockPool, RequestState]:
+    def _check_commit(self, item: CommitItem) -> tuple[BlockPool, RequestBlocks]:
         pool, state = self._lookup(item.namespace, item.request_id, item.holder)
         where = {"namespace": item.namespace, "request_id": item.request_id}
         if item.accepted_len < 0:
@@ -389,7 +384,7 @@ class BlockLedger:
                 raise InvalidCommit(f"accepted_path {list(path)} is not increasing within the reservation", **where)
         return pool, state
 
-    def _drop(self, pool: BlockPool, state: RequestState, *, keep_content: bool) -> int:
+    def _drop(self, pool: BlockPool, state: RequestBlocks, *, keep_content: bool) -> int:
         num_freed = release_blocks(pool, state, keep_content=keep_content)
         del self.requests[pool.name][state.request_id]
         return num_freed

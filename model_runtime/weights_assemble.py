@@ -11,7 +11,7 @@ from typing import BinaryIO
 
 from tqdm import tqdm
 
-from cluster.api import SpecServeError
+from specserve_types.api import SpecServeError
 
 CHUNK_BYTES = 8 * 1024 * 1024
 

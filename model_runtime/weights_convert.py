@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from cluster.api import SpecServeError
+from specserve_types.api import SpecServeError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from local files only; never a hub
 

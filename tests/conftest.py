@@ -1,4 +1,4 @@
-"""Fixtures shared across the test tree."""
+"""Fixtures shared across the test tree, and the unit/model/ray markers (registered in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,42 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+# fixtures that load real model weights / start Ray
+MODEL_FIXTURES = frozenset({"smollm2_dir", "smollm2_fresh", "once_reference"})
+RAY_FIXTURES = frozenset({"ray_session"})
+# tests that do so without those fixtures: path under tests/ (a folder ends in "/") -> test-name prefixes
+RAY_TESTS: dict[str, tuple[str, ...]] = {
+    "deploy/": ("",),  # builds the Serve application the RayService runs
+    "cluster/cli/test_up.py": ("test_up_serves", "test_up_once"),  # `specserve up` subprocesses: Ray + servers
+}
+MODEL_TESTS: dict[str, tuple[str, ...]] = {
+    "cluster/cli/test_up.py": ("test_up_serves",),  # its server serves SmolLM2
+}
+
+
+def listed(table: dict[str, tuple[str, ...]], path: str, name: str) -> bool:
+    return any((path == where or (where.endswith("/") and path.startswith(where)))
+               and name.startswith(prefixes) for where, prefixes in table.items())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test `model` and/or `ray` by what it uses; a test with neither is `unit`."""
+    for item in items:
+        try:
+            path = item.path.resolve().relative_to(TESTS_DIR).as_posix()
+        except ValueError:
+            path = item.path.as_posix()
+        name = getattr(item, "originalname", item.name)
+        fixtures = set(getattr(item, "fixturenames", ()))
+        marks = {m for m in ("model", "ray") if item.get_closest_marker(m) is not None}
+        if fixtures & MODEL_FIXTURES or listed(MODEL_TESTS, path, name):
+            marks.add("model")
+        if fixtures & RAY_FIXTURES or listed(RAY_TESTS, path, name):
+            marks.add("ray")
+        for mark in sorted(marks or {"unit"}):
+            item.add_marker(mark)
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +65,7 @@ def ray_session() -> Iterator[ModuleType]:
     if ray.is_initialized():
         yield ray
         return
-    from cluster.config import ClusterConfig
+    from cluster.serving.config import ClusterConfig
 
     ClusterConfig().local_ray_env()  # workers at the niceness `specserve up` gives them
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")

@@ -25,8 +25,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cluster.api import Contract
-from verifier_service.acceptance_stats import AcceptanceStats
 from verifier_service.sampling import request_uniforms, sample_with_uniforms
 
 # Medusa's defaults (posterior_threshold=0.09, posterior_alpha=0.3 in medusa/model/utils.py).
@@ -165,45 +163,3 @@ def verify_typical(
     u_next = request_uniforms(seed, position, k + 1, "residual").view(1, k + 1)
     accepted_len, next_token = typical_accept(x, p.unsqueeze(0), u_next, posterior_threshold, posterior_alpha)
     return _verdict(draft_tokens, accepted_len, next_token, "typical")
-
-
-# ----------------------------------------------------------------------------------------------
-# A batch of requests (ragged k)
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RoundInput:
-    """One request's round. p [k+1,V] / q [k,V] are transformed probs (greedy: p may be logits; q unused).
-
-    `position` is the position of the first draft token = number of tokens (prompt + output) committed.
-    """
-
-    draft_tokens: Sequence[int]
-    p: torch.Tensor
-    q: torch.Tensor | None
-    contract: Contract
-    seed: int
-    position: int
-
-
-def verify_batch(
-    rounds: Sequence[RoundInput],
-    posterior_threshold: float = POSTERIOR_THRESHOLD,
-    posterior_alpha: float = POSTERIOR_ALPHA,
-) -> tuple[list[Verdict], AcceptanceStats]:
-    """Verify each request of a batch with its own contract; returns the verdicts in order and their acceptance stats."""
-    verdicts: list[Verdict] = []
-    for r in rounds:
-        if r.contract == "exact":
-            verdicts.append(verify_exact(r.draft_tokens, r.q, r.p, r.seed, r.position))
-        elif r.contract == "greedy":
-            verdicts.append(verify_greedy(r.draft_tokens, r.p))
-        elif r.contract == "typical":
-            verdicts.append(verify_typical(r.draft_tokens, r.p, r.seed, r.position, posterior_threshold, posterior_alpha))
-        else:
-            raise ValueError(f"unknown contract {r.contract!r}")
-    stats = AcceptanceStats()
-    for verdict in verdicts:
-        stats.record(verdict.accepted_len, verdict.proposed, verdict.contract)
-    return verdicts, stats

@@ -22,9 +22,9 @@ from ray import serve
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.round_messages import VerifyBatch, VerifyResult
 from model_runtime.batch import SeqInput
 from model_runtime.compute_thread import ComputeThread
+from specserve_types.round_messages import VerifyBatch, VerifyResult
 from verifier_service.worker import LocalRunner, VerifierWorker
 
 logger = logging.getLogger("ray.serve")

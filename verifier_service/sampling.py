@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from cluster.api import SamplingParams
+from specserve_types.api import SamplingParams
 
 Stream = Literal["draft", "accept", "residual"]
 STREAMS: tuple[str, ...] = ("draft", "accept", "residual")

@@ -14,9 +14,9 @@ from typing import Protocol
 
 import torch
 
-from cluster.round_messages import VerifyBatch, VerifyItem, VerifyOutput, VerifyResult
 from model_runtime.batch import SeqInput
 from model_runtime.config import ModelConfig
+from specserve_types.round_messages import VerifyBatch, VerifyItem, VerifyOutput, VerifyResult
 from verifier_service.contracts import Verdict, verify_exact, verify_greedy, verify_typical
 from verifier_service.sampling import penalized_logits_for_positions, transform_logits
 

@@ -28,7 +28,7 @@ DEPLOY = REPO / "deploy"
 CRD_DIR = REPO.parent / "shared" / "schemas" / "kuberay"
 RAYSERVICE_CRD = CRD_DIR / "ray.io_rayservices.yaml"
 
-APP_DEPLOYMENTS = {"Ingress", "Scheduler", "Drafter", "Verifier"}  # what cluster.app.build_app binds (Drafter
+APP_DEPLOYMENTS = {"Ingress", "Scheduler", "Drafter", "Verifier"}  # what cluster.serving.app.build_app binds (Drafter
 # only with a draft model: `draft: ngram` drafts inside the scheduler)
 SINGLETONS = ("Scheduler", "Drafter", "Verifier")  # hold the engine loop / a KV pool: exactly one replica
 HEALTH_FIELDS = ("health_check_period_s", "health_check_timeout_s", "graceful_shutdown_wait_loop_s",
@@ -299,7 +299,7 @@ def test_import_path_names_a_serve_builder(app_config: dict[str, Any]) -> None:
 def test_grpc_servicer_is_the_apps(serve_config: dict[str, Any]) -> None:
     from ray._common.utils import import_attr
 
-    from cluster.app import GRPC_SERVICER
+    from cluster.serving.app import GRPC_SERVICER
 
     assert serve_config["grpc_options"]["grpc_servicer_functions"] == [GRPC_SERVICER]
     assert callable(import_attr(GRPC_SERVICER))
@@ -351,7 +351,7 @@ def _deployment(app: dict[str, Any], name: str) -> dict[str, Any]:
     pytest.param(lambda app: app["args"].update(tensor_parallel_size="two"), "tensor_parallel_size",
                  id="bad-arg-type"),
     pytest.param(lambda app: app["args"].update(grpc_port=9001), "grpc_options.port", id="proxy-field-in-args"),
-    pytest.param(lambda app: app.update(import_path="cluster.app:build_app"), "exactly one parameter",
+    pytest.param(lambda app: app.update(import_path="cluster.serving.app:build_app"), "exactly one parameter",
                  id="two-parameter-builder"),
     pytest.param(lambda app: _deployment(app, "Verifier")["ray_actor_options"].update(num_cpus=1), "first bundle",
                  id="replica-outgrows-bundle-0"),
@@ -465,7 +465,7 @@ def test_model_cache_and_import_path_in_every_pod(rayservice: dict[str, Any], ca
 
 
 def test_builder_refuses_fields_kuberay_sets_elsewhere() -> None:
-    from cluster.config import ClusterConfig, ConfigError
+    from cluster.serving.config import ClusterConfig, ConfigError
     from deploy.serve_app import NOT_APP_ARGS, cluster_config
 
     assert set(NOT_APP_ARGS) <= set(ClusterConfig.model_fields)

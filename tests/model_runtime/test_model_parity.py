@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from model_runtime.local_alloc import LocalAllocator, LocalSequence
 from model_runtime.model import CausalLM
-from model_runtime.testing import make_random_checkpoint
+from tests.model_runtime.random_checkpoint import make_random_checkpoint
 
 TOL = 5e-4
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from cluster.api import SpecServeError
 from cluster.cli import main
 from model_runtime.registry import (
     KNOWN_MODELS,
@@ -18,6 +17,7 @@ from model_runtime.registry import (
     UnknownModelError,
     resolve_model,
 )
+from specserve_types.api import SpecServeError
 
 EXPECTED_NAMES = ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m"]
 

@@ -7,8 +7,8 @@ import pytest
 from model_runtime.config import ModelConfig, UnsupportedModelError
 from model_runtime.local_alloc import LocalAllocator, LocalSequence
 from model_runtime.model import CausalLM
-from model_runtime.testing import make_random_checkpoint
 from model_runtime.tp import run_local_tp
+from tests.model_runtime.random_checkpoint import make_random_checkpoint
 
 TOL = 1e-4
 

@@ -33,19 +33,19 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from cluster.api import Contract, SamplingParams
+from specserve_types.api import Contract, SamplingParams
+from specserve_types.round_messages import VerifyItem
 from verifier_service import contracts
 from verifier_service.contracts import (
-    RoundInput,
     exact_accept,
     greedy_accept,
     residual_distribution,
-    verify_batch,
     verify_exact,
     verify_greedy,
     verify_typical,
 )
 from verifier_service.sampling import request_uniforms, sample_with_uniforms, transform_logits
+from verifier_service.worker import decide
 
 V = 6
 N = 50_000
@@ -305,23 +305,33 @@ def test_typical_threshold_and_label() -> None:
     assert verify_typical(drafts, one_hot, seed=0, position=0).tokens == verify_greedy(drafts, one_hot).tokens
 
 
-def _round(contract: Contract, seed: int, k: int) -> RoundInput:
+def _item(contract: Contract, seed: int, k: int, temperature: float) -> tuple[VerifyItem, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    p = torch.softmax(torch.randn(k + 1, V, generator=g), -1)
+    logits = torch.randn(k + 1, V, generator=g)
     q = torch.softmax(torch.randn(k, V, generator=g), -1)
     drafts = [int(sample_with_uniforms(q[i : i + 1], request_uniforms(seed, 11 + i, 1, "draft"))[0]) for i in range(k)]
-    return RoundInput(drafts, p, q, contract, seed, position=11)
+    item = VerifyItem(f"r{seed}", input_ids=[1, 2], draft_ids=drafts, draft_probs=q.numpy(), past_len=9,
+                      block_table=[0], slot_mapping=list(range(2 + k)), sampling=SamplingParams(temperature=temperature),
+                      contract=contract, seed=seed, position=11)
+    return item, logits
 
 
-def test_verify_batch_is_independent_of_batch_composition() -> None:
-    """Same seed + position -> same verdict, alone or in any batch (ragged k, mixed contracts)."""
-    batch = [_round(c, seed, k) for seed, (c, k) in enumerate([("exact", 3), ("greedy", 1), ("typical", 2), ("exact", 0)])]
-    verdicts, stats = verify_batch(batch)
-    for item, verdict in zip(batch, verdicts, strict=True):
-        assert verify_batch([item])[0] == [verdict]
-        assert verdict.contract == item.contract and verdict.proposed == len(item.draft_tokens)
-    assert verify_batch(batch[::-1])[0] == verdicts[::-1]
-    assert stats.rounds == 4 and stats.proposed == 6
-    assert stats.accepted == sum(v.accepted_len for v in verdicts)
-    assert stats.rounds_by_contract == {"exact": 2, "greedy": 1, "typical": 1}
-    assert sum(stats.accepted_len_histogram) == 4
+@pytest.mark.parametrize(("contract", "temperature"), [("exact", 1.0), ("greedy", 0.0), ("typical", 0.8),
+                                                       ("exact", 0.0)])
+def test_decide_applies_the_items_contract(contract: Contract, temperature: float) -> None:
+    """The production path (verifier_service.worker.decide) gives what the contract itself gives for the
+    transformed probabilities, at the first draft position past_len + len(input_ids)."""
+    for seed in range(20):
+        item, logits = _item(contract, seed, k=3, temperature=temperature)
+        verdict = decide(item, logits)
+        if temperature == 0.0:
+            expected = verify_greedy(item.draft_ids, logits)
+            assert verdict.tokens == expected.tokens and verdict.accepted_len == expected.accepted_len
+            assert verdict.contract == contract
+            continue
+        p = transform_logits(logits, item.sampling)
+        if contract == "exact":
+            expected = verify_exact(item.draft_ids, torch.from_numpy(item.draft_probs), p, seed, 11)
+        else:
+            expected = verify_typical(item.draft_ids, p, seed, 11)
+        assert verdict == expected

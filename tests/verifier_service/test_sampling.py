@@ -12,7 +12,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from cluster.api import SamplingParams
+from specserve_types.api import SamplingParams
 from verifier_service.sampling import (
     Stream,
     apply_penalties,

@@ -1,0 +1,5 @@
+"""The `specserve` command line (entry point `cluster.cli:main`)."""
+
+from cluster.cli.main import main
+
+__all__ = ["main"]

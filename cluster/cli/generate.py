@@ -1,0 +1,161 @@
+"""`specserve generate "PROMPT"`: run one prompt in process (or through a cluster with --server).
+
+Prints one JSON object with --json:
+  {"model", "contract", "prompt_token_ids", "samples": [{"token_ids", "text", "finish_reason"}], "stats"}
+otherwise streams the text to the terminal (samples one after another for --n > 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import uuid
+from typing import Any
+
+from cluster.cli.generate_remote import DEFAULT_MODEL, generate_via_server
+from cluster.serving.config import NGRAM_DRAFT, ClusterConfig, ConfigError, make_config
+from specserve_types.api import (
+    CONTRACTS,
+    DRAFT_DTYPES,
+    GenerationRequest,
+    SamplingParams,
+    SpecParams,
+    SpecServeError,
+)
+
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+
+
+def parse_k(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--k must be an integer or 'auto', got {value!r}") from exc
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("generate", help="generate text for one prompt (in process, or --server HOST:PORT)")
+    p.add_argument("prompt")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"target model name or HF dir (default {DEFAULT_MODEL})")
+    p.add_argument("--draft", default=None,
+                   help=f"draft model name/dir, 'ngram' or 'none' (default: {DEFAULT_DRAFT} for the default model, "
+                        "ngram otherwise)")
+    p.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
+                   help="draft model precision (auto: float16 on CPU, bfloat16 on CUDA); changes acceptance, "
+                        "never the output")
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="skip measuring verify/draft costs before generating (auto then learns them in the first "
+                        "rounds)")
+    p.add_argument("--k", type=parse_k, default=None, help="draft tokens per round: N or 'auto' (default auto)")
+    p.add_argument("--contract", choices=CONTRACTS, default=None,
+                   help="acceptance contract (default: greedy at temperature 0, exact otherwise)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1, help="independent samples of the prompt, batched")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    p.add_argument("--json", action="store_true", help="print one JSON object with statistics")
+    p.add_argument("--server", default=None, help="HOST:PORT of a running cluster's gRPC endpoint")
+    p.add_argument("--max-context", type=int, default=None,
+                   help=f"prompt + max_tokens limit (default {ClusterConfig.model_fields['max_context'].default}, "
+                        "capped by the model)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def build_requests(args: argparse.Namespace, prompt_ids: list[int], draft_kind: str) -> list[GenerationRequest]:
+    contract = args.contract or ("greedy" if args.temperature == 0 else "exact")
+    if args.n < 1:
+        raise SpecServeError("n: must be >= 1")
+    base = uuid.uuid4().hex[:8]
+    requests = []
+    for i in range(args.n):
+        seed = None if args.seed is None else args.seed + i
+        sampling = SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, seed=seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+        )
+        requests.append(GenerationRequest(f"{base}-{i}", tuple(prompt_ids), sampling,
+                                          SpecParams(contract=contract, k=args.k, draft=draft_kind)))
+    return requests
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.server:
+            return generate_via_server(args)
+        return _run_in_process(args)
+    except (SpecServeError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def in_process_config(args: argparse.Namespace, draft: str) -> ClusterConfig:
+    """The engine settings of `generate` in process: a batch of --n, KV pools for that many full contexts;
+    ClusterConfig's defaults where a flag is not given."""
+    given = {key: value for key, value in (("max_context", args.max_context), ("draft_dtype", args.draft_dtype))
+             if value is not None}
+    return make_config(
+        model=args.model, draft=NGRAM_DRAFT if draft == "none" else draft,  # 'none' (no drafting): in process only
+        max_batch=max(1, args.n), kv_blocks=None, warm_up=args.k is None and not args.no_warm_up, **given,
+    )
+
+
+def _run_in_process(args: argparse.Namespace) -> int:
+    from cluster.engine.factory import NON_MODEL_DRAFTS, build_local_engine, tokenize_prompt
+
+    draft = args.draft or (DEFAULT_DRAFT if args.model == DEFAULT_MODEL else "ngram")
+    draft_kind = draft if draft in NON_MODEL_DRAFTS else "model"
+    settings = in_process_config(args, draft)
+    print(f"loading {args.model} (draft: {draft}) ...", file=sys.stderr)
+    engine = build_local_engine(args.model, draft, settings.engine_config(), settings.local_runtime())
+    prompt_ids = tokenize_prompt(engine.tokenizer, args.prompt, args.chat)
+    requests = build_requests(args, prompt_ids, draft_kind)
+    for request in requests:
+        engine.submit(request)
+    samples: dict[str, dict[str, Any]] = {r.request_id: {"token_ids": [], "text": "", "finish_reason": None}
+                                         for r in requests}
+    per_request_stats: dict[str, Any] = {}
+    streaming = not args.json and args.n == 1
+    while engine.has_unfinished():
+        for chunk in engine.step():
+            sample = samples[chunk.request_id]
+            sample["token_ids"].extend(chunk.token_ids)
+            sample["text"] += chunk.text_delta
+            if streaming and chunk.text_delta:
+                sys.stdout.write(chunk.text_delta)
+                sys.stdout.flush()
+            if chunk.finished:
+                sample["finish_reason"] = chunk.finish_reason
+                per_request_stats[chunk.request_id] = chunk.stats
+    if args.json:
+        stats = engine.stats()
+        stats["requests"] = [per_request_stats.get(r.request_id) for r in requests]
+        print(json.dumps({
+            "model": args.model,
+            "draft": draft,
+            "contract": requests[0].spec.contract,
+            "prompt_token_ids": prompt_ids,
+            "samples": [samples[r.request_id] for r in requests],
+            "stats": stats,
+        }))
+    elif streaming:
+        sys.stdout.write("\n")
+    else:
+        for i, r in enumerate(requests):
+            print(f"--- sample {i} ({samples[r.request_id]['finish_reason']})\n{samples[r.request_id]['text']}")
+    return 0

@@ -1,0 +1,67 @@
+"""`specserve models list | prepare [NAME...]`: show the registry, build the safetensors cache."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from model_runtime.prepare import cache_root, cached_path, prepare_model
+from model_runtime.registry import KNOWN_MODELS, ModelSource, resolve_model
+from specserve_types.api import SpecServeError
+
+EXIT_ERROR = 2
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("models", help="list known models; prepare their weight cache")
+    actions = parser.add_subparsers(dest="models_command", required=True)
+    list_parser = actions.add_parser("list", help="known models and whether each is cached")
+    list_parser.add_argument("--cache-dir", type=Path, default=None, help="default: $SPECSERVE_CACHE")
+    prepare_parser = actions.add_parser(
+        "prepare", help="assemble, verify and convert weights into the cache (all known models by default)"
+    )
+    prepare_parser.add_argument(
+        "names", nargs="*", metavar="NAME", help=f"one of {', '.join(KNOWN_MODELS)}, or a local HF dir"
+    )
+    prepare_parser.add_argument("--cache-dir", type=Path, default=None, help="default: $SPECSERVE_CACHE")
+    prepare_parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.models_command == "list":
+            print(format_table(args.cache_dir))
+            return 0
+        return _prepare(args.names or list(KNOWN_MODELS), args.cache_dir, not args.no_progress)
+    except (SpecServeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def format_table(cache_dir: Path | None) -> str:
+    header = ("NAME", "ROLE", "PARAMS", "QUANT", "CACHED")
+    rows = [header]
+    for source in KNOWN_MODELS.values():
+        entry = cached_path(source, cache_dir)
+        cached = str(entry) if entry is not None else "no (run: specserve models prepare " + source.name + ")"
+        rows.append((source.name, source.role, source.parameters, source.quantization, cached))
+    widths = [max(len(row[col]) for row in rows) for col in range(len(header) - 1)]
+    lines = [
+        "  ".join([*(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)), row[-1]])
+        for row in rows
+    ]
+    root = cache_dir if cache_dir is not None else cache_root()
+    return "\n".join([*lines, f"cache: {root}"])
+
+
+def _prepare(names: list[str], cache_dir: Path | None, progress: bool) -> int:
+    targets: list[ModelSource | Path] = [resolve_model(name) for name in names]  # refuse before work
+    for name, target in zip(names, targets, strict=True):
+        started = time.monotonic()
+        path = prepare_model(target if isinstance(target, ModelSource) else name, cache_dir, progress)
+        print(f"{name}: {path} ({time.monotonic() - started:.1f}s)")
+    return 0

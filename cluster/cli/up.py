@@ -1,0 +1,188 @@
+"""`specserve up`: start (or join) Ray, deploy the specserve application, serve until Ctrl-C / SIGTERM.
+
+Prints, once every replica is up, exactly:
+
+    grpc: HOST:PORT
+    http: http://HOST:PORT
+    dashboard: http://HOST:PORT
+
+With --once "PROMPT" it streams one generation through gRPC instead of serving (text to stdout as
+it arrives, then one line of statistics as JSON; cluster/cli/up_once.py) and exits 0 after shutting
+down; --json makes stdout one JSON object (addresses, text, token ids, statistics).
+
+Without --address it starts an embedded local Ray bound to loopback (dashboard on 127.0.0.1);
+with --address it joins that cluster. On exit it shuts down Serve, then Ray (a joined cluster
+keeps running; only this driver disconnects).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import TextIO
+
+from cluster.cli.generate import parse_k
+from cluster.serving.config import ClusterConfig, ConfigError, load_config
+from specserve_types.api import SpecServeError
+
+log = logging.getLogger("specserve.up")
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("up", help="run the Ray Serve cluster (gRPC + OpenAI HTTP) in the foreground")
+    p.add_argument("--config", default=None, help="cluster config file (YAML or JSON; see cluster/serving/config.py)")
+    p.add_argument("--model", default=None, help="target model name or HF dir (overrides the config)")
+    p.add_argument("--draft", default=None, help="draft model name/dir, or 'ngram' (overrides the config)")
+    p.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--host", default=None, help="address the proxies bind (default 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, default=None)
+    p.add_argument("--http-port", type=int, default=None)
+    p.add_argument("--dashboard-port", type=int, default=None)
+    p.add_argument("--tp", type=int, default=None, dest="tensor_parallel_size", help="verifier TP ranks")
+    p.add_argument("--once", default=None, metavar="PROMPT",
+                   help="generate for PROMPT through gRPC, print its statistics, shut down and exit")
+    p.add_argument("--json", action="store_true", help="with --once: stdout is one JSON object")
+    p.add_argument("--max-tokens", type=int, default=64, help="with --once (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="with --once (default 0: greedy)")
+    p.add_argument("--k", type=parse_k, default=None, help="with --once: draft tokens per round, N or auto")
+    p.add_argument("--seed", type=int, default=None, help="with --once")
+    p.add_argument("--chat", action="store_true", help="with --once: apply the model's chat template")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def init_ray(config: ClusterConfig) -> str:
+    """Start or join Ray; returns the dashboard's host:port ("" if it has none)."""
+    import ray
+
+    if config.ray_address:
+        log.info("joining Ray cluster at %s", config.ray_address)
+        context = ray.init(address=config.ray_address)
+    else:
+        log.info("starting a local Ray (dashboard on 127.0.0.1:%d)", config.dashboard_port)
+        node_ip = {"_node_ip_address": "127.0.0.1"} if config.host in LOOPBACK_HOSTS else {}
+        config.local_ray_env()
+        context = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=config.dashboard_port,
+                           num_cpus=config.ray_num_cpus, **node_ip)
+    return context.dashboard_url or ""
+
+
+def preflight(config: ClusterConfig) -> None:
+    """Local run: prepare the models and check the pair here, so a bad pair fails with its reason
+    before any replica starts (a joined cluster's nodes prepare their own copies)."""
+    from cluster.engine.factory import check_draft_compatible, load_tokenizer, model_dir
+    from model_runtime.config import ModelConfig
+
+    target_dir = model_dir(config.model)
+    if config.uses_draft_model:
+        draft_dir = model_dir(config.draft)
+        check_draft_compatible(ModelConfig.from_dir(target_dir), load_tokenizer(target_dir),
+                               ModelConfig.from_dir(draft_dir), load_tokenizer(draft_dir))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = load_config(args.config, model=args.model, draft=args.draft, ray_address=args.address,
+                             host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+                             dashboard_port=args.dashboard_port, tensor_parallel_size=args.tensor_parallel_size)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.once is None:
+        if args.json:
+            print("error: --json needs --once", file=sys.stderr)
+            return 2
+        return _up(config, args, sys.stdout)
+    from cluster.cli.up_once import reserved_stdout
+
+    with reserved_stdout() as out:  # Ray's own lines cannot land between the text and its statistics
+        return _up(config, args, out)
+
+
+def _up(config: ClusterConfig, args: argparse.Namespace, out: TextIO) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s; shutting down", signal.Signals(signum).name)
+        stop.set()
+        raise KeyboardInterrupt  # also interrupts a deploy still waiting for replicas
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    import ray
+    from ray import serve
+
+    try:
+        if not config.ray_address:
+            log.info("checking models %s / %s", config.model, config.draft)
+            preflight(config)
+        dashboard = init_ray(config)
+        for sig in previous:  # Ray's core worker installs its own SIGTERM handler: ours goes back on top
+            signal.signal(sig, on_signal)
+        from cluster.serving.app import APP_NAME, deploy
+
+        log.info("deploying %s: model %s, draft %s, TP %d, %d KV blocks of %d", APP_NAME, config.model, config.draft,
+                 config.tensor_parallel_size, config.kv_pool_blocks, config.block_size)
+        deploy(config)
+        addresses = {"grpc": f"{config.host}:{config.grpc_port}", "http": f"http://{config.host}:{config.http_port}",
+                     "dashboard": f"http://{dashboard}" if dashboard else "(none)"}
+        if args.once is not None:
+            return run_once(config, args, addresses, out)
+        print_addresses(addresses, out)
+        log.info("serving; Ctrl-C or SIGTERM to stop")
+        while not stop.wait(0.5):
+            pass
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except SpecServeError as exc:  # bad model names, missing weights, an incompatible pair
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        log.exception("specserve up failed")
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if ray.is_initialized():
+            log.info("shutting down Serve")
+            try:
+                serve.shutdown()
+            except Exception:
+                log.exception("serve.shutdown failed")
+            log.info("shutting down Ray")
+            ray.shutdown()
+
+
+def print_addresses(addresses: dict[str, str], out: TextIO) -> None:
+    for name, address in addresses.items():
+        print(f"{name}: {address}", file=out)
+    out.flush()
+
+
+def run_once(config: ClusterConfig, args: argparse.Namespace, addresses: dict[str, str], out: TextIO) -> int:
+    """`up --once`: one generation through gRPC; the caller's `finally` shuts Serve and Ray down."""
+    from cluster.cli.up_once import generate_once
+
+    fields = {"max_tokens": args.max_tokens, "temperature": args.temperature, "k": args.k, "seed": args.seed,
+              "chat": args.chat or None}
+    if not args.json:
+        print_addresses(addresses, out)
+    log.info("generating once (max %d tokens)", args.max_tokens)
+    result = generate_once(config, args.once, fields, out=None if args.json else out)
+    if args.json:
+        print(json.dumps({**addresses, "prompt": args.once, **result}), file=out)
+    else:
+        print(file=out)
+        print(json.dumps(result["stats"]), file=out)
+    out.flush()
+    return 0

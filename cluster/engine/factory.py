@@ -1,0 +1,146 @@
+"""Build a SpecEngine in this process: prepared models, one ledger, local verifier and drafter.
+
+    specserve generate (in process):  engine -> {VerifierWorker(LocalRunner), DraftWorker(LocalRunner)}
+                                      engine <-> LocalKV(BlockLedger)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cluster.engine.engine import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig, SpecEngine
+from cluster.engine.kv_client import LocalKV
+from cluster.engine.warmup import warm_up
+from drafter_service.worker import DraftWorker
+from kv_manager.ledger import BlockLedger
+from kv_manager.schema import NamespaceConfig
+from model_runtime.config import ModelConfig
+from model_runtime.tp import draft_dtype
+from specserve_types.api import InvalidRequestError, SpecServeError
+from verifier_service.worker import LocalRunner, VerifierWorker
+
+log = logging.getLogger("specserve.factory")
+
+NON_MODEL_DRAFTS = ("ngram", "none")
+
+
+class IncompatibleDraftError(InvalidRequestError):
+    """Draft and target do not share the tokenizer / vocabulary mapping."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("draft", message)
+
+
+@dataclass(frozen=True)
+class LocalRuntime:
+    """What an in-process engine needs beyond EngineConfig, all required: their defaults and meanings
+    live in `ClusterConfig` (cluster/serving/config.py), whose `local_runtime()` builds this."""
+
+    block_size: int  # tokens per KV block
+    num_blocks: int  # blocks per KV pool (target and draft)
+    device: str  # torch device of the local verifier and drafter
+    draft_dtype: str  # see model_runtime.tp.draft_dtype
+    warm_up: bool  # measure verify/draft costs before serving (cluster/engine/warmup.py)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.num_blocks < 1:
+            raise ValueError(f"block_size and num_blocks must be positive: {self}")
+        if not self.device:
+            raise ValueError(f"device must be non-empty: {self}")
+
+
+def model_dir(name_or_path: str) -> Path:
+    from model_runtime.prepare import prepare_model
+
+    return Path(prepare_model(name_or_path))
+
+
+def load_tokenizer(checkpoint_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(checkpoint_dir))
+
+
+def tokenize_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    if not prompt:
+        raise SpecServeError("prompt: must be non-empty")
+    if chat:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def eos_token_ids(checkpoint_dir: Path, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+    ids = set(config.eos_token_ids)
+    gen_cfg = checkpoint_dir / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def check_draft_compatible(target_cfg: ModelConfig, target_tok: Any, draft_cfg: ModelConfig, draft_tok: Any) -> None:
+    """Refuse before any request runs unless draft and target share tokenizer and vocabulary ids."""
+    if target_cfg.vocab_size != draft_cfg.vocab_size:
+        raise IncompatibleDraftError(
+            f"vocabulary sizes differ: target {target_cfg.vocab_size}, draft {draft_cfg.vocab_size}")
+    if target_tok is not None and draft_tok is not None and target_tok.get_vocab() != draft_tok.get_vocab():
+        raise IncompatibleDraftError("draft and target tokenizers map tokens to different ids")
+
+
+def assemble_engine(
+    model: str, draft: str, config: EngineConfig, num_blocks: int, block_size: int,
+    make_verifier: Callable[[Path], Any], make_drafter: Callable[[Path], Any] | None,
+    make_kv: Callable[[list[NamespaceConfig]], Any], tokenizer: Any = "auto",
+) -> SpecEngine:
+    """The one place an engine is wired: models, compatibility check, namespaces, EOS ids, context.
+
+    In process the factories return local workers and a LocalKV; in the cluster, handles to the
+    Verifier/Drafter deployments and a client of the KV manager actor.
+    """
+    target_dir = model_dir(model)
+    target_cfg = ModelConfig.from_dir(target_dir)
+    tok = load_tokenizer(target_dir) if tokenizer == "auto" else tokenizer
+    namespaces = [NamespaceConfig(TARGET_NAMESPACE, num_blocks, block_size)]
+    drafter = None
+    if draft not in NON_MODEL_DRAFTS:
+        assert make_drafter is not None, "a draft model needs a drafter"
+        draft_dir = model_dir(draft)
+        draft_tok = load_tokenizer(draft_dir) if tokenizer == "auto" else tokenizer
+        check_draft_compatible(target_cfg, tok, ModelConfig.from_dir(draft_dir), draft_tok)
+        drafter = make_drafter(draft_dir)
+        namespaces.append(NamespaceConfig(DRAFT_NAMESPACE, num_blocks, block_size))
+    config = dataclasses.replace(config, max_context=min(config.max_context, target_cfg.max_position_embeddings))
+    log.info("engine: target %s, draft %s, %d KV blocks of %d", model, draft, num_blocks, block_size)
+    return SpecEngine(make_verifier(target_dir), drafter, make_kv(namespaces), tok,
+                      eos_token_ids(target_dir, target_cfg, tok), target_cfg.vocab_size, config,
+                      model_name=model, draft_name=draft)
+
+
+def build_local_engine(model: str, draft: str, config: EngineConfig, runtime: LocalRuntime,
+                       tokenizer: Any = "auto") -> SpecEngine:
+    """`model` and a model-valued `draft` are registry names or local HF checkpoint dirs; `config` and
+    `runtime` come from a ClusterConfig (`engine_config()`, `local_runtime()`)."""
+
+    def runner(checkpoint_dir: Path, dtype: torch.dtype | None = None) -> LocalRunner:
+        return LocalRunner(str(checkpoint_dir), runtime.num_blocks, runtime.block_size, runtime.device, dtype)
+
+    engine = assemble_engine(
+        model, draft, config, runtime.num_blocks, runtime.block_size,
+        make_verifier=lambda d: VerifierWorker(runner(d)),
+        make_drafter=lambda d: DraftWorker(runner(d, draft_dtype(runtime.draft_dtype, runtime.device))),
+        make_kv=lambda namespaces: LocalKV(BlockLedger(namespaces)), tokenizer=tokenizer,
+    )
+    if runtime.warm_up:
+        warm_up(engine)
+    return engine

@@ -1,0 +1,151 @@
+"""Per-request state owned by the engine (one owner: the engine loop's thread).
+
+Tokens are the truth: `token_ids` holds the prompt and every committed output token; worker KV
+caches are derived from it (`target_cached` / `draft_cached` count how many of these tokens each
+cache holds) and can always be rebuilt by re-prefilling.
+
+    token_ids:  [ p0 p1 ... p_{P-1} | o0 o1 ... o_{m-1} ]
+                  prompt (P tokens)     output (m tokens)
+    target_cached = tokens with target KV;  pending_target = token_ids[target_cached:]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve_types.api import FinishReason, GenerationRequest
+from verifier_service.acceptance_stats import AcceptanceStats
+
+
+@dataclass
+class PolicyEvent:
+    at: float
+    k: int
+    reason: str
+
+
+@dataclass
+class TextTracker:
+    """Incremental detokenization with stop strings (also across token boundaries).
+
+    Emits text only when it can no longer become part of a stop string and is not a half UTF-8
+    character; the stop string itself is never emitted.
+    """
+
+    tokenizer: Any
+    prompt_len: int
+    stop: tuple[str, ...]
+    emitted_chars: int = 0
+    text: str = ""
+
+    def update(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Given the full sequence, return (new text delta, stop string hit)."""
+        if self.tokenizer is None:
+            return "", False
+        self.text = self.tokenizer.decode(token_ids[self.prompt_len:], skip_special_tokens=True)
+        for s in self.stop:
+            idx = self.text.find(s, max(0, self.emitted_chars - len(s) + 1))
+            if idx != -1:
+                self.text = self.text[:idx]
+                delta = self.text[self.emitted_chars:]
+                self.emitted_chars = len(self.text)
+                return delta, True
+        safe = len(self.text)
+        if self.text.endswith("\ufffd"):
+            safe -= 1
+        for s in self.stop:  # hold back a suffix that may start a stop string
+            for n in range(min(len(s) - 1, safe), 0, -1):
+                if self.text[:safe].endswith(s[:n]):
+                    safe = min(safe, len(self.text[:safe]) - n)
+                    break
+        safe = max(safe, self.emitted_chars)
+        delta = self.text[self.emitted_chars:safe]
+        self.emitted_chars = safe
+        return delta, False
+
+    def flush(self) -> str:
+        delta = self.text[self.emitted_chars:].rstrip("\ufffd") if self.tokenizer is not None else ""
+        self.emitted_chars = len(self.text)
+        return delta
+
+
+@dataclass
+class RequestState:
+    request: GenerationRequest
+    seed: int
+    text: TextTracker
+    eos_token_ids: frozenset[int]
+    token_ids: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    target_cached: int = 0
+    draft_cached: int = 0
+    finish_reason: FinishReason | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    reconcile_seconds: float = 0.0
+    rounds: int = 0
+    k: int = 0
+    policy_events: list[PolicyEvent] = field(default_factory=list)
+    admitted: bool = False
+    draft_admitted: bool = False
+    group: int = 0  # overlap group (0 or 1)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    def append_tokens(self, new_tokens: list[int]) -> tuple[list[int], str]:
+        """Append tokens one by one, stopping exactly where plain decoding would; returns (kept, text delta)."""
+        kept: list[int] = []
+        params = self.request.sampling
+        delta = ""
+        for token in new_tokens:
+            self.token_ids.append(token)
+            kept.append(token)
+            piece, hit_stop = self.text.update(self.token_ids)
+            delta += piece
+            if hit_stop:
+                self.finish_reason = "stop"
+            elif token in self.eos_token_ids and not params.ignore_eos:
+                self.finish_reason = "eos"
+            elif self.num_output >= params.max_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason is not None:
+                delta += self.text.flush() if self.finish_reason != "stop" else ""
+                break
+        if kept and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        return kept, delta
+
+    def record_k(self, k: int, reason: str) -> None:
+        if k != self.k or not self.policy_events:
+            self.policy_events.append(PolicyEvent(time.monotonic() - self.arrival, k, reason))
+        self.k = k
+
+    def stats(self) -> dict[str, Any]:
+        acc = self.acceptance.to_dict()
+        return {
+            "rounds": self.rounds,
+            "prompt_tokens": self.prompt_len,
+            "output_tokens": self.num_output,
+            "contract": self.request.spec.contract,
+            "acceptance": acc,
+            "draft_seconds": round(self.draft_seconds, 6),
+            "verify_seconds": round(self.verify_seconds, 6),
+            "reconcile_seconds": round(self.reconcile_seconds, 6),
+            "ttft_seconds": None if self.first_token_at is None else round(self.first_token_at - self.arrival, 6),
+            "policy_events": [{"at": round(e.at, 6), "k": e.k, "reason": e.reason} for e in self.policy_events],
+        }

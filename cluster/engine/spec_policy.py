@@ -1,0 +1,194 @@
+"""Speculation policy: how many draft tokens k each request proposes this round.
+
+Fixed k, or auto. Auto maximises expected tokens per second with the measured quantities of
+ARCHITECTURE.md section 2:
+
+    E[Y](k) = 1 + sum_{i=1..k} s_i                  (s_i measured per request, per position)
+    t_cycle(k) = k * t_draft_token + t_verify(n + k) (online cost model, n = catch-up tokens)
+    pick k* = argmax_k E[Y](k) / t_cycle(k)   over k = 0..k_max   (k = 0 is plain decoding)
+
+s_i blends what the request measured at position i with a geometric extrapolation a^i, where a is the
+request's per-draft acceptance rate accepted / (accepted + rejections), itself shrunk towards the
+engine-wide rate (and that towards PRIOR_SURVIVAL). So a request that ran at k=1 and kept every draft
+expects deeper drafts to survive too and tries them, instead of holding positions it never measured at a
+fixed prior forever.
+While plain decoding wins, the request re-probes speculation every `probe_every` rounds. Under
+memory pressure (ledger free fraction below `pressure_free_fraction`) k is capped at 1.
+Every change of k is recorded on the request with its reason.
+
+Seeded requests (`choose_k_seeded`) decide from their own history only: the same survival estimate with the
+engine-wide rate replaced by PRIOR_SURVIVAL, and fixed nominal costs instead of measured ones (no batch, no
+catch-up, no memory-pressure cap). The tokens of a sampled request depend on k (other drafts, other
+acceptance draws; their distribution does not), so a seed then reproduces them whatever runs beside the
+request and however long its rounds took.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from verifier_service.acceptance_stats import AcceptanceStats
+
+PRIOR_SURVIVAL = 0.6  # assumed s_1 before any measurement; s_i = PRIOR_SURVIVAL ** i
+PRIOR_ROUNDS = 4  # weight of the prior, in rounds
+MAX_ROWS = 128  # verify times are kept per rows scored by the whole batch, up to this many
+PREFER_SMALLER = 1.02  # a larger k must beat the best smaller one by 2%
+
+# Nominal costs of seeded requests, in units of one verify of one token: README "Benchmarks" (Qwen2.5-Coder-1.5B
+# on CPU, batch 1): scoring 2/3/4 tokens 0.94-1.01x / 1.13-1.30x / 1.16-1.42x one token, 5-8 tokens ~2x; a
+# float16 0.5B draft step 28 ms against a ~200 ms verify. Past 8 rows, rows / 4 (2.0 at 8 rows).
+NOMINAL_VERIFY = (1.0, 1.0, 1.2, 1.3, 2.0, 2.0, 2.0, 2.0)  # index: scored rows - 1
+NOMINAL_DRAFT_TOKEN = 0.14  # one draft-model step; n-gram drafting costs 0
+
+
+@dataclass
+class CostModel:
+    """Exponential moving averages of measured times (seconds). Owner: the engine loop."""
+
+    alpha: float = 0.2
+    draft_token: float | None = None  # one draft step for one batch
+    verify_by_tokens: dict[int, float] = field(default_factory=dict)  # rows scored by the batch -> verify time
+
+    def observe_draft(self, steps: int, seconds: float) -> None:
+        if steps > 0:
+            per = seconds / steps
+            self.draft_token = per if self.draft_token is None else (1 - self.alpha) * self.draft_token + self.alpha * per
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        bucket = min(rows, MAX_ROWS)
+        old = self.verify_by_tokens.get(bucket)
+        self.verify_by_tokens[bucket] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+
+    def measured(self, rows: int) -> float | None:
+        return self.verify_by_tokens.get(min(rows, MAX_ROWS))
+
+    def verify_time(self, rows: int) -> float | None:
+        if not self.verify_by_tokens:
+            return None
+        bucket = min(rows, MAX_ROWS)
+        if bucket in self.verify_by_tokens:
+            return self.verify_by_tokens[bucket]
+        known = sorted(self.verify_by_tokens)
+        below = [b for b in known if b < bucket]
+        above = [b for b in known if b > bucket]
+        if below and above:  # linear interpolation
+            lo, hi = below[-1], above[0]
+            w = (bucket - lo) / (hi - lo)
+            return (1 - w) * self.verify_by_tokens[lo] + w * self.verify_by_tokens[hi]
+        return self.verify_by_tokens[below[-1] if below else above[0]]
+
+
+def _rate(stats: AcceptanceStats, prior: float, weight: float) -> float:
+    """Per-draft acceptance rate, shrunk towards `prior` with `weight` pseudo-drafts."""
+    return (stats.accepted + weight * prior) / (stats.accepted + stats.rejections + weight)
+
+
+def blended_survival(own: AcceptanceStats, engine: AcceptanceStats, k_max: int) -> list[float]:
+    """s_1..s_kmax: the request's per-position survival, shrunk towards its geometric extrapolation."""
+    rate = _rate(own, _rate(engine, PRIOR_SURVIVAL, PRIOR_ROUNDS), PRIOR_ROUNDS)
+    out = []
+    for i in range(k_max):
+        reached = own.reached[i] if i < len(own.reached) else 0
+        survived = own.survived[i] if i < len(own.survived) else 0
+        out.append((survived + PRIOR_ROUNDS * rate ** (i + 1)) / (reached + PRIOR_ROUNDS))
+    for i in range(1, k_max):  # survival cannot grow with depth
+        out[i] = min(out[i], out[i - 1])
+    return out
+
+
+@dataclass
+class AutoDecision:
+    k: int
+    reason: str
+
+
+def choose_k(
+    own: AcceptanceStats, engine: AcceptanceStats, cost: CostModel, k_max: int, catch_up: int,
+    rounds_at_zero: int, probe_every: int, free_fraction: float, pressure_free_fraction: float,
+    draft_cost_per_token: float | None, batch: int = 1,
+) -> AutoDecision:
+    """`draft_cost_per_token`: measured seconds per draft step (None: not measured yet; 0 for n-gram).
+    `batch`: requests in the round; the verify cost of k is read at batch * (catch_up + k) scored rows, as if
+    every request picked the same k (at batch 8 on a CPU, 24 rows cost far more than 3)."""
+    if k_max == 0:
+        return AutoDecision(0, "no drafter")
+    cap = 1 if free_fraction < pressure_free_fraction else k_max
+    if cost.measured(batch * catch_up) is None:
+        return AutoDecision(0, "warm-up: measuring plain-decode cost")
+    bucket = min(batch * catch_up, MAX_ROWS)
+    if draft_cost_per_token is None or (bucket < MAX_ROWS and not any(b > bucket for b in cost.verify_by_tokens)):
+        return AutoDecision(min(2, cap), "warm-up: measuring draft and verify cost")
+    survival = blended_survival(own, engine, k_max)
+    rates = []
+    for k in range(0, cap + 1):
+        t_verify = cost.verify_time(batch * (catch_up + k))
+        assert t_verify is not None
+        rates.append((1.0 + sum(survival[:k])) / (k * draft_cost_per_token + t_verify))
+    best_k = _best_k(rates)
+    if best_k == 0:
+        return _plain_or_probe(rates, rounds_at_zero, probe_every, "")
+    reason = "memory pressure: k capped at 1" if cap < k_max and best_k == cap else "cost model"
+    return AutoDecision(best_k, reason)
+
+
+def _best_k(rates: list[float]) -> int:
+    """The k of the highest rate, preferring a smaller k unless a larger one is clearly better."""
+    best_k = 0
+    for k, rate in enumerate(rates):
+        if rate > rates[best_k] * PREFER_SMALLER:
+            best_k = k
+    return best_k
+
+
+def _plain_or_probe(rates: list[float], rounds_at_zero: int, probe_every: int, prefix: str) -> AutoDecision:
+    if rounds_at_zero >= probe_every:
+        return AutoDecision(1, f"{prefix}probe: re-measuring acceptance after plain decoding")
+    return AutoDecision(0, f"{prefix}fallback: plain decoding is faster ({rates[0]:.2f} tokens/s vs best "
+                           f"speculative {max(rates[1:], default=0):.2f})")
+
+
+def nominal_verify_cost(rows: int) -> float:
+    """Nominal time to score `rows` tokens of one request, in single-token verifies."""
+    assert rows >= 1, rows
+    return NOMINAL_VERIFY[rows - 1] if rows <= len(NOMINAL_VERIFY) else rows / 4
+
+
+@dataclass(frozen=True)
+class SeededInputs:
+    """Everything a seeded request's k depends on: its own acceptance so far and its own limits.
+
+    Deliberately without engine-wide acceptance, measured costs, batch size, catch-up or KV free fraction:
+    those change with what runs beside the request and with timing. Build it with `of` (a snapshot).
+    """
+
+    accepted: int  # drafts accepted so far
+    rejections: int  # rounds that rejected a draft
+    reached: tuple[int, ...]  # AcceptanceStats.reached / survived: per draft position
+    survived: tuple[int, ...]
+    k_max: int  # the request's cap this round: min(engine k_max, tokens left - 1)
+    rounds_at_zero: int  # its consecutive plain-decoding rounds
+    probe_every: int  # the engine setting (the same command gives the same value)
+    model_draft: bool  # False: n-gram, drafting costs nothing
+
+    @classmethod
+    def of(cls, own: AcceptanceStats, k_max: int, rounds_at_zero: int, probe_every: int,
+           model_draft: bool) -> SeededInputs:
+        return cls(own.accepted, own.rejections, tuple(own.reached), tuple(own.survived), k_max, rounds_at_zero,
+                   probe_every, model_draft)
+
+
+def choose_k_seeded(inputs: SeededInputs) -> AutoDecision:
+    """k for a seeded request: argmax E[Y](k) / t_nominal(k), with t_nominal(k) = k * draft step +
+    verify of 1 + k tokens (NOMINAL_VERIFY), probing again after `probe_every` plain rounds. Reasons start
+    with "seeded: "."""
+    if inputs.k_max == 0:
+        return AutoDecision(0, "seeded: no drafter")
+    own = AcceptanceStats(accepted=inputs.accepted, rejections=inputs.rejections, reached=list(inputs.reached),
+                          survived=list(inputs.survived))
+    survival = blended_survival(own, AcceptanceStats(), inputs.k_max)  # no engine-wide rate: the prior
+    draft = NOMINAL_DRAFT_TOKEN if inputs.model_draft else 0.0
+    rates = [(1.0 + sum(survival[:k])) / (k * draft + nominal_verify_cost(1 + k)) for k in range(inputs.k_max + 1)]
+    best_k = _best_k(rates)
+    if best_k == 0:
+        return _plain_or_probe(rates, inputs.rounds_at_zero, inputs.probe_every, "seeded: ")
+    return AutoDecision(best_k, "seeded: nominal cost model")

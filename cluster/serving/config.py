@@ -1,0 +1,267 @@
+"""The cluster's one external configuration boundary: `ClusterConfig`, loaded from YAML/JSON or flags.
+
+Everything past this module takes a validated `ClusterConfig` (or plain values taken from it).
+Example (`specserve up --config cluster.yaml`):
+
+    model: smollm2-135m
+    draft: ngram
+    kv_blocks: 512
+    queue_capacity: 128
+    grpc_port: 9000
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from cluster.engine.engine import EngineConfig
+    from cluster.engine.factory import LocalRuntime
+
+__all__ = ["ENGINE_OPTIONS", "NGRAM_DRAFT", "ClusterConfig", "ConfigError", "load_config", "make_config"]
+
+NGRAM_DRAFT = "ngram"  # `draft` value: n-gram (prompt lookup) drafting, no draft model
+# The fields a config file may also set under `engine_options:` (the older spelling, still accepted).
+ENGINE_OPTIONS = ("k_max", "probe_every", "pressure_free_fraction", "drafter_retry_seconds",
+                  "max_verifier_failures", "overlap")
+
+
+class ConfigError(ValueError):
+    """The config file or flags do not form a valid ClusterConfig."""
+
+
+def _check_model_name(value: str) -> str:
+    from model_runtime.registry import UnknownModelError, resolve_model
+
+    try:
+        resolve_model(value)
+    except UnknownModelError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
+class ClusterConfig(BaseModel):
+    """The whole Serve application: models, replicas, KV memory, admission, Serve health, ports."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # models
+    model: str = Field("qwen2.5-coder-1.5b", description="target model: registry name or HF checkpoint dir")
+    draft: str = Field("qwen2.5-coder-0.5b", description="draft model name/dir, or 'ngram'")
+    device: str = Field("cpu", description="torch device of the drafter and verifier workers")
+    draft_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="draft model precision (auto: float16 on CPU, bfloat16 on CUDA); changes acceptance, "
+                            "never the output")
+
+    # deployments
+    ingress_replicas: int = Field(1, ge=1, le=64)
+    scheduler_replicas: int = Field(1, ge=1, le=1, description="one engine loop owns the KV pools")
+    drafter_replicas: int = Field(1, ge=1, le=1, description="draft KV pool lives in the replica")
+    verifier_replicas: int = Field(1, ge=1, le=1, description="target KV pool lives in the replica")
+    tensor_parallel_size: int = Field(1, ge=1, le=8, description="verifier TP ranks (gloo on CPU)")
+    worker_threads: int = Field(0, ge=0, le=256,
+                                description="torch threads per model process; 0 = this machine's cores shared "
+                                            "evenly among the model processes (TP ranks + drafter)")
+    gpus_per_worker: float = Field(1.0, gt=0, le=1, description="CUDA only: GPUs per drafter replica and per "
+                                   "verifier TP rank (0.5 lets a drafter share a TP=1 verifier's GPU)")
+
+    # KV memory and admission
+    kv_blocks: int | None = Field(1024, ge=8, le=1 << 22, description="blocks per KV pool (target and draft); "
+                                  "null = enough for max_batch full contexts (see kv_pool_blocks)")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    queue_capacity: int = Field(256, ge=1, le=100_000, description="requests admitted (waiting+running)")
+    max_batch: int = Field(16, ge=1, le=4096, description="requests per engine round")
+    max_context: int = Field(2048, ge=16, le=1 << 20, description="prompt + max_tokens limit (capped by the model)")
+    warm_up: bool = Field(True, description="before serving, time verify for k = 0..k_max and the draft step "
+                                            "through the real round path, so auto speculation starts from measured "
+                                            "costs (cluster/engine/warmup.py)")
+    drafter_timeout_s: float = Field(5.0, gt=0, le=3600, description="a propose call unanswered this long counts "
+                                     "as a drafter failure: plain decoding until the engine retries the drafter")
+
+    # the engine's round (cluster/engine/engine.py); a config file may also set these under `engine_options:`
+    k_max: int = Field(4, ge=0, le=64, description="largest k auto may pick (0: auto never speculates)")
+    probe_every: int = Field(32, ge=1, le=1 << 20,
+                             description="rounds of plain decoding before auto re-measures acceptance")
+    pressure_free_fraction: float = Field(0.1, ge=0, le=1, description="while the target KV pool has less than this "
+                                          "fraction free, auto caps k at 1")
+    drafter_retry_seconds: float = Field(5.0, ge=0, le=3600, description="wait before a failed drafter is tried "
+                                         "again (doubling per consecutive failure, up to 32x)")
+    max_verifier_failures: int = Field(20, ge=0, le=1 << 20,
+                                       description="consecutive failed verify calls before the engine gives up")
+    overlap: bool = Field(False, description="draft one group while verifying the other (separate "
+                                             "devices/processes pay off)")
+
+    # Serve health checks and graceful shutdown (applied to every deployment)
+    health_check_period_s: float = Field(10.0, gt=0, le=3600)
+    health_check_timeout_s: float = Field(30.0, gt=0, le=3600)
+    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0, le=3600)
+    graceful_shutdown_timeout_s: float = Field(20.0, gt=0, le=3600)
+    request_timeout_s: float | None = Field(None, gt=0, description="end-to-end limit per request")
+
+    # network
+    # The HTTP proxy binds `host`; Serve 2.60's gRPC proxy always binds [::]:grpc_port (not configurable),
+    # so a loopback-only deployment needs a loopback-only network (scripts/in-netns.sh) or a firewall.
+    host: str = Field("127.0.0.1", description="address the HTTP proxy binds and the printed addresses use")
+    grpc_port: int = Field(9000, ge=1, le=65535)
+    http_port: int = Field(8000, ge=1, le=65535)
+    dashboard_port: int = Field(8265, ge=1, le=65535)
+    ray_address: str | None = Field(None, description="join this Ray cluster; None = start a local one")
+    ray_num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local Ray (None = detect)")
+    # Ray starts workers at niceness 15 so its own daemons stay responsive; our replicas are compute-bound
+    # and, on a small machine, share the cores with those daemons: a local Ray's workers run at 0.
+    worker_niceness: int = Field(0, ge=0, le=19, description="niceness of a local Ray's worker processes")
+
+    def local_ray_env(self) -> None:
+        """Environment a local Ray must see before it starts (read by its raylet)."""
+        os.environ["RAY_worker_niceness"] = str(self.worker_niceness)
+
+    @field_validator("model")
+    @classmethod
+    def _known_target(cls, value: str) -> str:
+        if value == NGRAM_DRAFT:
+            raise ValueError("'ngram' is a drafting mode, not a target model")
+        return _check_model_name(value)
+
+    @field_validator("draft")
+    @classmethod
+    def _known_draft(cls, value: str) -> str:
+        return value if value == NGRAM_DRAFT else _check_model_name(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_engine_options(cls, data: Any) -> Any:
+        """`engine_options: {k_max: 2, overlap: true}` (the older spelling) sets the typed fields of those names."""
+        if not isinstance(data, dict) or "engine_options" not in data:
+            return data
+        data = dict(data)
+        options = data.pop("engine_options")
+        if not isinstance(options, dict):
+            raise ValueError(f"engine_options must be a mapping, got {type(options).__name__}")
+        unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown} in engine_options; known: {sorted(ENGINE_OPTIONS)}")
+        twice = sorted(set(options) & set(data))
+        if twice:
+            raise ValueError(f"{twice} set both as field(s) and in engine_options; set each once")
+        return {**data, **options}
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value != "cpu" and not value.startswith("cuda"):
+            raise ValueError(f"must be 'cpu' or 'cuda' (one GPU per worker, assigned by Ray), got {value!r}")
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _nonempty_host(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must be non-empty")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterConfig:
+        ports = {"grpc_port": self.grpc_port, "http_port": self.http_port, "dashboard_port": self.dashboard_port}
+        if len(set(ports.values())) != len(ports):
+            raise ValueError(f"ports must differ: {ports}")
+        if self.max_batch > self.queue_capacity:
+            raise ValueError(f"max_batch ({self.max_batch}) must be <= queue_capacity ({self.queue_capacity})")
+        return self
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def threads_per_worker(self) -> int:
+        """Torch threads per model process (each verifier TP rank, the drafter). Oversubscribing a CPU with
+        several 'all cores' torch processes collapses throughput, so the cores are shared among the processes
+        that compute at the same time: the ranks, plus the drafter only under overlap (otherwise it drafts
+        while the verifier waits for its drafts)."""
+        if self.worker_threads > 0:
+            return self.worker_threads
+        concurrent = self.tensor_parallel_size + (1 if self.uses_draft_model and self.overlap else 0)
+        return max(1, (os.cpu_count() or 1) // concurrent)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.draft != NGRAM_DRAFT
+
+    @property
+    def kv_pool_blocks(self) -> int:
+        """Blocks per KV pool: `kv_blocks`, or (None) enough for max_batch full contexts plus a margin."""
+        if self.kv_blocks is not None:
+            return self.kv_blocks
+        return self.max_batch * (-(-self.max_context // self.block_size) + 1) + 16
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's settings (in process and in the scheduler)."""
+        from cluster.engine.engine import EngineConfig
+
+        return EngineConfig(
+            max_batch=self.max_batch, max_waiting=self.queue_capacity, max_context=self.max_context,
+            k_max=self.k_max, probe_every=self.probe_every, pressure_free_fraction=self.pressure_free_fraction,
+            drafter_retry_seconds=self.drafter_retry_seconds, max_verifier_failures=self.max_verifier_failures,
+            overlap=self.overlap,
+        )
+
+    def local_runtime(self) -> LocalRuntime:
+        """What `build_local_engine` needs beyond engine_config(): KV pools, device, draft precision, warm-up."""
+        from cluster.engine.factory import LocalRuntime
+
+        return LocalRuntime(block_size=self.block_size, num_blocks=self.kv_pool_blocks, device=self.device,
+                            draft_dtype=self.draft_dtype, warm_up=self.warm_up)
+
+    def with_overrides(self, **overrides: Any) -> ClusterConfig:
+        """A validated copy with the non-None `overrides` applied (command-line flags over the file)."""
+        updates = {key: value for key, value in overrides.items() if value is not None}
+        return _validate({**self.model_dump(), **updates}, source="flags")
+
+
+def _validate(data: dict[str, Any], source: str) -> ClusterConfig:
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
+        for err in exc.errors()
+        )
+        raise ConfigError(f"invalid cluster config ({source}): {problems}") from None
+
+
+def make_config(source: str = "flags", **fields: Any) -> ClusterConfig:
+    """Defaults, then exactly `fields` (a None sets None, e.g. kv_blocks=None); ConfigError names the field."""
+    return _validate(fields, source)
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> ClusterConfig:
+    """Defaults, then the YAML/JSON file at `path` (if any), then the non-None `overrides`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        data = _parse(text, path)
+    data.update({key: value for key, value in overrides.items() if value is not None})
+    return _validate(data, source=str(path) if path is not None else "flags")
+
+
+def _parse(text: str, path: Path) -> dict[str, Any]:
+    import yaml  # YAML 1.2 is a superset of JSON: one parser for both
+
+    try:
+        parsed = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot parse {path}: {exc}") from None
+    if parsed is None:
+        return {}
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(parsed).__name__}")
+    return parsed

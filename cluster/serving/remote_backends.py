@@ -1,0 +1,178 @@
+"""The engine of the cluster: SpecEngine with remote backends, built inside the Scheduler replica.
+
+    SpecEngine --propose--> HandleDrafter  -> Drafter deployment (DeploymentHandle)
+               --verify-->  HandleVerifier -> Verifier deployment (DeploymentHandle)
+               <--kv-->     RemoteKV       -> KVManagerActor (a Ray actor owned by the scheduler replica)
+
+All three adapters block; they are called only from the engine thread (cluster/serving/engine_loop.py),
+never from an event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from cluster.engine.engine import DrafterUnavailable, SpecEngine
+from cluster.serving.config import ClusterConfig
+from kv_manager.errors import KVError, RetriableKVError, UnknownRequest
+from kv_manager.schema import (
+    Admission,
+    AdmitItem,
+    AuditReport,
+    CommitItem,
+    CommitResult,
+    Holder,
+    Reservation,
+    ReserveItem,
+)
+from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
+
+log = logging.getLogger("specserve.cluster")
+
+
+
+class HandleVerifier:
+    def __init__(self, handle: Any, timeout_s: float | None = None) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    def verify(self, batch: VerifyBatch) -> VerifyResult:
+        return self.handle.verify.remote(batch).result(timeout_s=self.timeout_s)
+
+
+class HandleDrafter:
+    """Serve's router waits for a live replica without limit (a killed replica's calls are re-routed to
+    its replacement), so an unanswered propose call is cancelled after `timeout_s` and raised as
+    DrafterUnavailable: the engine decodes plainly meanwhile instead of stalling every request."""
+
+    def __init__(self, handle: Any, timeout_s: float | None = None) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    def propose(self, batch: ProposeBatch) -> ProposeResult:
+        response = self.handle.propose.remote(batch)
+        try:
+            return response.result(timeout_s=self.timeout_s)
+        except TimeoutError:
+            response.cancel()
+            raise DrafterUnavailable(f"no drafter answer within {self.timeout_s}s") from None
+
+
+class RemoteKV:
+    """LocalKV's methods (cluster/engine/kv_client.py) over the KV manager actor, synchronously.
+
+    This engine is the ledger's only client (build_cluster_engine creates the actor for it), so the
+    free fractions change only through its own calls: `reserve`, `commit` and `commit_then_reserve`
+    bring them back with their answers, any other mutating call marks them stale, and `free_fraction`
+    fetches only then.
+    """
+
+    def __init__(self, actor: Any, timeout_s: float = 60.0) -> None:
+        self.actor = actor
+        self.timeout_s = timeout_s
+        self.incarnation: str = ray.get(actor.incarnation.remote(), timeout=timeout_s)
+        self._free: dict[str, float] | None = None  # None = stale
+        self._free_lock = threading.Lock()  # with overlap, the engine's draft thread calls too
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return ray.get(getattr(self.actor, method).remote(self.incarnation, *args), timeout=self.timeout_s)
+        except RayTaskError as failure:
+            if isinstance(failure.cause, KVError):
+                raise failure.cause from None
+            raise
+        except RayActorError as lost:
+            raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
+
+    def _mutating(self, method: str, *args: Any) -> Any:
+        try:
+            return self._call(method, *args)
+        finally:
+            self._free = None
+
+    def _reporting(self, method: str, *args: Any) -> Any:
+        """A call whose answer ends with the free fractions after it (the `*_with_free` methods)."""
+        try:
+            *answer, free = self._call(method, *args)
+        except BaseException:
+            self._free = None
+            raise
+        self._free = free
+        return answer[0] if len(answer) == 1 else tuple(answer)
+
+    def register_worker(self, worker_id: str) -> Holder:
+        return self._mutating("register_worker", worker_id)
+
+    def expire_worker(self, worker_id: str) -> int:
+        return self._mutating("expire_worker", worker_id)
+
+    def can_admit(self, items: Sequence[AdmitItem], lookahead: int) -> bool:
+        return self._call("can_admit", {i.namespace: len(i.prompt_token_ids) + lookahead for i in items})
+
+    def admit(self, items: Sequence[AdmitItem]) -> list[Admission]:
+        """All or nothing: a refusal releases the admissions the same call made."""
+        outcomes = self._mutating("add_requests", list(items))
+        refusals = [o for o in outcomes if isinstance(o, KVError)]
+        if refusals:
+            done = [(o.namespace, o.request_id) for o in outcomes if not isinstance(o, KVError)]
+            if done:
+                self._mutating("release", done)
+            raise refusals[0]
+        return outcomes
+
+    def reserve(self, items: Sequence[ReserveItem]) -> list[Reservation | KVError]:
+        return self._reporting("reserve_with_free", list(items), False)
+
+    def commit(self, items: Sequence[CommitItem]) -> list[CommitResult | KVError]:
+        return self._reporting("commit_with_free", list(items))
+
+    def commit_then_reserve(self, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]
+                            ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError]]:
+        return self._reporting("commit_then_reserve_with_free", list(commits), list(reserves))
+
+    def rollback(self, keys: Sequence[tuple[str, str]]) -> None:
+        self._raise_unexpected(self._mutating("rollback", list(keys)))
+
+    def release(self, request_id: str, namespaces: Sequence[str]) -> None:
+        self._raise_unexpected(self._mutating("release", [(namespace, request_id) for namespace in namespaces]))
+
+    def free_fraction(self, namespace: str) -> float:
+        with self._free_lock:
+            free = self._free
+            if free is None:
+                free = self._free = self._call("free_fractions")
+            return free[namespace]
+
+    def audit(self) -> AuditReport:
+        return self._call("audit")
+
+    @staticmethod
+    def _raise_unexpected(outcomes: list[Any]) -> None:
+        for outcome in outcomes:  # an unknown request is already gone: nothing to give back
+            if isinstance(outcome, KVError) and not isinstance(outcome, UnknownRequest):
+                raise outcome
+
+
+def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any) -> SpecEngine:
+    """The scheduler's engine: remote workers, the KV manager actor, the target's tokenizer."""
+    from cluster.engine.factory import assemble_engine
+    from kv_manager.actor import KVManagerActor
+
+    log.info("cluster engine: target %s, draft %s, max_batch %d", config.model, config.draft, config.max_batch)
+    engine = assemble_engine(
+        config.model, config.draft, config.engine_config(), config.kv_pool_blocks,
+        config.block_size, make_verifier=lambda _dir: HandleVerifier(verifier),
+        make_drafter=(lambda _dir: HandleDrafter(drafter, config.drafter_timeout_s)) if drafter is not None else None,
+        make_kv=lambda namespaces: RemoteKV(KVManagerActor.options(name=None).remote(namespaces)),
+    )
+    if config.warm_up:
+        from cluster.engine.warmup import warm_up
+
+        warm_up(engine)
+    return engine

@@ -1,0 +1,186 @@
+"""The Scheduler deployment: admission, per-request streams, and the engine loop against remote workers.
+
+One replica owns one engine (continuous batching over all admitted requests); the engine calls the
+Drafter and Verifier deployments through handle adapters (cluster/serving/remote_backends.py) from its own thread.
+
+Admission is bounded: more than `queue_capacity` live completions -> CapacityError at once (the
+ingress answers RESOURCE_EXHAUSTED / HTTP 429; nothing waits in a hidden queue). A stream whose
+consumer goes away (client disconnect, deadline, ingress cancel) aborts its unfinished completions
+in the engine, which rolls back their KV reservations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ray import serve
+
+from cluster.serving.config import ClusterConfig
+from cluster.serving.engine_loop import Engine, EngineLoop
+from specserve_types.api import (
+    CapacityError,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+    TokenChunk,
+)
+from specserve_types.protocol import GenerateArgs, IndexedChunk, StreamError, StreamItem
+
+logger = logging.getLogger("ray.serve")
+
+# (config, drafter handle or None, verifier handle) -> engine; runs in the engine thread
+EngineBuilder = Callable[[ClusterConfig, Any, Any], Engine]
+
+
+def encode_prompt(tokenizer: Any, args: GenerateArgs) -> tuple[int, ...]:
+    """Token ids of the prompt: given ids as they are, chat through the target's chat template."""
+    if args.prompt_token_ids is not None:
+        vocab_size = len(tokenizer)
+        if max(args.prompt_token_ids) >= vocab_size:
+            raise InvalidRequestError("prompt", f"token ids must be < vocabulary size {vocab_size}")
+        return args.prompt_token_ids
+    if args.chat:  # the same calls as `specserve generate --chat`
+        messages = [{"role": role, "content": content} for role, content in args.messages]
+        return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False))
+    return tuple(tokenizer(args.prompt_text)["input_ids"])
+
+
+def completion_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Completion `index` of n: a seeded request gets seed + index, so the n samples differ."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + index)
+
+
+class Scheduler:
+    def __init__(self, config: ClusterConfig, drafter: Any, verifier: Any,
+                 engine_builder: EngineBuilder | None = None) -> None:
+        if engine_builder is None:
+            from cluster.serving.remote_backends import build_cluster_engine as engine_builder
+        self._config = config
+        self._loop = EngineLoop(lambda: engine_builder(config, drafter, verifier))
+        self._live = 0  # admitted completions not yet finished or aborted
+        self._pending: dict[str, dict[str, int]] = {}  # client request id -> unfinished engine ids (event loop)
+        self._counters = {"admitted": 0, "rejected_capacity": 0, "rejected_invalid": 0, "aborted": 0,
+                          "finished": 0, "errored": 0}
+        self._started_at = time.time()
+        self._loop.start()
+        self._loop.wait_ready()  # Serve marks the replica RUNNING only once the engine is built
+        if self._loop.startup_error is not None:
+            raise RuntimeError(f"engine construction failed: {self._loop.startup_error!r}") \
+                from self._loop.startup_error
+        logger.info("scheduler ready: model=%s draft=%s", config.model, config.draft)
+
+    async def generate(self, args: GenerateArgs) -> AsyncIterator[StreamItem]:
+        """Stream IndexedChunk items of the n completions; a StreamError instead if refused."""
+        completion_ids = args.completion_ids()
+        if self._live + len(completion_ids) > self._config.queue_capacity:
+            self._counters["rejected_capacity"] += 1
+            yield StreamError("capacity", f"server is full: {self._live} requests in flight, "
+                              f"queue_capacity={self._config.queue_capacity}; retry later")
+            return
+        if args.request_id in self._pending:
+            self._counters["rejected_invalid"] += 1
+            yield StreamError("invalid", f"request id {args.request_id!r} is already in flight", "request_id")
+            return
+        self._live += len(completion_ids)  # taken before the first await: admission cannot overshoot
+        pending: dict[str, int] = {}  # engine request id -> completion index, until its final chunk
+        self._pending[args.request_id] = pending
+        try:
+            try:
+                prompt = encode_prompt(self._loop.engine.tokenizer, args)
+            except InvalidRequestError as exc:
+                self._counters["rejected_invalid"] += 1
+                yield StreamError.of(exc)
+                return
+            chunks: asyncio.Queue[tuple[int, TokenChunk]] = asyncio.Queue()
+            event_loop = asyncio.get_running_loop()
+            for index, engine_id in enumerate(completion_ids):
+                request = GenerationRequest(engine_id, prompt, completion_sampling(args.sampling, index), args.spec)
+
+                def sink(chunk: TokenChunk, index: int = index) -> None:
+                    event_loop.call_soon_threadsafe(chunks.put_nowait, (index, chunk))
+
+                pending[engine_id] = index  # before the await: a cancel here still aborts it
+                try:
+                    await asyncio.wrap_future(self._loop.submit(request, sink))
+                except (InvalidRequestError, CapacityError) as exc:
+                    pending.pop(engine_id, None)
+                    key = "rejected_invalid" if isinstance(exc, InvalidRequestError) else "rejected_capacity"
+                    self._counters[key] += 1
+                    yield StreamError.of(exc)
+                    return
+            self._counters["admitted"] += len(completion_ids)
+            while pending:
+                index, chunk = await chunks.get()
+                if chunk.finished and pending.pop(chunk.request_id, None) is not None:  # aborts are counted already
+                    self._counters["errored" if chunk.finish_reason == "error" else "finished"] += 1
+                    stats = {**(chunk.stats or {}), "prompt_tokens": len(prompt)}
+                    chunk = dataclasses.replace(chunk, stats=stats)
+                chunk = dataclasses.replace(chunk, request_id=args.request_id)
+                yield IndexedChunk(index, chunk, args.spec.contract)
+        except Exception as exc:  # an engine-loop failure: report it in-band, then abort below
+            logger.exception("request %s failed", args.request_id)
+            yield StreamError.of(exc)
+        finally:
+            self._live -= len(completion_ids)
+            self._abort_pending(pending)
+            if self._pending.get(args.request_id) is pending:
+                del self._pending[args.request_id]
+
+    def _abort_pending(self, pending: dict[str, int]) -> int:
+        for engine_id in pending:
+            self._counters["aborted"] += 1
+            self._loop.abort(engine_id)
+        count = len(pending)
+        pending.clear()
+        return count
+
+    async def abort(self, request_id: str) -> int:
+        """Abort a request's unfinished completions (the ingress calls this when its client leaves, besides
+        cancelling the stream: a cancelled stream alone reaches this replica only when Serve closes the
+        generator). Returns how many were aborted; 0 if it already finished."""
+        pending = self._pending.get(request_id)
+        return self._abort_pending(pending) if pending else 0
+
+    async def stats(self) -> dict:
+        engine_stats, audit = await self._loop.acall(lambda engine: (engine.stats(), engine.kv.audit()))
+        return {
+            "kv": {"counts": {ns: dataclasses.asdict(c) for ns, c in audit.counts.items()},
+                   "leaked_blocks": len(audit.leaked_blocks), "errors": list(audit.errors)},
+            "scheduler": {**self._counters, "live": self._live, "rounds": self._loop.rounds,
+                          "failed_rounds": self._loop.failed_rounds,
+                          "uptime_s": round(time.time() - self._started_at, 3)},
+            "engine": engine_stats,
+        }
+
+    async def audit(self) -> Any:
+        """The KV ledger's audit (kv_manager.schema.AuditReport): counts per namespace, leaked blocks."""
+        return await self._loop.acall(lambda engine: engine.kv.audit())
+
+    async def health(self) -> tuple[bool, str]:
+        if not self._loop.healthy:
+            return False, "engine loop is not running"
+        try:
+            await asyncio.wait_for(self._loop.acall(lambda engine: None), timeout=self._config.health_check_timeout_s)
+        except Exception as exc:
+            return False, f"engine loop does not answer: {exc!r}"
+        return True, "ok"
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check: an engine thread that died makes the replica unhealthy."""
+        if not self._loop.healthy:
+            raise RuntimeError("engine loop is not running")
+
+    def __del__(self) -> None:
+        if (loop := getattr(self, "_loop", None)) is not None:
+            loop.stop(timeout_s=self._config.graceful_shutdown_timeout_s)
+
+
+SchedulerDeployment = serve.deployment(Scheduler, name="Scheduler")

@@ -1,0 +1,209 @@
+"""What travels between the ingress and the scheduler, and its conversion from/to the gRPC messages.
+
+    client --GenerateRequest--> ingress --GenerateArgs--> scheduler --StreamItem...--> ingress --GenerateChunk-->
+
+Errors cross the handle as values (`StreamError`), never as exceptions, so the ingress can map them
+to exact status codes: invalid -> INVALID_ARGUMENT / HTTP 400, capacity -> RESOURCE_EXHAUSTED /
+HTTP 429, internal -> INTERNAL / HTTP 500.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from specserve_types.api import (
+    MAX_TOKENS_LIMIT,
+    CapacityError,
+    InvalidRequestError,
+    SamplingParams,
+    SpecParams,
+    SpecServeError,
+    TokenChunk,
+)
+from specserve_types.proto import specserve_pb2 as pb
+
+MAX_N = 16
+MAX_PROMPT_CHARS = 1 << 20  # a cheap bound before tokenizing; the context length is checked after
+CHAT_ROLES = ("system", "user", "assistant")
+
+TIMEOUT_METADATA = "specserve-timeout-s"  # gRPC metadata: the call's time limit in seconds (cluster/serving/ingress.py)
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """A validated generation request before tokenization (the prompt may still be text)."""
+
+    request_id: str
+    prompt_text: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content); chat only
+    chat: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    spec: SpecParams = field(default_factory=SpecParams)
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.n <= MAX_N):
+            raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {self.n}")
+        if self.chat:
+            if self.prompt_token_ids is not None:
+                raise InvalidRequestError("prompt", "chat requests take text or messages, not token ids")
+            if not self.messages:
+                raise InvalidRequestError("messages", "a chat request needs at least one message")
+            for index, (role, content) in enumerate(self.messages):
+                if role not in CHAT_ROLES:
+                    raise InvalidRequestError(f"messages[{index}].role", f"must be one of {CHAT_ROLES}, got {role!r}")
+                if not content:
+                    raise InvalidRequestError(f"messages[{index}].content", "must be non-empty")
+        elif self.prompt_token_ids is not None:
+            if not self.prompt_token_ids:
+                raise InvalidRequestError("prompt", "must be non-empty")
+            if any(token < 0 for token in self.prompt_token_ids):
+                raise InvalidRequestError("prompt", "token ids must be >= 0")
+        elif not self.prompt_text:
+            raise InvalidRequestError("prompt", "must be non-empty")
+        if self.prompt_text is not None and len(self.prompt_text) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError("prompt", f"longer than {MAX_PROMPT_CHARS} characters")
+
+    def completion_ids(self) -> list[str]:
+        """Engine request ids of the n completions."""
+        return [self.request_id] if self.n == 1 else [f"{self.request_id}#{index}" for index in range(self.n)]
+
+
+@dataclass(frozen=True)
+class StreamError:
+    code: Literal["invalid", "capacity", "internal"]
+    message: str
+    field: str | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException) -> StreamError:
+        if isinstance(exc, InvalidRequestError):
+            return cls("invalid", exc.message, exc.field)
+        if isinstance(exc, CapacityError):
+            return cls("capacity", str(exc) or "server is full")
+        return cls("internal", f"{type(exc).__name__}: {exc}")
+
+    def to_exception(self) -> SpecServeError:
+        if self.code == "invalid":
+            return InvalidRequestError(self.field or "request", self.message)
+        if self.code == "capacity":
+            return CapacityError(self.message)
+        return SpecServeError(self.message)
+
+    def describe(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+@dataclass(frozen=True)
+class IndexedChunk:
+    """One chunk of completion `index` of a request (n > 1 interleaves completions).
+
+    `chunk.request_id` is the client's request id (not the engine's per-completion id).
+    """
+
+    index: int
+    chunk: TokenChunk
+    contract: str
+
+
+StreamItem = IndexedChunk | StreamError
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
+@dataclass(frozen=True)
+class ServerDefaults:
+    """What an unset request field means on this server."""
+
+    model: str  # the served target
+    draft: str = "model"  # SpecParams.draft for requests that name none: "model", or "ngram" without a draft model
+
+    def check_model(self, requested: str) -> None:
+        if requested and requested != self.model:
+            raise InvalidRequestError("model", f"unknown model {requested!r}; this server serves {self.model!r}")
+
+    @staticmethod
+    def contract(temperature: float) -> str:
+        """Unset contract: greedy at temperature 0, exact otherwise (as `specserve generate`)."""
+        return "greedy" if temperature == 0 else "exact"
+
+
+def args_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) -> GenerateArgs:
+    """Validate a gRPC GenerateRequest; raises InvalidRequestError naming the field."""
+    defaults.check_model(request.model)
+
+    def opt(name: str, default: float | int | None) -> float | int | None:
+        return getattr(request, name) if request.HasField(name) else default
+
+    base = SamplingParams()
+    max_tokens = int(opt("max_tokens", base.max_tokens))
+    if not (1 <= max_tokens <= MAX_TOKENS_LIMIT):  # before the int32 reaches anything else
+        raise InvalidRequestError("max_tokens", f"must be in [1, {MAX_TOKENS_LIMIT}], got {max_tokens}")
+    sampling = SamplingParams(
+        temperature=float(opt("temperature", base.temperature)),
+        top_k=int(opt("top_k", base.top_k)),
+        top_p=float(opt("top_p", base.top_p)),
+        min_p=float(opt("min_p", base.min_p)),
+        repetition_penalty=float(opt("repetition_penalty", base.repetition_penalty)),
+        presence_penalty=float(opt("presence_penalty", base.presence_penalty)),
+        frequency_penalty=float(opt("frequency_penalty", base.frequency_penalty)),
+        seed=opt("seed", None),
+        max_tokens=max_tokens,
+        stop=tuple(request.stop),
+        ignore_eos=request.ignore_eos,
+    )
+    spec = SpecParams(
+        contract=request.contract or defaults.contract(sampling.temperature),
+        k=opt("k", None),
+        draft=request.draft or defaults.draft,
+    )
+    which = request.WhichOneof("prompt")
+    messages = tuple((m.role, m.content) for m in request.messages)
+    if request.chat and which == "text":
+        messages = (*messages, ("user", request.text))
+    elif messages and not request.chat:
+        raise InvalidRequestError("messages", "messages need chat=true")
+    return GenerateArgs(
+        request_id=request.request_id or new_request_id(),
+        prompt_text=request.text if which == "text" and not request.chat else None,
+        prompt_token_ids=tuple(request.token_ids.ids) if which == "token_ids" else None,
+        messages=messages,
+        chat=request.chat,
+        sampling=sampling,
+        spec=spec,
+        n=int(opt("n", 1)),
+    )
+
+
+def chunk_to_proto(item: IndexedChunk) -> pb.GenerateChunk:
+    chunk = item.chunk
+    return pb.GenerateChunk(
+        request_id=chunk.request_id,
+        index=item.index,
+        token_ids=chunk.token_ids,
+        text_delta=chunk.text_delta,
+        proposed=chunk.proposed,
+        accepted=chunk.accepted,
+        finish_reason=chunk.finish_reason or "",
+        stats_json=json.dumps(chunk.stats, sort_keys=True, default=str) if chunk.stats is not None else "",
+        contract=item.contract,
+    )
+
+
+def chunk_from_proto(message: pb.GenerateChunk) -> IndexedChunk:
+    chunk = TokenChunk(
+        request_id=message.request_id,
+        token_ids=list(message.token_ids),
+        text_delta=message.text_delta,
+        proposed=message.proposed,
+        accepted=message.accepted,
+        finish_reason=message.finish_reason or None,  # type: ignore[arg-type]
+        stats=json.loads(message.stats_json) if message.stats_json else None,
+    )
+    return IndexedChunk(index=message.index, chunk=chunk, contract=message.contract)

@@ -1,0 +1,98 @@
+"""The messages of one speculative round between the scheduler and its workers.
+
+Plain picklable dataclasses; probabilities travel as float32 numpy arrays (pickled torch tensors
+are several times slower across processes). One propose call and one verify call per round
+carry the whole batch.
+
+    scheduler --ProposeBatch--> drafter   --ProposeResult-->  scheduler
+    scheduler --VerifyBatch-->  verifier  --VerifyResult-->   scheduler
+
+Glossary:
+  input_ids   tokens whose KV the worker's cache does not hold yet (the catch-up tokens: usually
+              the previous round's correction or bonus token; the whole uncached prompt at prefill)
+  past_len    how many tokens of the sequence the worker's cache already holds (committed)
+  position    index in the full sequence (prompt + output) of the first token this round decides
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specserve_types.api import SamplingParams
+
+
+@dataclass
+class ProposeItem:
+    request_id: str
+    input_ids: list[int]
+    past_len: int
+    block_table: list[int]
+    slot_mapping: list[int]  # len(input_ids) + k - 1 slots: the last draft's KV is never written
+    k: int
+    sampling: SamplingParams
+    seed: int
+    position: int
+    want_probs: bool
+    prompt_ids: list[int] = field(default_factory=list)  # only when penalties are active
+    output_ids: list[int] = field(default_factory=list)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write before writing
+
+
+@dataclass
+class ProposeBatch:
+    items: list[ProposeItem]
+
+
+@dataclass
+class ProposeOutput:
+    request_id: str
+    draft_ids: list[int]
+    draft_probs: np.ndarray | None  # [k, V] float32: q after the request's sampling transform
+
+
+@dataclass
+class ProposeResult:
+    outputs: list[ProposeOutput]
+    seconds: float
+    worker_instance: str = ""  # changes when the worker process (and its KV pool) is replaced
+
+
+@dataclass
+class VerifyItem:
+    request_id: str
+    input_ids: list[int]
+    draft_ids: list[int]
+    draft_probs: np.ndarray | None  # None: point-mass drafter (n-gram) or greedy
+    past_len: int
+    block_table: list[int]
+    slot_mapping: list[int]  # len(input_ids) + len(draft_ids) slots
+    sampling: SamplingParams
+    contract: str
+    seed: int
+    position: int
+    prompt_ids: list[int] = field(default_factory=list)  # only when penalties are active
+    output_ids: list[int] = field(default_factory=list)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class VerifyBatch:
+    items: list[VerifyItem]
+
+
+@dataclass
+class VerifyOutput:
+    request_id: str
+    accepted_len: int  # draft tokens accepted
+    tokens: list[int]  # accepted drafts + the correction or bonus token
+    bonus: bool
+
+
+@dataclass
+class VerifyResult:
+    outputs: list[VerifyOutput]
+    seconds: float
+    scored_tokens: int  # new tokens scored in the forward (for the cost model)
+    worker_instance: str = ""  # changes when the worker process (and its KV pool) is replaced

@@ -1,0 +1,72 @@
+"""`specserve bench runtime` and `bench spec --quick` on smollm2-135m: the JSON carries every
+documented figure, numbers are positive, the greedy contract holds, and the transformers twin
+computes our logits (a correctness check, not a timing one: no timed assertions here).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.bench.spec import CATEGORIES, load_prompts
+from cluster.cli import main
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and value > 0
+
+
+def test_prompt_set_covers_every_category() -> None:
+    prompts = load_prompts(list(CATEGORIES), per_category=3)
+    assert [p.category for p in prompts] == [c for c in CATEGORIES for _ in range(3)]
+    assert len({p.id for p in prompts}) == len(prompts)
+
+
+def test_bench_runtime_json(smollm2_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "runtime.json"
+    assert main(["bench", "runtime", "--models", "smollm2-135m", "--contexts", "16", "40", "--max-k", "3",
+                 "--repeats", "2", "--warmup", "0", "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["environment"]["torch_threads"] == 2
+    (model,) = result["models"]
+    assert model["model"] == "smollm2-135m" and positive(model["parameters"])
+    assert [c["context"] for c in model["contexts"]] == [16, 40]
+    for c in model["contexts"]:
+        assert positive(c["decode_ms"]) and positive(c["hf_decode_ms"]) and positive(c["ours_vs_hf"])
+        assert [s["tokens"] for s in c["score"]] == [1, 2, 3]
+        assert c["score"][0]["ratio"] == 1.0
+        assert all(positive(s["ms"]) and positive(s["ratio"]) for s in c["score"])
+        assert len(c["samples_ms"]["hf"]) == 2 and all(len(v) == 2 for v in c["samples_ms"]["ours"].values())
+        assert c["hf_logits_max_abs_diff"] < 1e-3  # the twin shares our weights and KV: same logits
+    assert "ours/hf" in capsys.readouterr().out
+
+
+def test_bench_spec_quick_json(smollm2_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, plot = tmp_path / "spec.json", tmp_path / "spec.png"
+    assert main(["bench", "spec", "--quick", "--categories", "copy-edit", "qa", "--max-tokens", "8",
+                 "--json-out", str(out), "--plot", str(plot)]) == 0
+    result = json.loads(out.read_text())
+    assert plot.stat().st_size > 0
+    assert result["settings"]["model"] == "smollm2-135m"
+    assert [p["category"] for p in result["prompts"]] == ["copy-edit", "qa"]
+    labels = [r["label"] for r in result["results"]]
+    assert labels == ["plain", "ngram k=2", "ngram k=auto"]
+    for r in result["results"]:
+        assert r["temperature"] == 0.0 and r["batch"] == 1 and r["contract"] == "greedy"
+        assert r["output_tokens"] > 0 and positive(r["wall_seconds"]) and positive(r["tokens_per_second"])
+        assert positive(r["speedup_vs_plain"]) and positive(r["speedup_vs_hf_plain"])
+        assert positive(r["speedup_vs_hf_peer"])
+        assert set(r["by_category"]) == {"copy-edit", "qa"}
+        assert set(r["time_split_seconds"]) == {"draft", "verify", "reconcile", "plan_other", "outside"}
+        assert positive(r["time_split_seconds"]["verify"])
+        if r["draft"] == "ngram":
+            assert r["hf_peer"] == "prompt_lookup"
+            assert r["same_output_as_plain"] == 1.0  # greedy contract: output equals plain decoding
+            acc = r["acceptance"]
+            assert acc["rounds"] > 0 and len(acc["survival"]) >= 1
+            assert all(0.0 <= s <= 1.0 for s in acc["survival"])
+    assert {h["mode"] for h in result["hf"]} == {"plain", "prompt_lookup"}
+    assert all(h["output_tokens"] > 0 and positive(h["tokens_per_second"]) for h in result["hf"])
+    assert "vs hf peer" in capsys.readouterr().out

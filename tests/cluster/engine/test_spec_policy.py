@@ -1,0 +1,161 @@
+"""Auto speculation policy: picks the k that maximises expected tokens per second, falls back to plain
+decoding when speculation does not pay, probes again later, and shrinks k under memory pressure."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from cluster.engine.spec_policy import CostModel, SeededInputs, blended_survival, choose_k, choose_k_seeded
+from verifier_service.acceptance_stats import AcceptanceStats
+
+
+def stats_with(survival_per_round: list[int], proposed: int, rounds: int) -> AcceptanceStats:
+    stats = AcceptanceStats()
+    for accepted in survival_per_round * rounds:
+        stats.record(accepted, proposed, "greedy")
+    return stats
+
+
+def cost(draft: float, verify: dict[int, float]) -> CostModel:
+    model = CostModel()
+    model.draft_token = draft
+    model.verify_by_tokens = dict(verify)
+    return model
+
+
+def choose(own: AcceptanceStats, c: CostModel, **kw) -> tuple[int, str]:
+    args = dict(k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16, free_fraction=1.0,
+                pressure_free_fraction=0.1, draft_cost_per_token=c.draft_token)
+    args.update(kw)
+    d = choose_k(own, AcceptanceStats(), c, **args)
+    return d.k, d.reason
+
+
+def test_cheap_draft_and_high_acceptance_speculates_deep() -> None:
+    own = stats_with([4], proposed=4, rounds=50)  # every draft accepted
+    k, reason = choose(own, cost(0.01, {1: 0.30, 2: 0.31, 3: 0.32, 4: 0.33, 5: 0.34}))
+    assert k == 4 and reason == "cost model"
+
+
+def test_expensive_draft_or_low_acceptance_falls_back_to_plain_decoding() -> None:
+    own = stats_with([0], proposed=4, rounds=50)  # nothing ever accepted
+    k, reason = choose(own, cost(0.10, {1: 0.30, 2: 0.45, 3: 0.50, 4: 0.55, 5: 0.60}))
+    assert k == 0 and reason.startswith("fallback")
+
+
+def test_plain_decoding_is_probed_again_later() -> None:
+    own = stats_with([0], proposed=4, rounds=50)
+    k, reason = choose(own, cost(0.10, {1: 0.30, 5: 0.60}), rounds_at_zero=16)
+    assert k == 1 and reason.startswith("probe")
+
+
+def test_memory_pressure_caps_k() -> None:
+    own = stats_with([4], proposed=4, rounds=50)
+    k, reason = choose(own, cost(0.01, {1: 0.30, 5: 0.34}), free_fraction=0.05)
+    assert k == 1 and "memory pressure" in reason
+
+
+def test_warm_up_measures_plain_then_speculative_cost() -> None:
+    k, reason = choose(AcceptanceStats(), CostModel())
+    assert k == 0 and "plain-decode cost" in reason
+    k, reason = choose(AcceptanceStats(), cost(None, {1: 0.3}))  # type: ignore[arg-type]
+    assert k == 2 and "draft and verify cost" in reason
+
+
+def test_ngram_costs_nothing_to_draft() -> None:
+    own = stats_with([2], proposed=4, rounds=50)  # two of four survive
+    c = cost(None, {1: 0.30, 5: 0.60})  # type: ignore[arg-type]
+    d = choose_k(own, AcceptanceStats(), c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16,
+                 free_fraction=1.0, pressure_free_fraction=0.1, draft_cost_per_token=0.0)
+    assert d.k >= 2 and d.reason == "cost model"
+
+
+def test_survival_is_per_position_and_monotone() -> None:
+    own = stats_with([1, 3], proposed=3, rounds=100)  # position 1 always, 2 and 3 half of the time
+    s = blended_survival(own, AcceptanceStats(), 3)
+    assert s[0] > 0.95 and 0.4 < s[1] < 0.6 and 0.4 < s[2] < 0.6
+    assert s[0] >= s[1] >= s[2]
+
+
+def test_cost_model_interpolates_verify_time() -> None:
+    c = cost(0.01, {1: 0.3, 5: 0.7})
+    assert abs(c.verify_time(3) - 0.5) < 1e-9
+    assert c.verify_time(9) == 0.7
+
+
+def test_unmeasured_positions_follow_the_measured_acceptance_rate() -> None:
+    """A request that kept every draft at k=1 expects deeper drafts to survive and tries a larger k;
+    one that lost half of them at k=1 does not."""
+    c = cost(0.047, {1: 0.167, 2: 0.169, 3: 0.209, 4: 0.254, 5: 0.373})  # Qwen 1.5B / 0.5B fp16 draft
+    kept = stats_with([1], proposed=1, rounds=20)
+    s = blended_survival(kept, AcceptanceStats(), 4)
+    assert s[0] > 0.95 and s[3] > 0.7
+    d = choose_k(kept, AcceptanceStats(), c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16,
+                 free_fraction=1.0, pressure_free_fraction=0.1, draft_cost_per_token=0.047)
+    assert d.k >= 2, d
+    half = stats_with([0, 1], proposed=1, rounds=20)
+    s = blended_survival(half, AcceptanceStats(), 4)
+    assert 0.4 < s[0] < 0.6 and s[1] < 0.35
+    d = choose_k(half, AcceptanceStats(), c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16,
+                 free_fraction=1.0, pressure_free_fraction=0.1, draft_cost_per_token=0.047)
+    assert d.k <= 1, d
+
+
+def test_verify_cost_is_read_at_the_rows_of_the_whole_batch() -> None:
+    """Batch 1: 2-3 rows cost ~1.1x one row, so speculation pays. Batch 8: the library's GEMM is compute
+    bound, 16 rows cost 2x 8 rows, so the same acceptance does not pay and auto decodes plainly."""
+    c = cost(0.03, {1: 0.20, 2: 0.20, 3: 0.22, 8: 0.50, 16: 1.00, 24: 1.40, 32: 1.80, 40: 2.20})
+    own = stats_with([1, 2], proposed=2, rounds=20)  # s_1 = 1.0, s_2 = 0.5
+    args = dict(k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16, free_fraction=1.0,
+                pressure_free_fraction=0.1, draft_cost_per_token=0.03)
+    assert choose_k(own, AcceptanceStats(), c, batch=1, **args).k >= 1  # type: ignore[arg-type]
+    assert choose_k(own, AcceptanceStats(), c, batch=8, **args).k == 0  # type: ignore[arg-type]
+
+
+def seeded_k(own: AcceptanceStats, k_max: int = 4, rounds_at_zero: int = 0, model_draft: bool = True) -> tuple[int, str]:
+    d = choose_k_seeded(SeededInputs.of(own, k_max, rounds_at_zero, probe_every=16, model_draft=model_draft))
+    return d.k, d.reason
+
+
+def test_seeded_k_is_a_function_of_the_requests_own_history_only() -> None:
+    """Across engine-wide acceptance, measured costs, batch sizes and free fractions that move the unseeded
+    decision for this history, the seeded decision is one k: its inputs hold nothing of those."""
+    assert {f.name for f in fields(SeededInputs)} == {
+        "accepted", "rejections", "reached", "survived", "k_max", "rounds_at_zero", "probe_every", "model_draft"}
+    own = stats_with([1, 2], proposed=2, rounds=20)  # s_1 = 1.0, s_2 = 0.5
+    worlds = [(engine, c, batch, free)
+              for engine in (AcceptanceStats(), stats_with([0], proposed=4, rounds=200))
+              for c in (cost(0.01, {1: 0.2, 128: 0.3}), cost(0.03, {1: 0.20, 2: 0.20, 3: 0.22, 8: 0.50, 16: 1.00,
+                                                                     24: 1.40, 32: 1.80, 40: 2.20}))
+              for batch in (1, 8)
+              for free in (1.0, 0.05)]
+    unseeded = {choose_k(own, engine, c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16, free_fraction=free,
+                         pressure_free_fraction=0.1, draft_cost_per_token=c.draft_token, batch=batch).k
+                for engine, c, batch, free in worlds}
+    assert len(unseeded) > 1  # these worlds do change the engine-wide decision
+    decisions = {seeded_k(own) for _ in worlds}
+    assert len(decisions) == 1
+    ((k, reason),) = decisions
+    assert k >= 1 and reason == "seeded: nominal cost model"
+
+
+def test_seeded_inputs_are_a_snapshot_and_follow_the_requests_own_acceptance() -> None:
+    own = AcceptanceStats()
+    inputs = SeededInputs.of(own, 4, 0, probe_every=16, model_draft=True)
+    fresh = choose_k_seeded(inputs)
+    assert fresh.k >= 1 and fresh.reason == "seeded: nominal cost model"  # the prior: speculation pays
+    for _ in range(50):
+        own.record(0, 4, "exact")  # the request's later rounds do not change an inputs value taken before
+    assert choose_k_seeded(inputs) == fresh
+    assert seeded_k(own)[0] == 0 and seeded_k(own)[1].startswith("seeded: fallback")
+    assert seeded_k(own, rounds_at_zero=16) == (1, "seeded: probe: re-measuring acceptance after plain decoding")
+    kept = stats_with([4], proposed=4, rounds=50)
+    assert seeded_k(kept)[0] >= 3
+    assert seeded_k(kept, k_max=2)[0] == 2
+    assert seeded_k(kept, k_max=0) == (0, "seeded: no drafter")
+
+
+def test_seeded_ngram_drafts_cost_nothing() -> None:
+    """Half of the first drafts survive: with a draft model's nominal step cost k stays small, n-gram goes deeper."""
+    own = stats_with([0, 1, 2, 3], proposed=4, rounds=20)
+    assert seeded_k(own, model_draft=False)[0] > seeded_k(own, model_draft=True)[0]
