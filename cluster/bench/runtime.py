@@ -1,6 +1,6 @@
 """`specserve bench runtime`: the forward-pass costs that decide whether speculation pays.
 
-For each model and context length c (ARCHITECTURE.md section 2 needs t_1 and t_verify(k)):
+For each model and context length c (docs/ARCHITECTURE.md §5 needs t_1 and t_verify(k)):
 
     decode_ms      our one-token step at past length c                              (t_1)
     score[n]       our step scoring n new tokens at past length c, n = 1..max_k;

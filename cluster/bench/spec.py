@@ -1,6 +1,6 @@
 """`specserve bench spec`: end-to-end speculative decoding against plain decoding and transformers.
 
-Glossary (figures in the JSON; ARCHITECTURE.md section 2):
+Glossary (figures in the JSON; docs/ARCHITECTURE.md §5):
   config          one engine setting: draft ("none" = plain decoding, "model", "ngram"), k (int or
                   auto), temperature (0 -> greedy contract, > 0 -> exact), batch (concurrent requests)
   tokens/s        output tokens / wall seconds, prefill included (as for transformers' generate)

@@ -1,124 +1,68 @@
 """SpecEngine: the continuous-batching speculative-decoding loop (plain Python; no Ray).
 
-One round for the running batch (ARCHITECTURE.md section 1):
+One round for the running batch (docs/ARCHITECTURE.md §2), as `step` reads:
 
-    plan     k per request (fixed or auto; 0 = plain decode)        cluster/engine/spec_policy.py
+    plan     k per request (fixed or auto; 0 = plain decode)            planner.py, spec_policy.py
     reserve  ONE ledger call: target slots (catch-up + k), draft slots (catch-up + k - 1)
-    propose  ONE drafter call for the model-drafted requests; n-gram lookup in process
+    propose  ONE drafter call for the model-drafted requests (n-gram drafts were made by the plan)
     verify   ONE verifier call: one forward scores every request's catch-up + drafts, then each
              request's contract decides accepted drafts + one correction/bonus token
-    commit   ONE ledger call: the accepted prefix of every reservation; the rest goes back
-    emit     tokens appended one by one with stop checks, exactly where plain decoding stops
+    accept   tokens appended one by one with stop checks, exactly where plain decoding stops  accept.py
+    commit   ONE ledger call: the kept prefix of every reservation; the rest goes back
+    emit     the chunks; finished requests leave
 
-Held commit (without overlap): a steady round's commit rides with the next round's reserve;
-see cluster/engine/held_commit.py.
+Held commit (without overlap): a steady round's commit rides with the next round's reserve
+(held_commit.py). Overlap: plan, reserve and verify stay here; only the drafter call of the other
+group crosses the step (overlap.py).
 
-Ownership: the engine (the thread that calls `step`) owns every RequestState. `submit` and
-`abort` may be called from other threads: they only enqueue, and `step` applies them first.
-The workers own the KV tensors, the ledger owns block ids; tokens here are the truth.
+Ownership (docs/ARCHITECTURE.md §3): the thread that calls `step` (the engine thread) owns every
+RequestState, RoundPlan and the ledger client. `submit` and `abort` may be called from other threads:
+they only enqueue under `_lock`, and `step` applies them first. The workers own the KV tensors, the
+ledger owns block ids; tokens here are the truth.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import random
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from cluster.engine.commit import RoundCommit
+from cluster.engine.accept import RoundOutcome, accept_round
+from cluster.engine.backends import DrafterBackend, VerifierBackend
+from cluster.engine.config import EngineConfig
 from cluster.engine.held_commit import HeldCommitKV
-from cluster.engine.overlap import OverlapRounds
-from cluster.engine.recovery import WorkerRecovery
-from cluster.engine.request_state import RequestState, TextTracker
+from cluster.engine.kv_client import KVClient
+from cluster.engine.overlap import DraftPipeline, InFlight
+from cluster.engine.planner import PlanContext, plan_request
+from cluster.engine.request_state import RequestState, new_request_state
 from cluster.engine.round_plan import RoundPlan, propose_item, verify_item
-from cluster.engine.spec_policy import CostModel, SeededInputs, choose_k, choose_k_seeded
-from cluster.engine.stats import busy_fractions
-from drafter_service.ngram import propose_ngram
-from kv_manager.errors import KVError, OutOfBlocks
-from kv_manager.schema import AdmitItem, Holder, ReserveItem
+from cluster.engine.spec_policy import CostModel
+from cluster.engine.stats import add_round_times, engine_stats
+from cluster.engine.worker_health import WorkerHealth
+from kv_manager.errors import KVError
+from kv_manager.schema import AdmitItem, CommitItem, ReserveItem
 from specserve_types.api import CapacityError, GenerationRequest, InvalidRequestError, TokenChunk
-from specserve_types.round_messages import (
-    ProposeBatch,
-    ProposeResult,
-    VerifyBatch,
-    VerifyResult,
-)
+from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
 from verifier_service.acceptance_stats import AcceptanceStats
 
 log = logging.getLogger("specserve.engine")
 
 
-class VerifierBackend(Protocol):
-    holder: Holder
-
-    def verify(self, batch: VerifyBatch) -> VerifyResult: ...
+class VerifierLost(Exception):
+    """This round's verify produced nothing usable: the call failed or a new verifier process answered."""
 
 
-class DrafterBackend(Protocol):
-    holder: Holder
-
-    def propose(self, batch: ProposeBatch) -> ProposeResult: ...
-
-
-class DrafterUnavailable(RuntimeError):
-    """The draft model's worker is gone; requests continue by plain decoding."""
-
-
-TARGET_NAMESPACE = "verifier/target"  # the ledger namespace of the target model's KV pool
-DRAFT_NAMESPACE = "drafter/draft"  # the ledger namespace of the draft model's KV pool
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's settings, all required: their defaults and meanings live in ONE place,
-    `ClusterConfig` (cluster/serving/config.py), whose `engine_config()` builds this."""
-
-    max_batch: int  # requests per round
-    max_waiting: int  # requests queued before the running batch (CapacityError past it)
-    max_context: int  # prompt + max_tokens limit
-    k_max: int  # largest k auto may pick (0: auto never speculates)
-    probe_every: int  # rounds of plain decoding before auto re-measures acceptance
-    pressure_free_fraction: float  # below this free fraction of the target pool, auto caps k at 1
-    drafter_retry_seconds: float  # base back-off before a failed drafter is tried again
-    max_verifier_failures: int  # consecutive failed verify calls tolerated; one more and the engine gives up
-    overlap: bool  # draft one group while verifying the other (separate devices/processes pay off)
-
-    def __post_init__(self) -> None:
-        problems = [name for name, ok in (
-            ("max_batch", self.max_batch >= 1), ("max_waiting", self.max_waiting >= 1),
-            ("max_context", self.max_context >= 1), ("k_max", self.k_max >= 0),
-            ("probe_every", self.probe_every >= 1),
-            ("pressure_free_fraction", 0.0 <= self.pressure_free_fraction <= 1.0),
-            ("drafter_retry_seconds", self.drafter_retry_seconds >= 0.0),
-            ("max_verifier_failures", self.max_verifier_failures >= 0),
-            ("overlap", isinstance(self.overlap, bool)),
-        ) if not ok]
-        if problems:
-            raise ValueError(f"invalid EngineConfig field(s) {problems}: {self}")
-
-    @property
-    def target_namespace(self) -> str:
-        return TARGET_NAMESPACE
-
-    @property
-    def draft_namespace(self) -> str:
-        return DRAFT_NAMESPACE
-
-
-class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
+class SpecEngine:
     def __init__(
-        self, verifier: VerifierBackend, drafter: DrafterBackend | None, kv: Any, tokenizer: Any,
+        self, verifier: VerifierBackend, drafter: DrafterBackend | None, kv: KVClient, tokenizer: Any,
         eos_token_ids: tuple[int, ...], vocab_size: int, config: EngineConfig,
         model_name: str = "", draft_name: str = "none",
     ) -> None:
         self.verifier = verifier
         self.drafter = drafter
-        # kv_manager ledger (in process) or a client of its actor, behind the held-commit wrapper
-        self.kv = HeldCommitKV(kv, self._check_commits)
+        self.kv = HeldCommitKV(kv, self._check_commits)  # the ledger (in process or its actor's client)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
@@ -129,45 +73,24 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
         self.acceptance = AcceptanceStats()
         self.waiting: collections.deque[RequestState] = collections.deque()
         self.running: list[RequestState] = []
-        self._inbox: collections.deque[RequestState] = collections.deque()
-        self._aborts: collections.deque[str] = collections.deque()
-        self._lock = threading.Lock()
-        self._known_ids: set[str] = set()
-        self._drafter_down_since: float | None = None
-        self._rounds_at_zero: dict[str, int] = {}
         self.totals: dict[str, float] = collections.defaultdict(float)
         self.fallback_events: list[dict[str, Any]] = []
-        self.verifier_holder = kv.register_worker("verifier")
-        self.drafter_holder = kv.register_worker("drafter") if drafter is not None else None
-        self._turn = 0
-        self._verifier_instance: str | None = None
-        self._drafter_instance: str | None = None
-        self._verifier_failures = 0
-        self._drafter_failures = 0  # consecutive; retries back off exponentially
-        self._in_flight: dict[int, Future] = {}
-        self._in_flight_ids: set[str] = set()
+        self.health = WorkerHealth(self.kv, drafter is not None, config.drafter_retry_seconds,
+                                   config.max_verifier_failures, self.fallback_events)
+        self.pipeline = DraftPipeline(drafter.propose) if drafter is not None and config.overlap else None
+        self._namespaces = [config.target_namespace] + ([config.draft_namespace] if drafter else [])
         self._turns_without_plans = 0  # overlap: consecutive turns in which no plan got a reservation
-        self._draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-draft")
-        self._namespaces = [self.config.target_namespace] + ([self.config.draft_namespace] if drafter else [])
+        # shared with submit/abort callers, under _lock; step drains them first
+        self._lock = threading.Lock()
+        self._inbox: collections.deque[RequestState] = collections.deque()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._known_ids: set[str] = set()
 
-    # ------------------------------------------------------------------ requests in and out
+    # ------------------------------------------------------------------ requests in and out (any thread)
     def submit(self, request: GenerationRequest) -> None:
         """Validate and enqueue; raises InvalidRequestError / CapacityError at once, changing nothing."""
-        prompt_len = len(request.prompt_token_ids)
-        if prompt_len + request.sampling.max_tokens > self.config.max_context:
-            raise InvalidRequestError(
-                "prompt", f"prompt ({prompt_len} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds the "
-                          f"context of {self.config.max_context} tokens")
-        if any(not (0 <= t < self.vocab_size) for t in request.prompt_token_ids):
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {self.vocab_size})")
-        if request.spec.draft == "model" and self.drafter is None and request.spec.k != 0:
-            raise InvalidRequestError("draft", "this engine has no draft model; use draft 'ngram' or 'none'")
-        seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
-        state = RequestState(
-            request=request, seed=seed, eos_token_ids=self.eos_token_ids,
-            text=TextTracker(self.tokenizer, prompt_len, request.sampling.stop),
-            token_ids=list(request.prompt_token_ids), prompt_len=prompt_len,
-        )
+        state = new_request_state(request, self.tokenizer, self.eos_token_ids, self.vocab_size,
+                                  self.config.max_context, has_drafter=self.drafter is not None)
         with self._lock:
             if request.request_id in self._known_ids:
                 raise InvalidRequestError("request_id", f"duplicate request id {request.request_id!r}")
@@ -177,58 +100,54 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
             self._inbox.append(state)
 
     def abort(self, request_id: str) -> None:
-        self._aborts.append(request_id)
+        with self._lock:
+            self._aborts.append(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting or self._inbox or self._aborts)
 
-    # ------------------------------------------------------------------ the round
+    # ------------------------------------------------------------------ the round (engine thread)
     def step(self) -> list[TokenChunk]:
-        """One round. With `overlap`, one round of one of two groups while the other group drafts."""
-        chunks: list[TokenChunk] = []
-        while self._inbox:
-            self.waiting.append(self._inbox.popleft())
-        deferred = []
-        while self._aborts:
-            rid = self._aborts.popleft()
-            if rid in self._in_flight_ids:
-                deferred.append(rid)  # its blocks are being written by the drafter: abort after that
-            else:
-                chunks.extend(self._abort_now(rid))
-        self._aborts.extend(deferred)
+        """One round (with overlap: one group's round while the other group's drafts are made)."""
+        chunks = self._take_requests()
         self._admit()
         if not self.running:
             return chunks
         round_start = time.perf_counter()
-        if self.config.overlap:
-            plans, draft_seconds = self._overlapped_prepare()
-        else:
-            plans = self._reserve([self._plan(state) for state in self.running], may_preempt=True)
-            draft_seconds = self._propose(plans)
+        plans, draft_seconds = self._prepare_overlapped() if self.pipeline else self._prepare()  # plan, reserve, propose
         if not plans:
             return chunks
-        verify_result = self._verify(plans)
-        if verify_result is None:  # the verifier failed or was replaced: requests re-prefill
+        try:
+            verified = self._verify(plans)
+        except VerifierLost as lost:  # every request is requeued and re-prefills from its tokens
+            self._recover_verifier(str(lost))
             return chunks
         reconcile_start = time.perf_counter()
-        chunks.extend(self._accept_and_commit(plans, verify_result.outputs))
-        reconcile_seconds = time.perf_counter() - reconcile_start
-        for plan in plans:
-            plan.state.draft_seconds += draft_seconds
-            plan.state.verify_seconds += verify_result.seconds
-            plan.state.reconcile_seconds += reconcile_seconds
-        self.totals["rounds"] += 1
-        self.totals["draft_seconds"] += draft_seconds
-        self.totals["verify_seconds"] += verify_result.seconds
-        self.totals["reconcile_seconds"] += reconcile_seconds
-        self.totals["round_seconds"] += time.perf_counter() - round_start
+        outcome = accept_round(plans, verified.outputs, self.health.verifier_holder, self.health.drafter_holder,
+                               self.config.target_namespace, self.config.draft_namespace)
+        self._commit(outcome)
+        chunks.extend(self._emit(outcome))
+        now = time.perf_counter()
+        add_round_times(self.totals, plans, draft_seconds, verified.seconds, now - reconcile_start, now - round_start)
         return chunks
+
+    def _take_requests(self) -> list[TokenChunk]:
+        """New requests join the queue; aborts apply, except for requests whose drafts are in flight (the
+        drafter is writing their draft KV): those wait for their group to land."""
+        in_flight = self.pipeline.in_flight_ids() if self.pipeline else set()
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+            aborts = list(self._aborts)
+            self._aborts.clear()
+            self._aborts.extend(rid for rid in aborts if rid in in_flight)
+        return [chunk for rid in aborts if rid not in in_flight for chunk in self._abort_now(rid)]
 
     def _admit(self) -> None:
         cfg = self.config
         while self.waiting and len(self.running) < cfg.max_batch:
             state = self.waiting[0]
-            items = [AdmitItem(cfg.target_namespace, state.request_id, state.token_ids, self.verifier_holder)]
+            items = [AdmitItem(cfg.target_namespace, state.request_id, state.token_ids, self.health.verifier_holder)]
             if not self.kv.can_admit(items, lookahead=cfg.k_max + 1):
                 break  # memory pressure: wait for running requests to finish
             (admission,) = self.kv.admit(items)
@@ -241,13 +160,85 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
             log.debug("admitted %s (%d prompt tokens, %d cached)", state.request_id, state.prompt_len,
                       state.target_cached)
 
+    def _prepare(self) -> tuple[list[RoundPlan], float]:
+        plans = self._reserve(self._plan(self.running), may_preempt=True)
+        model_plans, batch = self._draft_batch(plans)
+        if batch is None:
+            return plans, 0.0
+        start = time.perf_counter()
+        try:
+            self._apply_drafts(model_plans, self.drafter.propose(batch))  # type: ignore[union-attr]
+        except Exception as exc:  # the drafter died: this round and the next ones decode plainly
+            self._drafter_failed(model_plans, exc)
+        return plans, time.perf_counter() - start
+
+    def _prepare_overlapped(self) -> tuple[list[RoundPlan], float]:
+        """This step's group lands (its drafts were made during the last verify); the other group is
+        planned and reserved here and its drafter call is started, to run during this step's verify."""
+        assert self.pipeline is not None
+        turn = self.pipeline.next_turn()
+        mine = [s for s in self.running if s.group == turn]
+        others = [s for s in self.running if s.group != turn]
+        flight = self.pipeline.take(turn)
+        if flight is not None:
+            plans, draft_seconds = self._land(flight)
+        elif mine:
+            plans = self._reserve(self._plan(mine), may_preempt=False)
+            model_plans, batch = self._draft_batch(plans)
+            self.pipeline.submit(turn, plans, model_plans, batch, self.health.drafter_holder)
+            plans, draft_seconds = self._land(self.pipeline.take(turn))  # type: ignore[arg-type]
+        else:
+            plans, draft_seconds = [], 0.0
+        if others and not self.pipeline.has(1 - turn):
+            other_plans = self._reserve(self._plan(others), may_preempt=False)
+            model_plans, batch = self._draft_batch(other_plans)
+            self.pipeline.submit(1 - turn, other_plans, model_plans, batch, self.health.drafter_holder)
+        self._turns_without_plans = 0 if plans else self._turns_without_plans + 1
+        idle = [s for s in self.running if s.request_id not in self.pipeline.in_flight_ids()]
+        # out of blocks: no group reserved anything in a whole cycle (or the other group is empty)
+        if not plans and idle and (not self.pipeline.busy() or self._turns_without_plans >= 2):
+            self._preempt(idle[-1])
+            self._turns_without_plans = 0
+        return plans, draft_seconds
+
+    def _land(self, flight: InFlight) -> tuple[list[RoundPlan], float]:
+        """A group's drafts, applied on the engine thread; a failed call or a drafter epoch that changed
+        since the batch was reserved (failure, retry, replacement) leaves the group to plain decoding."""
+        if flight.future is None:
+            return flight.plans, 0.0
+        try:
+            result, seconds = flight.future.result()
+        except Exception as exc:
+            self._drafter_failed(flight.model_plans, exc)
+            return flight.plans, 0.0
+        if flight.drafter_holder != self.health.drafter_holder:
+            self._plain(flight.model_plans, "drafter epoch changed while drafting: plain decoding")
+            return flight.plans, seconds
+        self._apply_drafts(flight.model_plans, result)
+        return flight.plans, seconds
+
+    def _plan(self, states: list[RequestState]) -> list[RoundPlan]:
+        cfg = self.config
+        context = PlanContext(
+            k_max=cfg.k_max, probe_every=cfg.probe_every, pressure_free_fraction=cfg.pressure_free_fraction,
+            free_fraction=self.kv.free_fraction(cfg.target_namespace),
+            drafter_usable=any(s.request.spec.draft == "model" for s in states) and self.health.drafter_usable(),
+            engine_acceptance=self.acceptance, cost=self.cost, batch=len(states))
+        plans = [plan_request(state, context) for state in states]
+        for plan in plans:
+            if plan.uses_model_drafter and not self._admit_draft(plan.state):
+                self._plain([plan], "draft cache out of blocks")
+            elif plan.uses_model_drafter:
+                plan.draft_pending = plan.state.token_ids[plan.state.draft_cached:]
+        return plans
+
     def _admit_draft(self, state: RequestState) -> bool:
         """Enter the request in the draft namespace (first speculative round, or after a drafter restart)."""
         if state.draft_admitted:
             return True
         try:
             (admission,) = self.kv.admit([AdmitItem(self.config.draft_namespace, state.request_id, state.token_ids,
-                                                    self.drafter_holder)])
+                                                    self.health.drafter_holder)])
         except KVError as exc:
             log.warning("draft admission refused for %s: %s", state.request_id, exc)
             return False
@@ -255,64 +246,13 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
         state.draft_admitted = True
         return True
 
-    def _plan(self, state: RequestState) -> RoundPlan:
-        spec = state.request.spec
-        remaining = state.request.sampling.max_tokens - state.num_output
-        k_cap = max(0, min(self.config.k_max if spec.k is None else spec.k, remaining - 1))
-        plan = RoundPlan(state=state, k=0, target_pending=state.token_ids[state.target_cached:])
-        if spec.draft == "none" or k_cap == 0:
-            state.record_k(0, "no speculation requested" if spec.draft == "none" or spec.k == 0 else "end of output")
-            return plan
-        if spec.draft == "model" and not self._drafter_usable():
-            state.record_k(0, "fallback: drafter unavailable, plain decoding")
-            return plan
-        if spec.k is not None:
-            k, reason = k_cap, "fixed k"
-        elif state.request.sampling.seed is not None and not state.request.sampling.is_greedy:
-            # its own history only, so the seed reproduces its tokens whatever the batch and timing
-            decision = choose_k_seeded(SeededInputs.of(
-                state.acceptance, k_cap, self._rounds_at_zero.get(state.request_id, 0), self.config.probe_every,
-                model_draft=spec.draft == "model"))
-            k, reason = decision.k, decision.reason
-        else:
-            decision = choose_k(
-                state.acceptance, self.acceptance, self.cost, k_cap, len(plan.target_pending),
-                self._rounds_at_zero.get(state.request_id, 0), self.config.probe_every,
-                self.kv.free_fraction(self.config.target_namespace), self.config.pressure_free_fraction,
-                draft_cost_per_token=0.0 if spec.draft == "ngram" else self.cost.draft_token,
-                batch=self._batch_size(state))
-            k, reason = decision.k, decision.reason
-        if k == 0:
-            self._rounds_at_zero[state.request_id] = self._rounds_at_zero.get(state.request_id, 0) + 1
-        else:
-            self._rounds_at_zero[state.request_id] = 0
-        if spec.draft == "ngram" and k > 0:
-            plan.drafts = propose_ngram(state.token_ids, k)
-            k = len(plan.drafts)
-            if k == 0:
-                reason = "n-gram: no match"
-        elif spec.draft == "model" and k > 0:
-            if not self._admit_draft(state):
-                state.record_k(0, "draft cache out of blocks")
-                return plan
-            plan.uses_model_drafter = True
-            plan.draft_pending = state.token_ids[state.draft_cached:]
-        plan.k = k
-        state.record_k(k, reason)
-        return plan
-
-    def _batch_size(self, state: RequestState) -> int:
-        """Requests verified together with `state` (its group under overlap)."""
-        if self.config.overlap:
-            return sum(1 for s in self.running if s.group == state.group)
-        return len(self.running)
-
     def _reserve(self, plans: list[RoundPlan], may_preempt: bool) -> list[RoundPlan]:
-        cfg = self.config
-        items = [ReserveItem(cfg.target_namespace, p.state.request_id, len(p.target_pending) + p.k, self.verifier_holder)
-                 for p in plans]
+        """Each plan's maximum, in one call; a plan refused its target slots sits this round out."""
+        cfg, health = self.config, self.health
+        items = [ReserveItem(cfg.target_namespace, p.state.request_id, len(p.target_pending) + p.k,
+                             health.verifier_holder) for p in plans]
         items += [ReserveItem(cfg.draft_namespace, p.state.request_id, len(p.draft_pending) + p.k - 1,
-                              self.drafter_holder) for p in plans if p.uses_model_drafter]
+                              health.drafter_holder) for p in plans if p.uses_model_drafter]
         kv_start = time.perf_counter()
         results = self.kv.reserve(items)  # carries the last round's held commit, if any
         self.totals["kv_seconds"] += time.perf_counter() - kv_start
@@ -320,24 +260,114 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
         kept: list[RoundPlan] = []
         for plan in plans:
             rid = plan.state.request_id
-            target = grants.get((cfg.target_namespace, rid))
-            if target is None:
-                if plan.uses_model_drafter and (cfg.draft_namespace, rid) in grants:
+            plan.target_grant = grants.get((cfg.target_namespace, rid))
+            draft = grants.get((cfg.draft_namespace, rid))
+            if plan.target_grant is None:
+                if draft is not None:
                     self.kv.rollback([(cfg.draft_namespace, rid)])
-                continue  # out of blocks this round: skipped; preempted below if nothing runs
-            plan.target_grant = target
-            if plan.uses_model_drafter:
-                draft = grants.get((cfg.draft_namespace, rid))
-                if draft is None:
-                    plan.uses_model_drafter = False
-                    plan.k = 0
-                    plan.state.record_k(0, "draft cache out of blocks")
-                else:
-                    plan.draft_grant = draft
+                continue  # out of blocks this round: skipped; preempted if nothing runs
+            if plan.uses_model_drafter and draft is None:
+                self._plain([plan], "draft cache out of blocks")
+            plan.draft_grant = draft if plan.uses_model_drafter else None
             kept.append(plan)
         if not kept and plans and may_preempt:
             self._preempt(self.running[-1])
         return kept
+
+    def _draft_batch(self, plans: list[RoundPlan]) -> tuple[list[RoundPlan], ProposeBatch | None]:
+        model_plans = [p for p in plans if p.uses_model_drafter and p.k > 0]
+        return model_plans, ProposeBatch([propose_item(p) for p in model_plans]) if model_plans else None
+
+    def _apply_drafts(self, model_plans: list[RoundPlan], result: ProposeResult) -> None:
+        if self.health.drafter_answered(result.worker_instance):
+            # a new process drafted from an empty KV pool: worthless, so this round decodes plainly
+            self._restart_draft_caches()
+            self._plain(model_plans, "drafter replaced: re-prefilling its cache")
+            return
+        if all(len(p.draft_pending) <= 2 for p in model_plans):  # a catch-up prefill is not a draft step
+            self.cost.observe_draft(max(p.k for p in model_plans), result.seconds)
+        by_id = {o.request_id: o for o in result.outputs}
+        for p in model_plans:
+            out = by_id[p.state.request_id]
+            p.drafts, p.draft_probs = out.draft_ids, out.draft_probs
+
+    def _drafter_failed(self, model_plans: list[RoundPlan], exc: BaseException) -> None:
+        self.health.drafter_failed(exc)  # its epoch expired: every draft grant is gone
+        self._restart_draft_caches()
+        self._plain(model_plans, "fallback: drafter failed, plain decoding")
+
+    @staticmethod
+    def _plain(plans: list[RoundPlan], reason: str) -> None:
+        for p in plans:
+            p.uses_model_drafter, p.k, p.drafts, p.draft_probs, p.draft_grant = False, 0, [], None, None
+            p.state.record_k(0, reason)
+
+    def _verify(self, plans: list[RoundPlan]) -> VerifyResult:
+        items = [verify_item(p) for p in plans]
+        call_start = time.perf_counter()
+        try:
+            result = self.verifier.verify(VerifyBatch(items))
+        except Exception as exc:
+            time.sleep(self.health.verifier_failed(exc))  # re-raises after too many failures in a row
+            raise VerifierLost(f"verifier failed: {exc!r}") from exc
+        if self.health.verifier_answered(result.worker_instance):
+            raise VerifierLost("verifier replaced (new process, empty KV pool)")
+        self.totals["verify_call_seconds"] += time.perf_counter() - call_start  # result.seconds + the hop
+        self.cost.observe_verify(sum(len(i.input_ids) + len(i.draft_ids) for i in items), result.seconds)
+        return result
+
+    def _commit(self, outcome: RoundOutcome) -> None:
+        for record in outcome.acceptance:
+            self.acceptance.record(record.accepted, record.proposed, record.contract)
+        for request_id in outcome.release_draft:
+            self.kv.release(request_id, [self.config.draft_namespace])
+        kv_start = time.perf_counter()
+        hold = self.pipeline is None and not outcome.finished  # held: sent with the next round's reserve
+        self.kv.commit(outcome.commits, hold=hold)
+        self.totals["kv_seconds"] += time.perf_counter() - kv_start
+
+    def _emit(self, outcome: RoundOutcome) -> list[TokenChunk]:
+        for state in outcome.finished:
+            self.running.remove(state)
+            self._forget(state.request_id)
+        return outcome.chunks
+
+    # ------------------------------------------------------------------ giving KV back (engine thread)
+    def _check_commits(self, commits: list[CommitItem], results: list[Any]) -> None:
+        """Outcomes of a commit whenever it reaches the ledger (held_commit.py)."""
+        for item, res in zip(commits, results, strict=True):
+            if not isinstance(res, KVError):
+                continue
+            if item.namespace == self.config.target_namespace:
+                raise res
+            log.warning("draft commit refused for %s (%s); the drafter re-prefills it", item.request_id, res)
+            for state in self.running:  # the ledger and our draft_cached disagree: start the draft cache over
+                if state.request_id == item.request_id and state.draft_admitted:
+                    self.kv.release(state.request_id, [self.config.draft_namespace])
+                    state.draft_cached, state.draft_admitted = 0, False
+
+    def _restart_draft_caches(self) -> None:
+        """The drafter's epoch changed: its grants are gone, so every request re-enters the draft namespace."""
+        for state in self.running:
+            state.draft_cached, state.draft_admitted = 0, False
+
+    def _recover_verifier(self, reason: str) -> None:
+        """The target KV is gone: groups in flight land first (their drafts are dropped), the verifier's epoch
+        is renewed, and every running request gives back its draft cache and is requeued to re-prefill from
+        its tokens (nothing emitted is lost; a waiting request holds nothing in the ledger)."""
+        log.error("%s; re-prefilling %d running requests", reason, len(self.running))
+        for flight in self.pipeline.drain() if self.pipeline is not None else []:
+            failure = flight.future.exception() if flight.future is not None else None
+            if failure is not None:  # the drafter failed meanwhile: its epoch expires as on any failure
+                self.health.drafter_failed(failure)
+        self.health.renew_verifier(reason)
+        for state in reversed(self.running):
+            if state.draft_admitted:  # this round's draft reservation goes with it
+                self.kv.release(state.request_id, [self.config.draft_namespace])
+            state.target_cached = state.draft_cached = 0
+            state.admitted = state.draft_admitted = False
+            self.waiting.appendleft(state)
+        self.running.clear()
 
     def _preempt(self, state: RequestState) -> None:
         """Give all of a request's KV back and requeue it; it re-prefills from its tokens (nothing is lost)."""
@@ -348,56 +378,6 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
         state.admitted = state.draft_admitted = False
         self.waiting.appendleft(state)
         self.fallback_events.append({"at": time.time(), "request_id": state.request_id, "event": "preempted"})
-
-    def _propose(self, plans: list[RoundPlan]) -> float:
-        model_plans = [p for p in plans if p.uses_model_drafter and p.k > 0]
-        if not model_plans:
-            return 0.0
-        items = [propose_item(p) for p in model_plans]
-        start = time.perf_counter()
-        try:
-            result = self.drafter.propose(ProposeBatch(items))
-        except Exception as exc:  # the drafter died: continue by plain decoding
-            self._on_drafter_failure(model_plans, exc)
-            return time.perf_counter() - start
-        self._drafter_failures = 0
-        replaced = self._drafter_instance is not None and result.worker_instance != self._drafter_instance
-        self._drafter_instance = result.worker_instance
-        if replaced:  # its drafts came from an empty KV pool: worthless, so this round decodes plainly
-            self._on_drafter_replaced()
-            for p in model_plans:
-                p.uses_model_drafter, p.k, p.drafts, p.draft_probs = False, 0, [], None
-                p.state.record_k(0, "drafter replaced: re-prefilling its cache")
-            return time.perf_counter() - start
-        if all(len(p.draft_pending) <= 2 for p in model_plans):  # a catch-up prefill is not a draft step
-            self.cost.observe_draft(max(p.k for p in model_plans), result.seconds)
-        by_id = {o.request_id: o for o in result.outputs}
-        for p in model_plans:
-            out = by_id[p.state.request_id]
-            p.drafts, p.draft_probs = out.draft_ids, out.draft_probs
-        return time.perf_counter() - start
-
-    def _verify(self, plans: list[RoundPlan]) -> VerifyResult | None:
-        items = [verify_item(p) for p in plans]
-        call_start = time.perf_counter()
-        try:
-            result = self.verifier.verify(VerifyBatch(items))
-        except Exception as exc:
-            self._verifier_failures += 1
-            if self._verifier_failures > self.config.max_verifier_failures:
-                raise
-            self._recover_verifier(plans, f"verifier failed: {exc!r}")
-            time.sleep(min(2.0, 0.05 * 2 ** self._verifier_failures))
-            return None
-        if self._verifier_instance is not None and result.worker_instance != self._verifier_instance:
-            self._verifier_instance = result.worker_instance
-            self._recover_verifier(plans, "verifier replaced (new process, empty KV pool)")
-            return None
-        self._verifier_instance = result.worker_instance
-        self._verifier_failures = 0
-        self.totals["verify_call_seconds"] += time.perf_counter() - call_start  # result.seconds + the hop
-        self.cost.observe_verify(sum(len(i.input_ids) + len(i.draft_ids) for i in items), result.seconds)
-        return result
 
     def _abort_now(self, request_id: str) -> list[TokenChunk]:
         for state in list(self.running):
@@ -420,30 +400,23 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._known_ids.discard(request_id)
-        self._rounds_at_zero.pop(request_id, None)
 
-    # ------------------------------------------------------------------ statistics
+    # ------------------------------------------------------------------ checks, statistics, shutdown
+    def reconcile_ledger(self) -> None:
+        """Assert that the ledger holds entries only for running requests (in-flight ones included): none for a
+        waiting or ended request, none at all once every request ended. One ledger call per namespace."""
+        running = {state.request_id for state in self.running}
+        in_flight = self.pipeline.in_flight_ids() if self.pipeline else set()
+        assert in_flight <= running, f"in flight but not running: {sorted(in_flight - running)}"
+        for namespace in self._namespaces:
+            held = set(self.kv.request_ids(namespace))
+            assert held <= running, f"{namespace}: the ledger holds {sorted(held - running)}, which are not running"
+
     def stats(self) -> dict[str, Any]:
-        rounds = self.totals.get("rounds", 0)
-        return {
-            "model": self.model_name,
-            "draft": self.draft_name,
-            "running": len(self.running),
-            "waiting": len(self.waiting) + len(self._inbox),
-            "rounds": int(rounds),
-            "acceptance": self.acceptance.to_dict(),
-            "draft_seconds": self.totals.get("draft_seconds", 0.0),
-            "verify_seconds": self.totals.get("verify_seconds", 0.0),
-            "reconcile_seconds": self.totals.get("reconcile_seconds", 0.0),
-            "round_seconds": self.totals.get("round_seconds", 0.0),
-            "verify_call_seconds": self.totals.get("verify_call_seconds", 0.0),  # verify + the hop to it
-            "kv_seconds": self.totals.get("kv_seconds", 0.0),  # the round's reserve and commit calls
-            "cost_model": {"draft_token_seconds": self.cost.draft_token,
-                           "verify_seconds_by_tokens": dict(self.cost.verify_by_tokens)},
-            **busy_fractions(self.totals),
-            "fallback_events": list(self.fallback_events),
-            "kv_free_fraction": self.kv.free_fraction(self.config.target_namespace),
-        }
+        identity = {"model": self.model_name, "draft": self.draft_name, "running": len(self.running),
+                    "waiting": len(self.waiting) + len(self._inbox)}
+        return engine_stats(identity, self.totals, self.acceptance, self.cost, self.fallback_events,
+                            self.kv.free_fraction(self.config.target_namespace))
 
     def reset_statistics(self) -> None:
         """Forget acceptance, time totals and events (after warm-up); the cost model stays."""
@@ -452,8 +425,9 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
         self.fallback_events.clear()
 
     def close(self) -> None:
-        """Stop the draft thread (after its in-flight work); send a held commit."""
-        self._draft_pool.shutdown(wait=True)
+        """Stop the draft thread (after its in-flight call); send a held commit."""
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.kv.send_held()
 
     def run_to_completion(self) -> dict[str, list[TokenChunk]]:
@@ -465,4 +439,4 @@ class SpecEngine(RoundCommit, OverlapRounds, WorkerRecovery):
         return out
 
 
-__all__ = ["SpecEngine", "EngineConfig", "DrafterUnavailable", "OutOfBlocks"]
+__all__ = ["SpecEngine", "VerifierLost"]

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from cluster.engine.engine import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig, SpecEngine
+from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
+from cluster.engine.engine import SpecEngine
 from cluster.engine.kv_client import LocalKV
 from cluster.engine.warmup import warm_up
 from drafter_service.worker import DraftWorker

@@ -16,13 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cluster.engine.kv_client import KVClient
+from kv_manager.errors import KVError
 from kv_manager.schema import Admission, AdmitItem, AuditReport, CommitItem, Holder, Reservation, ReserveItem
 
 CommitCheck = Callable[[Sequence[CommitItem], Sequence[Any]], None]
 
 
 class HeldCommitKV:
-    def __init__(self, inner: Any, check: CommitCheck) -> None:
+    def __init__(self, inner: KVClient, check: CommitCheck) -> None:
         self.inner = inner  # LocalKV or RemoteKV
         self.check = check
         self.held: list[CommitItem] = []
@@ -33,7 +35,7 @@ class HeldCommitKV:
             self.check(held, self.inner.commit(held))
 
     # -- the round's two calls --------------------------------------------------------------------
-    def reserve(self, items: Sequence[ReserveItem]) -> list[Reservation | Any]:
+    def reserve(self, items: Sequence[ReserveItem]) -> list[Reservation | KVError]:
         held, self.held = self.held, []
         if not held:
             return self.inner.reserve(items)

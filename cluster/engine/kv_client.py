@@ -1,6 +1,7 @@
-"""The engine's view of the KV-block manager: the same few calls in process (`LocalKV`, wrapping
-a `BlockLedger`) or across processes (the Ray actor's client, cluster/). Each round makes one
-`reserve` and one `commit` call for the whole batch.
+"""The engine's view of the KV-block manager: the `KVClient` protocol, and `LocalKV`, its in-process
+implementation over a `BlockLedger`. The other implementations: `RemoteKV` (the Ray actor's client,
+cluster/serving/remote_backends.py) and the engine's own wrapper `HeldCommitKV` (held_commit.py).
+Each round makes one `reserve` and one `commit` call for the whole batch (docs/ARCHITECTURE.md §4).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kv_manager.errors import KVError, UnknownRequest
 from kv_manager.ledger import BlockLedger
@@ -24,6 +25,36 @@ from kv_manager.schema import (
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class KVClient(Protocol):
+    """What the engine asks of the KV-block manager. Batch calls answer per item (a grant or the
+    KVError refusing it); `admit` is all or nothing and raises the first refusal."""
+
+    def register_worker(self, worker_id: str) -> Holder: ...
+
+    def expire_worker(self, worker_id: str) -> int: ...
+
+    def can_admit(self, items: Sequence[AdmitItem], lookahead: int) -> bool: ...
+
+    def admit(self, items: Sequence[AdmitItem]) -> list[Admission]: ...
+
+    def reserve(self, items: Sequence[ReserveItem]) -> list[Reservation | KVError]: ...
+
+    def commit(self, items: Sequence[CommitItem]) -> list[CommitResult | KVError]: ...
+
+    def commit_then_reserve(self, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]
+                            ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError]]: ...
+
+    def rollback(self, keys: Sequence[tuple[str, str]]) -> None: ...
+
+    def release(self, request_id: str, namespaces: Sequence[str]) -> None: ...
+
+    def free_fraction(self, namespace: str) -> float: ...
+
+    def request_ids(self, namespace: str) -> list[str]: ...
+
+    def audit(self) -> AuditReport: ...
 
 
 def _locked(method: F) -> F:

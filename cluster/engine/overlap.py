@@ -1,61 +1,88 @@
-"""Overlap for SpecEngine: two groups of requests in ping-pong, so drafting one hides behind verifying the other.
+"""Overlap: two groups of requests in ping-pong, so drafting one hides behind verifying the other.
 
-    step t   : verify(group A) on the engine thread  ||  plan+reserve+propose(group B) on the draft thread
-    step t+1 : verify(group B)                       ||  plan+reserve+propose(group A)
+    step t   : land(A): A's drafts -> verify(A) on the engine thread  ||  propose(B) on the draft thread
+    step t+1 : land(B): B's drafts -> verify(B)                       ||  propose(A)
 
-A mixin of SpecEngine (cluster/engine/engine.py), which owns every attribute used here and provides `_plan`,
-`_reserve`, `_propose` and `_preempt`; the draft thread only runs `_prepare` for the group that is not
-being verified.
+Plan and reserve run on the engine thread (the engine plans group B and reserves its KV before it
+verifies A); `DraftPipeline` only carries the drafter call across the step.
+
+Ownership: the engine thread calls every method here and owns everything it hands over. The draft
+thread runs `propose(batch)` on a `ProposeBatch` value built on the engine thread, and nothing else: it
+touches no RequestState, no RoundPlan and no ledger. `InFlight` is the engine thread's record of a group
+whose drafts are being made; its requests stay in the engine's running list, and an abort of one of them
+waits until the group lands (the drafter is writing its draft KV blocks).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
 
-from cluster.engine.request_state import RequestState
 from cluster.engine.round_plan import RoundPlan
+from kv_manager.schema import Holder
+from specserve_types.round_messages import ProposeBatch, ProposeResult
+
+Timed = tuple[ProposeResult, float]  # the drafter's answer and the call's wall time
 
 
-class OverlapRounds:
-    kv: Any
-    running: list[RequestState]
-    _turn: int
-    _in_flight: dict[int, Future]
-    _in_flight_ids: set[str]
-    _turns_without_plans: int
-    _draft_pool: ThreadPoolExecutor
-    _namespaces: list[str]
+@dataclass
+class InFlight:
+    plans: list[RoundPlan]  # the group's plans, reserved on the engine thread
+    model_plans: list[RoundPlan]  # those whose drafts the draft model makes
+    future: Future[Timed] | None  # None: nothing for the draft model in this group
+    drafter_holder: Holder | None  # the drafter epoch the batch was reserved under
 
-    def _prepare(self, states: list[RequestState]) -> tuple[list[RoundPlan], float]:
-        plans = self._reserve([self._plan(s) for s in states], may_preempt=False)
-        return plans, self._propose(plans)
+    @property
+    def request_ids(self) -> set[str]:
+        return {p.state.request_id for p in self.plans}
 
-    def _overlapped_prepare(self) -> tuple[list[RoundPlan], float]:
-        turn = self._turn
-        self._turn ^= 1
-        mine = [s for s in self.running if s.group == turn]
-        others = [s for s in self.running if s.group != turn]
-        future = self._in_flight.pop(turn, None)
-        if future is not None:
-            plans, draft_seconds = future.result()
-            # the future prepared this whole group, requests refused a reservation (no plan) included:
-            # none is in flight any more, so each may be aborted, preempted or planned again
-            self._in_flight_ids.difference_update(s.request_id for s in mine)
-            stale = [p for p in plans if p.state not in self.running]
-            self.kv.rollback([(ns, p.state.request_id) for p in stale for ns in self._namespaces])
-            plans = [p for p in plans if p.state in self.running]
-        elif mine:
-            plans, draft_seconds = self._prepare(mine)
-        else:
-            plans, draft_seconds = [], 0.0
-        if others and (1 - turn) not in self._in_flight:
-            self._in_flight_ids.update(s.request_id for s in others)
-            self._in_flight[1 - turn] = self._draft_pool.submit(self._prepare, others)
-        self._turns_without_plans = 0 if plans else self._turns_without_plans + 1
-        idle = [s for s in self.running if s.request_id not in self._in_flight_ids]
-        # out of blocks: no group reserved anything in a whole cycle (or the other group is empty)
-        if not plans and idle and (not self._in_flight or self._turns_without_plans >= 2):
-            self._preempt(idle[-1])
-            self._turns_without_plans = 0
-        return plans, draft_seconds
+
+class DraftPipeline:
+    def __init__(self, propose: Callable[[ProposeBatch], ProposeResult]) -> None:
+        self._propose = propose
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-draft")
+        self._in_flight: dict[int, InFlight] = {}
+        self._turn = 0
+
+    def next_turn(self) -> int:
+        """The group verified this step (0, 1, 0, ...)."""
+        turn, self._turn = self._turn, self._turn ^ 1
+        return turn
+
+    def in_flight_ids(self) -> set[str]:
+        return {rid for flight in self._in_flight.values() for rid in flight.request_ids}
+
+    def has(self, group: int) -> bool:
+        return group in self._in_flight
+
+    def busy(self) -> bool:
+        return bool(self._in_flight)
+
+    def submit(self, group: int, plans: list[RoundPlan], model_plans: list[RoundPlan], batch: ProposeBatch | None,
+               drafter_holder: Holder | None) -> None:
+        assert group not in self._in_flight, f"group {group} is already in flight"
+        future = self._pool.submit(self._timed, batch) if batch is not None else None
+        self._in_flight[group] = InFlight(plans, model_plans, future, drafter_holder)
+
+    def take(self, group: int) -> InFlight | None:
+        """The group's flight, if any; the caller waits on its future (on the engine thread)."""
+        return self._in_flight.pop(group, None)
+
+    def drain(self) -> list[InFlight]:
+        """Every flight, after its drafter call ended (answers and failures alike are the caller's to drop)."""
+        flights = list(self._in_flight.values())
+        self._in_flight.clear()
+        for flight in flights:
+            if flight.future is not None:
+                flight.future.exception()  # waits; a failed call is discarded with its drafts
+        return flights
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _timed(self, batch: ProposeBatch) -> Timed:
+        start = time.perf_counter()
+        result = self._propose(batch)
+        return result, time.perf_counter() - start

@@ -11,11 +11,12 @@ cache holds) and can always be rebuilt by re-prefilling.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from specserve_types.api import FinishReason, GenerationRequest
+from specserve_types.api import FinishReason, GenerationRequest, InvalidRequestError
 from verifier_service.acceptance_stats import AcceptanceStats
 
 
@@ -94,6 +95,7 @@ class RequestState:
     admitted: bool = False
     draft_admitted: bool = False
     group: int = 0  # overlap group (0 or 1)
+    rounds_at_zero: int = 0  # consecutive rounds auto chose plain decoding (it re-probes after probe_every)
 
     @property
     def request_id(self) -> str:
@@ -149,3 +151,21 @@ class RequestState:
             "ttft_seconds": None if self.first_token_at is None else round(self.first_token_at - self.arrival, 6),
             "policy_events": [{"at": round(e.at, 6), "k": e.k, "reason": e.reason} for e in self.policy_events],
         }
+
+
+def new_request_state(request: GenerationRequest, tokenizer: Any, eos_token_ids: frozenset[int], vocab_size: int,
+                      max_context: int, has_drafter: bool) -> RequestState:
+    """A submitted request's state; raises InvalidRequestError (naming the field) for what this engine can't run."""
+    prompt_len = len(request.prompt_token_ids)
+    if prompt_len + request.sampling.max_tokens > max_context:
+        raise InvalidRequestError(
+            "prompt", f"prompt ({prompt_len} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds the "
+                      f"context of {max_context} tokens")
+    if any(not (0 <= t < vocab_size) for t in request.prompt_token_ids):
+        raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab_size})")
+    if request.spec.draft == "model" and not has_drafter and request.spec.k != 0:
+        raise InvalidRequestError("draft", "this engine has no draft model; use draft 'ngram' or 'none'")
+    seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
+    return RequestState(request=request, seed=seed, eos_token_ids=eos_token_ids,
+                        text=TextTracker(tokenizer, prompt_len, request.sampling.stop),
+                        token_ids=list(request.prompt_token_ids), prompt_len=prompt_len)

@@ -1,7 +1,7 @@
 """Speculation policy: how many draft tokens k each request proposes this round.
 
 Fixed k, or auto. Auto maximises expected tokens per second with the measured quantities of
-ARCHITECTURE.md section 2:
+docs/ARCHITECTURE.md §5:
 
     E[Y](k) = 1 + sum_{i=1..k} s_i                  (s_i measured per request, per position)
     t_cycle(k) = k * t_draft_token + t_verify(n + k) (online cost model, n = catch-up tokens)
@@ -102,14 +102,33 @@ class AutoDecision:
     reason: str
 
 
-def choose_k(
-    own: AcceptanceStats, engine: AcceptanceStats, cost: CostModel, k_max: int, catch_up: int,
-    rounds_at_zero: int, probe_every: int, free_fraction: float, pressure_free_fraction: float,
-    draft_cost_per_token: float | None, batch: int = 1,
-) -> AutoDecision:
-    """`draft_cost_per_token`: measured seconds per draft step (None: not measured yet; 0 for n-gram).
+@dataclass(frozen=True)
+class AutoInputs:
+    """Everything auto's k for one request reads, taken on the engine thread for one round.
+
+    `draft_cost_per_token`: measured seconds per draft step (None: not measured yet; 0 for n-gram).
     `batch`: requests in the round; the verify cost of k is read at batch * (catch_up + k) scored rows, as if
     every request picked the same k (at batch 8 on a CPU, 24 rows cost far more than 3)."""
+
+    own: AcceptanceStats
+    engine: AcceptanceStats
+    cost: CostModel
+    k_max: int
+    catch_up: int
+    rounds_at_zero: int
+    probe_every: int
+    free_fraction: float
+    pressure_free_fraction: float
+    draft_cost_per_token: float | None
+    batch: int = 1
+
+
+def choose_k(inputs: AutoInputs) -> AutoDecision:
+    """k* = argmax E[Y](k) / t_cycle(k) over the measured costs (module docstring)."""
+    own, engine, cost, k_max, catch_up = inputs.own, inputs.engine, inputs.cost, inputs.k_max, inputs.catch_up
+    rounds_at_zero, probe_every, batch = inputs.rounds_at_zero, inputs.probe_every, inputs.batch
+    free_fraction, pressure_free_fraction = inputs.free_fraction, inputs.pressure_free_fraction
+    draft_cost_per_token = inputs.draft_cost_per_token
     if k_max == 0:
         return AutoDecision(0, "no drafter")
     cap = 1 if free_fraction < pressure_free_fraction else k_max

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from cluster.engine.round_plan import RoundPlan
+from cluster.engine.spec_policy import CostModel
+from verifier_service.acceptance_stats import AcceptanceStats
 
 
 def busy_fractions(totals: Mapping[str, float]) -> dict[str, float]:
@@ -19,3 +24,39 @@ def busy_fractions(totals: Mapping[str, float]) -> dict[str, float]:
     overlap = max(0.0, draft + verify - wall) / shorter if shorter > 0 else 0.0
     return {"drafter_busy_fraction": min(1.0, draft / wall), "verifier_busy_fraction": min(1.0, verify / wall),
             "overlap_fraction": min(1.0, overlap)}
+
+
+def add_round_times(totals: dict[str, float], plans: Sequence[RoundPlan], draft_seconds: float,
+                    verify_seconds: float, reconcile_seconds: float, round_seconds: float) -> None:
+    """One round's time split, on each of its requests and in the engine's totals."""
+    for plan in plans:
+        plan.state.draft_seconds += draft_seconds
+        plan.state.verify_seconds += verify_seconds
+        plan.state.reconcile_seconds += reconcile_seconds
+    totals["rounds"] += 1
+    totals["draft_seconds"] += draft_seconds
+    totals["verify_seconds"] += verify_seconds
+    totals["reconcile_seconds"] += reconcile_seconds
+    totals["round_seconds"] += round_seconds
+
+
+def engine_stats(identity: Mapping[str, Any], totals: Mapping[str, float], acceptance: AcceptanceStats,
+                 cost: CostModel, fallback_events: Sequence[dict[str, Any]], kv_free_fraction: float) -> dict[str, Any]:
+    """`SpecEngine.stats()` as one JSON-able dict (GetStats, `--json`, benchmarks); `identity` holds
+    model, draft, running and waiting."""
+    return {
+        **identity,
+        "rounds": int(totals.get("rounds", 0)),
+        "acceptance": acceptance.to_dict(),
+        "draft_seconds": totals.get("draft_seconds", 0.0),
+        "verify_seconds": totals.get("verify_seconds", 0.0),
+        "reconcile_seconds": totals.get("reconcile_seconds", 0.0),
+        "round_seconds": totals.get("round_seconds", 0.0),
+        "verify_call_seconds": totals.get("verify_call_seconds", 0.0),  # verify + the hop to it
+        "kv_seconds": totals.get("kv_seconds", 0.0),  # the round's reserve and commit calls
+        "cost_model": {"draft_token_seconds": cost.draft_token,
+                       "verify_seconds_by_tokens": dict(cost.verify_by_tokens)},
+        **busy_fractions(totals),
+        "fallback_events": list(fallback_events),
+        "kv_free_fraction": kv_free_fraction,
+    }

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 if TYPE_CHECKING:
-    from cluster.engine.engine import EngineConfig
+    from cluster.engine.config import EngineConfig
     from cluster.engine.factory import LocalRuntime
 
 __all__ = ["ENGINE_OPTIONS", "NGRAM_DRAFT", "ClusterConfig", "ConfigError", "load_config", "make_config"]
@@ -201,7 +201,7 @@ class ClusterConfig(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         """The engine's settings (in process and in the scheduler)."""
-        from cluster.engine.engine import EngineConfig
+        from cluster.engine.config import EngineConfig
 
         return EngineConfig(
             max_batch=self.max_batch, max_waiting=self.queue_capacity, max_context=self.max_context,

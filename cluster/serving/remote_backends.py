@@ -18,7 +18,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from cluster.engine.engine import DrafterUnavailable, SpecEngine
+from cluster.engine.backends import DrafterUnavailable
+from cluster.engine.engine import SpecEngine
 from cluster.serving.config import ClusterConfig
 from kv_manager.errors import KVError, RetriableKVError, UnknownRequest
 from kv_manager.schema import (
@@ -148,6 +149,9 @@ class RemoteKV:
             if free is None:
                 free = self._free = self._call("free_fractions")
             return free[namespace]
+
+    def request_ids(self, namespace: str) -> list[str]:
+        return self._call("request_ids", namespace)
 
     def audit(self) -> AuditReport:
         return self._call("audit")

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from cluster.engine.engine import EngineConfig, SpecEngine
+from cluster.engine.config import EngineConfig
+from cluster.engine.engine import SpecEngine
 from cluster.engine.factory import build_local_engine
 from cluster.engine.kv_client import LocalKV
 from cluster.serving.config import ClusterConfig

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.engine import EngineConfig, SpecEngine
+from cluster.engine.config import EngineConfig
+from cluster.engine.engine import SpecEngine
 from cluster.engine.kv_client import LocalKV
 from cluster.engine.request_state import RequestState
 from cluster.engine.round_plan import RoundPlan
@@ -141,11 +142,12 @@ class OverreachingEngine(SpecEngine):
     remaining - 1, so there the max_tokens cut falls on the bonus token at the latest; this planner
     puts it inside the accepted drafts."""
 
-    def _plan(self, state: RequestState) -> RoundPlan:
-        plan = super()._plan(state)
-        if plan.uses_model_drafter:
-            plan.k = state.request.spec.k
-        return plan
+    def _plan(self, states: list[RequestState]) -> list[RoundPlan]:
+        plans = super()._plan(states)
+        for plan in plans:
+            if plan.uses_model_drafter:
+                plan.k = plan.state.request.spec.k
+        return plans
 
 
 def test_max_tokens_inside_accepted_drafts_finishes_length_and_commits_only_kept_tokens() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.engine import EngineConfig
+from cluster.engine.config import EngineConfig
 from cluster.engine.factory import (
     IncompatibleDraftError,
     assemble_engine,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import random
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,5 +104,57 @@ def test_abort_under_overlap_while_out_of_blocks_completes() -> None:
     for rid, prompt in prompts.items():
         if rid != victim:
             assert tokens_of(out[rid]) == fake_greedy(prompt, 30), rid
+    engine.reconcile_ledger()
+    engine.kv.audit().assert_no_leaks()
+
+
+class Faults:
+    """Worker wrappers that fail chosen calls, and record the threads the drafter is called from."""
+
+    def __init__(self, verifier: Any, drafter: Any, verifier_fail_at: set[int], drafter_fail_at: set[int]) -> None:
+        self.verifier, self.drafter = verifier, drafter
+        self.verifier_fail_at, self.drafter_fail_at = verifier_fail_at, drafter_fail_at
+        self.verify_calls = self.propose_calls = 0
+        self.drafter_threads: set[str] = set()
+
+    def verify(self, batch: Any) -> Any:
+        self.verify_calls += 1
+        if self.verify_calls in self.verifier_fail_at:
+            raise ConnectionError("verifier replica unreachable")
+        return self.verifier.verify(batch)
+
+    def propose(self, batch: Any) -> Any:
+        self.propose_calls += 1
+        self.drafter_threads.add(threading.current_thread().name)
+        if self.propose_calls in self.drafter_fail_at:
+            raise ConnectionError("drafter replica unreachable")
+        return self.drafter.propose(batch)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_worker_failures_under_overlap_lose_nothing(seed: int) -> None:
+    """Verifier failures while the other group's drafts are in flight, and drafter failures landing on the
+    engine thread: every request still ends with the plain greedy output, the ledger reconciles empty.
+    (Before the groups in flight were drained on a verifier failure, their target commit raised
+    UnknownRequest: the verifier's expired epoch had dropped their entries.)"""
+    rng = random.Random(seed)
+    engine = fake_engine(num_blocks=256, block_size=4, max_batch=4, overlap=True)
+    faults = Faults(engine.verifier, engine.drafter, verifier_fail_at={rng.randint(3, 8), rng.randint(10, 20)},
+                    drafter_fail_at={rng.randint(2, 12)})
+    engine.verifier = faults
+    assert engine.pipeline is not None
+    engine.pipeline._propose = faults.propose  # the draft thread's only call
+    engine.health._retry_seconds = 0.0  # retry the drafter at once
+    prompts = {f"f{seed}r{i}": [rng.randrange(FAKE_VOCAB) for _ in range(rng.randint(5, 12))] for i in range(6)}
+    for rid, prompt in prompts.items():
+        engine.submit(request(rid, prompt, max_tokens=24, k=rng.choice([2, 3, None])))
+    out: dict[str, list[TokenChunk]] = collections.defaultdict(list)
+    drive(engine, out)
+    engine.close()
+    for rid, prompt in prompts.items():
+        assert tokens_of(out[rid]) == fake_greedy(prompt, 24), rid
+    events = [e["event"] for e in engine.stats()["fallback_events"]]
+    assert events.count("verifier recovery") == 2 and "drafter unavailable" in events, events
+    assert faults.drafter_threads == {"specserve-draft_0"}, faults.drafter_threads
     engine.reconcile_ledger()
     engine.kv.audit().assert_no_leaks()

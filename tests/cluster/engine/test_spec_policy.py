@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from cluster.engine.spec_policy import CostModel, SeededInputs, blended_survival, choose_k, choose_k_seeded
+from cluster.engine.spec_policy import (
+    AutoInputs,
+    CostModel,
+    SeededInputs,
+    blended_survival,
+    choose_k,
+    choose_k_seeded,
+)
 from verifier_service.acceptance_stats import AcceptanceStats
 
 
@@ -27,7 +34,7 @@ def choose(own: AcceptanceStats, c: CostModel, **kw) -> tuple[int, str]:
     args = dict(k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16, free_fraction=1.0,
                 pressure_free_fraction=0.1, draft_cost_per_token=c.draft_token)
     args.update(kw)
-    d = choose_k(own, AcceptanceStats(), c, **args)
+    d = choose_k(AutoInputs(own, AcceptanceStats(), c, **args))
     return d.k, d.reason
 
 
@@ -65,8 +72,8 @@ def test_warm_up_measures_plain_then_speculative_cost() -> None:
 def test_ngram_costs_nothing_to_draft() -> None:
     own = stats_with([2], proposed=4, rounds=50)  # two of four survive
     c = cost(None, {1: 0.30, 5: 0.60})  # type: ignore[arg-type]
-    d = choose_k(own, AcceptanceStats(), c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16,
-                 free_fraction=1.0, pressure_free_fraction=0.1, draft_cost_per_token=0.0)
+    d = choose_k(AutoInputs(own, AcceptanceStats(), c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16,
+                 free_fraction=1.0, pressure_free_fraction=0.1, draft_cost_per_token=0.0))
     assert d.k >= 2 and d.reason == "cost model"
 
 
@@ -90,14 +97,14 @@ def test_unmeasured_positions_follow_the_measured_acceptance_rate() -> None:
     kept = stats_with([1], proposed=1, rounds=20)
     s = blended_survival(kept, AcceptanceStats(), 4)
     assert s[0] > 0.95 and s[3] > 0.7
-    d = choose_k(kept, AcceptanceStats(), c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16,
-                 free_fraction=1.0, pressure_free_fraction=0.1, draft_cost_per_token=0.047)
+    d = choose_k(AutoInputs(kept, AcceptanceStats(), c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16,
+                 free_fraction=1.0, pressure_free_fraction=0.1, draft_cost_per_token=0.047))
     assert d.k >= 2, d
     half = stats_with([0, 1], proposed=1, rounds=20)
     s = blended_survival(half, AcceptanceStats(), 4)
     assert 0.4 < s[0] < 0.6 and s[1] < 0.35
-    d = choose_k(half, AcceptanceStats(), c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16,
-                 free_fraction=1.0, pressure_free_fraction=0.1, draft_cost_per_token=0.047)
+    d = choose_k(AutoInputs(half, AcceptanceStats(), c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16,
+                 free_fraction=1.0, pressure_free_fraction=0.1, draft_cost_per_token=0.047))
     assert d.k <= 1, d
 
 
@@ -108,8 +115,8 @@ def test_verify_cost_is_read_at_the_rows_of_the_whole_batch() -> None:
     own = stats_with([1, 2], proposed=2, rounds=20)  # s_1 = 1.0, s_2 = 0.5
     args = dict(k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16, free_fraction=1.0,
                 pressure_free_fraction=0.1, draft_cost_per_token=0.03)
-    assert choose_k(own, AcceptanceStats(), c, batch=1, **args).k >= 1  # type: ignore[arg-type]
-    assert choose_k(own, AcceptanceStats(), c, batch=8, **args).k == 0  # type: ignore[arg-type]
+    assert choose_k(AutoInputs(own, AcceptanceStats(), c, batch=1, **args)).k >= 1  # type: ignore[arg-type]
+    assert choose_k(AutoInputs(own, AcceptanceStats(), c, batch=8, **args)).k == 0  # type: ignore[arg-type]
 
 
 def seeded_k(own: AcceptanceStats, k_max: int = 4, rounds_at_zero: int = 0, model_draft: bool = True) -> tuple[int, str]:
@@ -129,8 +136,8 @@ def test_seeded_k_is_a_function_of_the_requests_own_history_only() -> None:
                                                                      24: 1.40, 32: 1.80, 40: 2.20}))
               for batch in (1, 8)
               for free in (1.0, 0.05)]
-    unseeded = {choose_k(own, engine, c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16, free_fraction=free,
-                         pressure_free_fraction=0.1, draft_cost_per_token=c.draft_token, batch=batch).k
+    unseeded = {choose_k(AutoInputs(own, engine, c, k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16, free_fraction=free,
+                         pressure_free_fraction=0.1, draft_cost_per_token=c.draft_token, batch=batch)).k
                 for engine, c, batch, free in worlds}
     assert len(unseeded) > 1  # these worlds do change the engine-wide decision
     decisions = {seeded_k(own) for _ in worlds}

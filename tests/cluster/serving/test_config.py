@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.engine.engine import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
+from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
 from cluster.serving.config import ClusterConfig, ConfigError, load_config, make_config
 
 

@@ -1,0 +1,84 @@
+"""Accept: one round's verifier outputs become emitted tokens, ledger commits and chunks.
+
+    accept_round(plans, outputs, holders) -> RoundOutcome(commits, chunks, finished, release_draft, acceptance)
+
+It calls no ledger and reads no engine attribute: the engine sends `commits`, releases `release_draft`
+and drops `finished` (docs/ARCHITECTURE.md §2). It advances each request's own state (tokens appended
+one by one with stop checks, cached counts), which the engine thread owns.
+
+Glossary: `out.tokens` = the accepted drafts + one correction/bonus token. A stop (EOS, stop string,
+max_tokens) may keep fewer: only kept tokens exist. The accepted drafts after a stop are neither committed
+nor counted, and a round cut inside its accepted drafts counts as having proposed only the drafts up to the
+stop (all accepted): the drafts after it were never needed, not rejected.
+
+    target KV written this round:  [ target_pending | drafts ]      commit: pending + kept accepted drafts
+    draft  KV written this round:  [ draft_pending | drafts[:-1] ]  commit: pending + min(kept, k - 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cluster.engine.request_state import RequestState
+from cluster.engine.round_plan import RoundPlan
+from kv_manager.schema import CommitItem, Holder
+from specserve_types.api import TokenChunk
+from specserve_types.round_messages import VerifyOutput
+
+
+@dataclass(frozen=True)
+class AcceptanceRecord:
+    accepted: int
+    proposed: int
+    contract: str
+
+
+@dataclass
+class RoundOutcome:
+    commits: list[CommitItem] = field(default_factory=list)
+    chunks: list[TokenChunk] = field(default_factory=list)
+    finished: list[RequestState] = field(default_factory=list)
+    release_draft: list[str] = field(default_factory=list)  # finished, holding a draft entry it did not commit to
+    acceptance: list[AcceptanceRecord] = field(default_factory=list)  # one per request that proposed drafts
+
+
+def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], verifier_holder: Holder,
+                 drafter_holder: Holder | None, target_namespace: str, draft_namespace: str) -> RoundOutcome:
+    outcome = RoundOutcome()
+    for plan, out in zip(plans, outputs, strict=True):
+        s = plan.state
+        assert out.request_id == s.request_id, f"verifier answered {out.request_id} for {s.request_id}"
+        proposed = len(plan.drafts)
+        s.rounds += 1
+        kept, delta = s.append_tokens(out.tokens)
+        finished = s.finish_reason is not None
+        kept_accepted = min(out.accepted_len, len(kept))
+        counted_proposed = proposed if len(kept) == len(out.tokens) else kept_accepted
+        if proposed:
+            record = AcceptanceRecord(kept_accepted, counted_proposed, s.request.spec.contract)
+            s.acceptance.record(record.accepted, record.proposed, record.contract)
+            outcome.acceptance.append(record)
+        target_len = len(plan.target_pending) + kept_accepted
+        committed = plan.target_pending + plan.drafts[:kept_accepted]
+        assert s.token_ids[s.target_cached:s.target_cached + target_len] == committed, "commit != kept tokens"
+        outcome.commits.append(CommitItem(target_namespace, s.request_id, target_len, committed, verifier_holder,
+                                          finished=finished))
+        s.target_cached += target_len
+        if plan.uses_model_drafter:
+            assert drafter_holder is not None, "a model draft without a drafter epoch"
+            draft_len = len(plan.draft_pending) + min(kept_accepted, proposed - 1)
+            draft_committed = (plan.draft_pending + plan.drafts)[:draft_len]
+            outcome.commits.append(CommitItem(draft_namespace, s.request_id, draft_len, draft_committed,
+                                              drafter_holder, finished=finished))
+            s.draft_cached += draft_len
+        elif finished and s.draft_admitted:
+            outcome.release_draft.append(s.request_id)
+        assert s.target_cached <= len(s.token_ids) and s.draft_cached <= len(s.token_ids), "cache > tokens"
+        chunk = TokenChunk(s.request_id, kept, delta, proposed=counted_proposed, accepted=kept_accepted,
+                           finish_reason=s.finish_reason)
+        if finished:
+            chunk.stats = s.stats()
+            outcome.finished.append(s)
+        outcome.chunks.append(chunk)
+    return outcome

@@ -1,0 +1,46 @@
+"""The engine's settings: `EngineConfig`, derived from `ClusterConfig` (cluster/serving/config.py), the one
+place where defaults live; and the ledger namespaces of the two KV pools."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TARGET_NAMESPACE = "verifier/target"  # the ledger namespace of the target model's KV pool
+DRAFT_NAMESPACE = "drafter/draft"  # the ledger namespace of the draft model's KV pool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings, all required: their defaults and meanings live in ONE place,
+    `ClusterConfig` (cluster/serving/config.py), whose `engine_config()` builds this."""
+
+    max_batch: int  # requests per round
+    max_waiting: int  # requests queued before the running batch (CapacityError past it)
+    max_context: int  # prompt + max_tokens limit
+    k_max: int  # largest k auto may pick (0: auto never speculates)
+    probe_every: int  # rounds of plain decoding before auto re-measures acceptance
+    pressure_free_fraction: float  # below this free fraction of the target pool, auto caps k at 1
+    drafter_retry_seconds: float  # base back-off before a failed drafter is tried again
+    max_verifier_failures: int  # consecutive failed verify calls tolerated; one more and the engine gives up
+    overlap: bool  # draft one group while verifying the other (separate devices/processes pay off)
+
+    def __post_init__(self) -> None:
+        problems = [name for name, ok in (
+            ("max_batch", self.max_batch >= 1), ("max_waiting", self.max_waiting >= 1),
+            ("max_context", self.max_context >= 1), ("k_max", self.k_max >= 0),
+            ("probe_every", self.probe_every >= 1),
+            ("pressure_free_fraction", 0.0 <= self.pressure_free_fraction <= 1.0),
+            ("drafter_retry_seconds", self.drafter_retry_seconds >= 0.0),
+            ("max_verifier_failures", self.max_verifier_failures >= 0),
+            ("overlap", isinstance(self.overlap, bool)),
+        ) if not ok]
+        if problems:
+            raise ValueError(f"invalid EngineConfig field(s) {problems}: {self}")
+
+    @property
+    def target_namespace(self) -> str:
+        return TARGET_NAMESPACE
+
+    @property
+    def draft_namespace(self) -> str:
+        return DRAFT_NAMESPACE
