@@ -8,7 +8,7 @@ import torch
 from model_runtime.batch import SeqInput
 from model_runtime.local_alloc import LocalAllocator, LocalSequence
 from model_runtime.model import CausalLM
-from model_runtime.testing import make_random_checkpoint
+from tests.model_runtime.random_checkpoint import make_random_checkpoint
 
 TOL = 1e-4
 
