@@ -1,11 +1,13 @@
 """kv_manager: the central KV-block manager (reserve -> commit -> rollback), plain-Python ledger + Ray actor.
 
-Graph: scheduler -> KVManagerClient -> KVManagerActor (Ray, async) -> BlockLedger -> BlockPool per namespace.
+Graph: scheduler's engine -> RemoteKV (cluster/serving/remote_backends.py) -> KVManagerActor (Ray, async)
+       -> BlockLedger -> BlockPool per namespace; in process (`specserve generate`): LocalKV -> BlockLedger.
 The ledger owns block ids, ref counts and block states; the workers own the tensors
 ([num_blocks, block_size, kv_heads, head_dim] per layer) and only follow the slot mappings.
 
-How the engine uses it, per (namespace, request); the actor's client has the same calls, async and
-batched (add_requests / reserve / commit / rollback / release take lists):
+How the engine uses it, per (namespace, request); the actor has the same calls, batched (add_requests /
+reserve / commit / rollback / release take lists), and the engine reaches either through its `KVClient`
+(cluster/engine/kv_client.py: `LocalKV` over a ledger, `RemoteKV` over the actor):
 
     holder = ledger.register_worker("verifier-0")                  # Holder(worker_id, epoch)
     if ledger.can_admit({ns: len(prompt) + k + 1}):                 # plan maximum; ExceedsCapacity: never
@@ -77,7 +79,7 @@ from kv_manager.schema import (
     ReserveItem,
 )
 
-_ACTOR_NAMES = ("KVManager", "KVManagerActor", "KVManagerClient", "ACTOR_OPTIONS")
+_ACTOR_NAMES = ("KVManager", "KVManagerActor")
 
 __all__ = [
     "Admission",

@@ -1,38 +1,41 @@
-"""The KV manager as a Ray actor, and the async client the scheduler holds.
+"""The KV manager as a Ray actor.
 
-    scheduler -> KVManagerClient -> KVManagerActor (async Ray actor) -> BlockLedger
+    engine -> RemoteKV (cluster/serving/remote_backends.py, synchronous) -> KVManagerActor (async Ray actor)
+           -> BlockLedger
 
+In the cluster, `build_cluster_engine` creates one actor per Scheduler replica
+(`KVManagerActor.options(name=None).remote(namespaces)`) and its engine is the only client.
 One batch call per step of a round: `reserve` for the whole batch before the forward, `commit`
 after it (`CommitItem.finished` releases finished requests in the same call): at most two RPCs per
 round. The `*_with_free` forms also return the pools' free fractions, which the scheduler's policy
 reads every round, so that reading costs no third call; `commit_then_reserve_with_free` carries a
 round's commit together with the next round's reserve when the scheduler defers the commit (then a
-round costs one call). The actor is async and every method runs to completion on its event loop without awaiting,
-so concurrent callers never interleave inside a ledger call.
+round costs one call). The actor is async and every method runs to completion on its event loop without
+awaiting, so concurrent callers never interleave inside a ledger call.
 
-Restart policy (ACTOR_OPTIONS): Ray restarts the actor forever (max_restarts=-1) and never re-runs
-a call on the new instance (max_task_retries=0). What a restart means:
+Restart policy (KVManagerActor's options): Ray restarts the actor forever (max_restarts=-1) and never
+re-runs a call on the new instance (max_task_retries=0). What a restart means:
   - the new instance's ledger starts EMPTY: no workers, no requests, every block free; its worker
     epochs start above every earlier one, so no holder of the old instance is ever live again;
   - a call in flight when the actor died fails; the client raises RetriableKVError;
-  - each instance has an incarnation id; every call carries the id the client connected to, and a
-    call made under an old incarnation is refused with RetriableKVError (its round is void);
-  - recovery: `await client.connect()`, re-register the workers, re-admit every live request and
-    re-prefill it from its committed tokens (KV is a cache, tokens are the truth).
-A cancelled caller may leave its call running on the actor: cancel paths must `release` afterwards.
+  - each instance has an incarnation id; every call carries the id the client connected to (RemoteKV
+    reads it when built), and a call made under an old incarnation is refused with RetriableKVError
+    (its round is void);
+  - recovery: build a new client (RemoteKV learns the new incarnation when built), re-register the
+    workers, re-admit every live request and re-prefill it from its committed tokens (KV is a cache,
+    tokens are the truth). The engine does not do this itself: it fails the round's requests
+    (docs/ARCHITECTURE.md §6).
+A caller that gives up on a call (a timeout) may leave it running on the actor: it must `release` afterwards.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import ray
-from ray.actor import ActorHandle
-from ray.exceptions import RayActorError, RayTaskError
 
 from kv_manager.errors import KVError, RetriableKVError
 from kv_manager.ledger import BlockLedger
@@ -48,8 +51,6 @@ from kv_manager.schema import (
     Reservation,
     ReserveItem,
 )
-
-ACTOR_OPTIONS: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": 0, "max_concurrency": 1000}
 
 
 def _each(call: Any, items: Iterable[Any]) -> list[Any]:
@@ -149,77 +150,4 @@ class KVManager:
         return self._check(incarnation).audit()
 
 
-KVManagerActor = ray.remote(**ACTOR_OPTIONS)(KVManager)
-
-
-class KVManagerClient:
-    """Async, typed access to the actor: refusals come back as KVError, a lost actor as RetriableKVError."""
-
-    def __init__(self, handle: ActorHandle) -> None:
-        self.handle = handle
-        self.incarnation: str | None = None
-
-    @classmethod
-    def create(cls, namespaces: Sequence[NamespaceConfig], **options: Any) -> KVManagerClient:
-        """Start the actor (`options` go to `.options()`, e.g. name=, lifetime=)."""
-        return cls(KVManagerActor.options(**options).remote(list(namespaces)))
-
-    async def connect(self, timeout_s: float = 60.0) -> str:
-        """(Re)learn the actor's incarnation, waiting out a restart; call it after a RetriableKVError."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.incarnation = await self.handle.incarnation.remote()
-                return self.incarnation
-            except RayActorError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.1)
-
-    async def _call(self, method: str, *args: Any) -> Any:
-        if self.incarnation is None:
-            await self.connect()
-        try:
-            return await getattr(self.handle, method).remote(self.incarnation, *args)
-        except RayTaskError as failure:
-            if isinstance(failure.cause, KVError):
-                raise failure.cause from None
-            raise
-        except RayActorError as lost:
-            raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
-
-    async def register_worker(self, worker_id: str) -> Holder:
-        return await self._call("register_worker", worker_id)
-
-    async def expire_worker(self, worker_id: str) -> int:
-        return await self._call("expire_worker", worker_id)
-
-    async def add_requests(self, items: Sequence[AdmitItem]) -> list[Admission | KVError]:
-        return await self._call("add_requests", list(items))
-
-    async def fork(self, namespace: str, parent_id: str, child_id: str) -> Admission:
-        return await self._call("fork", namespace, parent_id, child_id)
-
-    async def reserve(self, items: Sequence[ReserveItem], *, atomic: bool = False) -> list[Reservation | KVError]:
-        return await self._call("reserve", list(items), atomic)
-
-    async def commit(self, items: Sequence[CommitItem]) -> list[CommitResult | KVError]:
-        return await self._call("commit", list(items))
-
-    async def rollback(self, keys: Sequence[RequestKey]) -> list[int | KVError]:
-        return await self._call("rollback", list(keys))
-
-    async def release(self, keys: Sequence[RequestKey]) -> list[int | KVError]:
-        return await self._call("release", list(keys))
-
-    async def can_admit(self, plan: Mapping[str, int]) -> bool:
-        return await self._call("can_admit", dict(plan))
-
-    async def free_fractions(self) -> dict[str, float]:
-        return await self._call("free_fractions")
-
-    async def audit(self) -> AuditReport:
-        return await self._call("audit")
-
-    async def assert_no_leaks(self) -> None:
-        (await self.audit()).assert_no_leaks()
+KVManagerActor = ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=1000)(KVManager)

@@ -17,6 +17,10 @@ RAY_TESTS: dict[str, tuple[str, ...]] = {
     "deploy/": ("",),  # builds the Serve application the RayService runs
     "cluster/cli/test_up.py": ("test_up_serves", "test_up_once"),  # `specserve up` subprocesses: Ray + servers
 }
+# end-to-end statistical tests of the exact contract (many engine runs on tiny models: minutes, not seconds)
+STATISTICAL_TESTS: dict[str, tuple[str, ...]] = {
+    "cluster/engine/test_engine_exact.py": ("",),
+}
 MODEL_TESTS: dict[str, tuple[str, ...]] = {
     "cluster/cli/test_up.py": ("test_up_serves",),  # its server serves SmolLM2
 }
@@ -28,7 +32,7 @@ def listed(table: dict[str, tuple[str, ...]], path: str, name: str) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each test `model` and/or `ray` by what it uses; a test with neither is `unit`."""
+    """Mark each test `model`, `ray` and/or `statistical` by what it uses; a test with none is `unit`."""
     for item in items:
         try:
             path = item.path.resolve().relative_to(TESTS_DIR).as_posix()
@@ -36,11 +40,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             path = item.path.as_posix()
         name = getattr(item, "originalname", item.name)
         fixtures = set(getattr(item, "fixturenames", ()))
-        marks = {m for m in ("model", "ray") if item.get_closest_marker(m) is not None}
+        marks = {m for m in ("model", "ray", "statistical") if item.get_closest_marker(m) is not None}
         if fixtures & MODEL_FIXTURES or listed(MODEL_TESTS, path, name):
             marks.add("model")
         if fixtures & RAY_FIXTURES or listed(RAY_TESTS, path, name):
             marks.add("ray")
+        if listed(STATISTICAL_TESTS, path, name):
+            marks.add("statistical")
         for mark in sorted(marks or {"unit"}):
             item.add_marker(mark)
 

@@ -1,1 +1,2 @@
-"""Benchmarks: runtime (one forward), spec (the engine in process), serve (the cluster through gRPC)."""
+"""Benchmarks: runtime (one forward), spec (the engine in process), serve (the cluster through gRPC),
+kv (the KV-block ledger in process and its actor through RemoteKV)."""

@@ -7,7 +7,8 @@
     bench serve     the Ray Serve cluster through gRPC at several concurrencies, speculation on and off:
                     TTFT, TPOT, per-token ITL, tokens/s, goodput, overhead vs in process
                     (cluster/bench/serve.py; starts Ray: run it under scripts/in-netns.sh)
-    bench kv        the KV-block manager's own benchmark (kv_manager/bench.py, when present)
+    bench kv        the KV-block manager: ledger rounds in process, and the actor's round trip through
+                    RemoteKV (cluster/bench/kv.py; starts Ray: run it under scripts/in-netns.sh)
 
 Figures only, never timed assertions. Progress lines go to stderr, tables to stdout.
 """
@@ -15,7 +16,6 @@ Figures only, never timed assertions. Progress lines go to stderr, tables to std
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -80,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     _common(sv)
     sv.set_defaults(_bench_run=_run_serve)
 
-    kv = benches.add_parser("kv", help="the KV-block manager's benchmark (kv_manager/bench.py); its actor part "
+    kv = benches.add_parser("kv", help="the KV-block manager's benchmark (cluster/bench/kv.py); its actor part "
                                        "starts Ray: run it under scripts/in-netns.sh")
     kv.add_argument("--no-actor", action="store_true", help="ledger only, no Ray actor")
     kv.add_argument("--json-out", type=Path, default=None)
@@ -336,13 +336,8 @@ def format_serve(result: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------- kv
 def _run_kv(args: argparse.Namespace) -> int:
-    try:
-        kv_bench = importlib.import_module("kv_manager.bench")
-    except ModuleNotFoundError as exc:
-        if exc.name != "kv_manager.bench":
-            raise
-        print("bench kv: kv_manager/bench.py is not there yet (nothing to run)", file=sys.stderr)
-        return 2
-    result = kv_bench.run_bench(with_actor=not args.no_actor)  # prints its own table
+    from cluster.bench.kv import run_bench
+
+    result = run_bench(with_actor=not args.no_actor)  # prints its own table
     write_json(result, args.json_out)
     return 0

@@ -364,8 +364,7 @@ class SpecEngine:
         for state in reversed(self.running):
             if state.draft_admitted:  # this round's draft reservation goes with it
                 self.kv.release(state.request_id, [self.config.draft_namespace])
-            state.target_cached = state.draft_cached = 0
-            state.admitted = state.draft_admitted = False
+            state.forget_kv()
             self.waiting.appendleft(state)
         self.running.clear()
 
@@ -374,8 +373,7 @@ class SpecEngine:
         log.warning("preempting %s: out of KV blocks", state.request_id)
         self.kv.release(state.request_id, self._namespaces)
         self.running.remove(state)
-        state.target_cached = state.draft_cached = 0
-        state.admitted = state.draft_admitted = False
+        state.forget_kv()
         self.waiting.appendleft(state)
         self.fallback_events.append({"at": time.time(), "request_id": state.request_id, "event": "preempted"})
 

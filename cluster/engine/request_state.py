@@ -132,6 +132,11 @@ class RequestState:
             self.first_token_at = time.monotonic()
         return kept, delta
 
+    def forget_kv(self) -> None:
+        """Its KV was given back (preempted, or the verifier lost it): it re-prefills from its tokens."""
+        self.target_cached = self.draft_cached = 0
+        self.admitted = self.draft_admitted = False
+
     def record_k(self, k: int, reason: str) -> None:
         if k != self.k or not self.policy_events:
             self.policy_events.append(PolicyEvent(time.monotonic() - self.arrival, k, reason))

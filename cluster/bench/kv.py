@@ -1,26 +1,30 @@
-"""Benchmark of the KV manager: printed, not asserted.
+"""`specserve bench kv`: the KV-block manager's benchmark, printed, not asserted.
 
-    scripts/in-netns.sh .venv/bin/python -m kv_manager.bench     # the actor part starts Ray on loopback
+    scripts/in-netns.sh .venv/bin/specserve bench kv      # the actor part starts Ray on loopback
+    scripts/in-netns.sh .venv/bin/python -m cluster.bench.kv
 
 - ledger: reserve + commit rounds for a batch of requests (k+1 target slots each, random acceptance),
   in request-rounds per second; the goal is well above 20,000 so the ledger is never the bottleneck;
   plus the cost of one `audit()` of the final state.
 - actor: the round trip of one batch `reserve` + one batch `commit` call (the two RPCs of a round),
-  and of an empty call, through the Ray actor on this machine.
+  and of an empty call (`can_admit` of nothing), through the client the engine uses in the cluster
+  (`RemoteKV`, cluster/serving/remote_backends.py) over a `KVManagerActor` on this machine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kv_manager.ledger import BlockLedger
 from kv_manager.request_blocks import cdiv
 from kv_manager.schema import AdmitItem, CommitItem, NamespaceConfig, ReserveItem
+
+if TYPE_CHECKING:  # imported when run: it imports ray, which the ledger part does without
+    from cluster.serving.remote_backends import RemoteKV
 
 NAMESPACE = "verifier/target"
 VOCAB = 32_000
@@ -83,34 +87,34 @@ def bench_actor(batch_size: int = 64, rounds: int = 200, k: int = 4, block_size:
     """Needs Ray: uses the running one, or starts a loopback-only one (run under scripts/in-netns.sh)."""
     import ray
 
-    from kv_manager.actor import KVManagerClient
+    from cluster.serving.remote_backends import RemoteKV
+    from kv_manager.actor import KVManagerActor
 
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     case = _setup(batch_size, rounds, k, block_size, 16, seed)
-    client = KVManagerClient.create([case["config"]])
+    actor = KVManagerActor.options(name=None).remote([case["config"]])  # as build_cluster_engine makes it
     try:
-        return asyncio.run(_actor_rounds(client, case, k))
+        return _actor_rounds(RemoteKV(actor), case, k)
     finally:
-        ray.kill(client.handle, no_restart=True)
+        ray.kill(actor, no_restart=True)
         if started_ray:
             ray.shutdown()
 
 
-async def _actor_rounds(client: Any, case: dict[str, Any], k: int) -> dict[str, Any]:
-    await client.connect()
-    holder = await client.register_worker("bench")
+def _actor_rounds(kv: RemoteKV, case: dict[str, Any], k: int) -> dict[str, Any]:
+    holder = kv.register_worker("bench")
     request_ids, tokens = case["request_ids"], case["tokens"]
-    await client.add_requests(
+    kv.admit(
         [AdmitItem(NAMESPACE, rid, prompt, holder) for rid, prompt in zip(request_ids, case["prompts"], strict=True)]
     )
     reserve_items = [ReserveItem(NAMESPACE, request_id, k + 1, holder) for request_id in request_ids]
     round_s: list[float] = []
     for accepted in case["accepted"]:
         start = time.perf_counter()
-        await client.reserve(reserve_items)
-        await client.commit(
+        kv.reserve(reserve_items)
+        kv.commit(
             [
                 CommitItem(NAMESPACE, request_id, accepted_len, tokens[:accepted_len], holder)
                 for request_id, accepted_len in zip(request_ids, accepted, strict=True)
@@ -120,11 +124,14 @@ async def _actor_rounds(client: Any, case: dict[str, Any], k: int) -> dict[str, 
     empty_s: list[float] = []
     for _ in range(100):
         start = time.perf_counter()
-        await client.free_fractions()
+        kv.can_admit([], 0)  # one actor call on an empty plan (free_fraction would answer from its cache)
         empty_s.append(time.perf_counter() - start)
-    await client.assert_no_leaks()
-    await client.release([(NAMESPACE, request_id) for request_id in request_ids])
-    await client.assert_no_leaks()
+    kv.audit().assert_no_leaks()
+    for request_id in request_ids:
+        kv.release(request_id, [NAMESPACE])
+    report = kv.audit()
+    report.assert_no_leaks()
+    assert report.counts[NAMESPACE].free == report.counts[NAMESPACE].capacity, report.counts
     batch_size = len(request_ids)
     return {
         "batch_size": batch_size,
