@@ -117,7 +117,7 @@ def assemble_engine(
     if draft not in NON_MODEL_DRAFTS:
         assert make_drafter is not None, "a draft model needs a drafter"
         draft_dir = model_dir(draft)
-        draft_tok = load_tokenizer(draft_dir) if tokenizer == "auto" else tokenizer
+        draft_tok = None if tok is None else load_tokenizer(draft_dir)  # its own, never the target's
         check_draft_compatible(target_cfg, tok, ModelConfig.from_dir(draft_dir), draft_tok)
         drafter = make_drafter(draft_dir)
         namespaces.append(NamespaceConfig(DRAFT_NAMESPACE, num_blocks, block_size))

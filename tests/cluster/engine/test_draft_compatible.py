@@ -53,7 +53,11 @@ def test_same_vocab_size_different_ids_refused(smollm2_dir: Path, permuted: Path
     check_draft_compatible(target_cfg, target_tok, ModelConfig.from_dir(same), load_tokenizer(same))
 
 
-def test_engine_with_a_permuted_draft_tokenizer_refused_before_any_worker(smollm2_dir: Path, permuted: Path) -> None:
+@pytest.mark.parametrize("given_tokenizer", [False, True])
+def test_engine_with_a_permuted_draft_tokenizer_refused_before_any_worker(smollm2_dir: Path, permuted: Path,
+                                                                         given_tokenizer: bool) -> None:
+    """Also when the caller hands the target's tokenizer in: the draft's own is what gets compared (it used to
+    be compared with that same object, which never refuses)."""
     def never(*_: Any) -> Any:
         raise AssertionError("a worker or ledger was made for an incompatible pair")
 
@@ -62,4 +66,4 @@ def test_engine_with_a_permuted_draft_tokenizer_refused_before_any_worker(smollm
                           overlap=False)
     with pytest.raises(IncompatibleDraftError, match="different ids"):
         assemble_engine(str(smollm2_dir), str(permuted), config, 16, 16, make_verifier=never, make_drafter=never,
-                        make_kv=never)
+                        make_kv=never, tokenizer=load_tokenizer(smollm2_dir) if given_tokenizer else "auto")
