@@ -17,7 +17,7 @@ group crosses the step (overlap.py).
 
 Ownership (docs/ARCHITECTURE.md §3): the thread that calls `step` (the engine thread) owns every
 RequestState, RoundPlan and the ledger client. `submit` and `abort` may be called from other threads:
-they only enqueue under `_lock`, and `step` applies them first. The workers own the KV tensors, the
+they only enqueue in the `RequestInbox` (inbox.py), and `step` applies them first. The workers own the KV tensors, the
 ledger owns block ids; tokens here are the truth.
 """
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from typing import Any
 
@@ -33,6 +32,7 @@ from cluster.engine.accept import RoundOutcome, accept_round
 from cluster.engine.backends import DrafterBackend, VerifierBackend
 from cluster.engine.config import EngineConfig
 from cluster.engine.held_commit import HeldCommitKV
+from cluster.engine.inbox import RequestInbox
 from cluster.engine.kv_client import KVClient
 from cluster.engine.overlap import DraftPipeline, InFlight
 from cluster.engine.planner import PlanContext, plan_request
@@ -43,7 +43,7 @@ from cluster.engine.stats import add_round_times, engine_stats
 from cluster.engine.worker_health import WorkerHealth
 from kv_manager.errors import KVError
 from kv_manager.schema import AdmitItem, CommitItem, ReserveItem
-from specserve_types.api import CapacityError, GenerationRequest, InvalidRequestError, TokenChunk
+from specserve_types.api import GenerationRequest, TokenChunk
 from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
 from verifier_service.acceptance_stats import AcceptanceStats
 
@@ -80,31 +80,20 @@ class SpecEngine:
         self.pipeline = DraftPipeline(drafter.propose) if drafter is not None and config.overlap else None
         self._namespaces = [config.target_namespace] + ([config.draft_namespace] if drafter else [])
         self._turns_without_plans = 0  # overlap: consecutive turns in which no plan got a reservation
-        # shared with submit/abort callers, under _lock; step drains them first
-        self._lock = threading.Lock()
-        self._inbox: collections.deque[RequestState] = collections.deque()
-        self._aborts: collections.deque[str] = collections.deque()
-        self._known_ids: set[str] = set()
+        self.inbox = RequestInbox(config.max_waiting)  # shared with submit/abort callers; step drains it
 
     # ------------------------------------------------------------------ requests in and out (any thread)
     def submit(self, request: GenerationRequest) -> None:
         """Validate and enqueue; raises InvalidRequestError / CapacityError at once, changing nothing."""
         state = new_request_state(request, self.tokenizer, self.eos_token_ids, self.vocab_size,
                                   self.config.max_context, has_drafter=self.drafter is not None)
-        with self._lock:
-            if request.request_id in self._known_ids:
-                raise InvalidRequestError("request_id", f"duplicate request id {request.request_id!r}")
-            if len(self.waiting) + len(self._inbox) >= self.config.max_waiting:
-                raise CapacityError(f"queue full ({self.config.max_waiting} waiting requests)")
-            self._known_ids.add(request.request_id)
-            self._inbox.append(state)
+        self.inbox.put(state, waiting=len(self.waiting))
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._aborts.append(request_id)
+        self.inbox.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running or self.waiting or self._inbox or self._aborts)
+        return bool(self.running or self.waiting or self.inbox.pending())
 
     # ------------------------------------------------------------------ the round (engine thread)
     def step(self) -> list[TokenChunk]:
@@ -135,13 +124,9 @@ class SpecEngine:
         """New requests join the queue; aborts apply, except for requests whose drafts are in flight (the
         drafter is writing their draft KV): those wait for their group to land."""
         in_flight = self.pipeline.in_flight_ids() if self.pipeline else set()
-        with self._lock:
-            self.waiting.extend(self._inbox)
-            self._inbox.clear()
-            aborts = list(self._aborts)
-            self._aborts.clear()
-            self._aborts.extend(rid for rid in aborts if rid in in_flight)
-        return [chunk for rid in aborts if rid not in in_flight for chunk in self._abort_now(rid)]
+        states, aborts = self.inbox.drain(defer=in_flight)
+        self.waiting.extend(states)
+        return [chunk for rid in aborts for chunk in self._abort_now(rid)]
 
     def _admit(self) -> None:
         cfg = self.config
@@ -329,7 +314,7 @@ class SpecEngine:
     def _emit(self, outcome: RoundOutcome) -> list[TokenChunk]:
         for state in outcome.finished:
             self.running.remove(state)
-            self._forget(state.request_id)
+            self.inbox.forget(state.request_id)
         return outcome.chunks
 
     # ------------------------------------------------------------------ giving KV back (engine thread)
@@ -392,12 +377,8 @@ class SpecEngine:
 
     def _aborted_chunk(self, state: RequestState) -> TokenChunk:
         state.finish_reason = "abort"
-        self._forget(state.request_id)
+        self.inbox.forget(state.request_id)
         return TokenChunk(state.request_id, [], "", finish_reason="abort", stats=state.stats())
-
-    def _forget(self, request_id: str) -> None:
-        with self._lock:
-            self._known_ids.discard(request_id)
 
     # ------------------------------------------------------------------ checks, statistics, shutdown
     def reconcile_ledger(self) -> None:
@@ -412,7 +393,7 @@ class SpecEngine:
 
     def stats(self) -> dict[str, Any]:
         identity = {"model": self.model_name, "draft": self.draft_name, "running": len(self.running),
-                    "waiting": len(self.waiting) + len(self._inbox)}
+                    "waiting": len(self.waiting) + self.inbox.queued()}
         return engine_stats(identity, self.totals, self.acceptance, self.cost, self.fallback_events,
                             self.kv.free_fraction(self.config.target_namespace))
 

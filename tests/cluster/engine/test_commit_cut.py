@@ -84,7 +84,7 @@ def scripted_engine(script: list[int], tokenizer: Any = None, engine_class: type
 
 def run_request(engine: SpecEngine, **kwargs: Any) -> tuple[list[TokenChunk], RequestState]:
     engine.submit(request("r", PROMPT, draft="model", **kwargs))
-    state = engine._inbox[-1]  # the request's state, to read its caches after it has left the engine
+    state = engine.inbox.last_queued()  # the request's state, to read its caches after it has left the engine
     chunks = [c for cs in engine.run_to_completion().values() for c in cs]
     return chunks, state
 

@@ -29,7 +29,7 @@ def drive(engine: SpecEngine, out: dict[str, list[TokenChunk]], budget: int = ST
         for chunk in engine.step():
             out[chunk.request_id].append(chunk)
     raise AssertionError(f"no end within {budget} steps: running {[s.request_id for s in engine.running]}, "
-                         f"waiting {[s.request_id for s in engine.waiting]}, aborts pending {list(engine._aborts)}")
+                         f"waiting {[s.request_id for s in engine.waiting]}, aborts pending {engine.inbox.pending_aborts()}")
 
 
 def tokens_of(chunks: list[TokenChunk]) -> list[int]:
