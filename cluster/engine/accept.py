@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE
 from cluster.engine.request_state import RequestState
 from cluster.engine.round_plan import RoundPlan
 from kv_manager.schema import CommitItem, Holder
@@ -44,7 +45,7 @@ class RoundOutcome:
 
 
 def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], verifier_holder: Holder,
-                 drafter_holder: Holder | None, target_namespace: str, draft_namespace: str) -> RoundOutcome:
+                 drafter_holder: Holder | None) -> RoundOutcome:
     outcome = RoundOutcome()
     for plan, out in zip(plans, outputs, strict=True):
         s = plan.state
@@ -62,14 +63,14 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
         target_len = len(plan.target_pending) + kept_accepted
         committed = plan.target_pending + plan.drafts[:kept_accepted]
         assert s.token_ids[s.target_cached:s.target_cached + target_len] == committed, "commit != kept tokens"
-        outcome.commits.append(CommitItem(target_namespace, s.request_id, target_len, committed, verifier_holder,
+        outcome.commits.append(CommitItem(TARGET_NAMESPACE, s.request_id, target_len, committed, verifier_holder,
                                           finished=finished))
         s.target_cached += target_len
         if plan.uses_model_drafter:
             assert drafter_holder is not None, "a model draft without a drafter epoch"
             draft_len = len(plan.draft_pending) + min(kept_accepted, proposed - 1)
             draft_committed = (plan.draft_pending + plan.drafts)[:draft_len]
-            outcome.commits.append(CommitItem(draft_namespace, s.request_id, draft_len, draft_committed,
+            outcome.commits.append(CommitItem(DRAFT_NAMESPACE, s.request_id, draft_len, draft_committed,
                                               drafter_holder, finished=finished))
             s.draft_cached += draft_len
         elif finished and s.draft_admitted:

@@ -36,11 +36,3 @@ class EngineConfig:
         ) if not ok]
         if problems:
             raise ValueError(f"invalid EngineConfig field(s) {problems}: {self}")
-
-    @property
-    def target_namespace(self) -> str:
-        return TARGET_NAMESPACE
-
-    @property
-    def draft_namespace(self) -> str:
-        return DRAFT_NAMESPACE

@@ -30,7 +30,7 @@ from typing import Any
 
 from cluster.engine.accept import RoundOutcome, accept_round
 from cluster.engine.backends import DrafterBackend, VerifierBackend
-from cluster.engine.config import EngineConfig
+from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
 from cluster.engine.held_commit import HeldCommitKV
 from cluster.engine.inbox import RequestInbox
 from cluster.engine.kv_client import KVClient
@@ -78,7 +78,7 @@ class SpecEngine:
         self.health = WorkerHealth(self.kv, drafter is not None, config.drafter_retry_seconds,
                                    config.max_verifier_failures, self.fallback_events)
         self.pipeline = DraftPipeline(drafter.propose) if drafter is not None and config.overlap else None
-        self._namespaces = [config.target_namespace] + ([config.draft_namespace] if drafter else [])
+        self._namespaces = [TARGET_NAMESPACE] + ([DRAFT_NAMESPACE] if drafter else [])
         self._turns_without_plans = 0  # overlap: consecutive turns in which no plan got a reservation
         self.inbox = RequestInbox(config.max_waiting)  # shared with submit/abort callers; step drains it
 
@@ -103,7 +103,10 @@ class SpecEngine:
         if not self.running:
             return chunks
         round_start = time.perf_counter()
-        plans, draft_seconds = self._prepare_overlapped() if self.pipeline else self._prepare()  # plan, reserve, propose
+        if self.pipeline is not None:  # plan, reserve, propose
+            plans, draft_seconds = self._prepare_overlapped()
+        else:
+            plans, draft_seconds = self._prepare(self.running, may_preempt=True)
         if not plans:
             return chunks
         try:
@@ -112,8 +115,7 @@ class SpecEngine:
             self._recover_verifier(str(lost))
             return chunks
         reconcile_start = time.perf_counter()
-        outcome = accept_round(plans, verified.outputs, self.health.verifier_holder, self.health.drafter_holder,
-                               self.config.target_namespace, self.config.draft_namespace)
+        outcome = accept_round(plans, verified.outputs, self.health.verifier_holder, self.health.drafter_holder)
         self._commit(outcome)
         chunks.extend(self._emit(outcome))
         now = time.perf_counter()
@@ -132,7 +134,7 @@ class SpecEngine:
         cfg = self.config
         while self.waiting and len(self.running) < cfg.max_batch:
             state = self.waiting[0]
-            items = [AdmitItem(cfg.target_namespace, state.request_id, state.token_ids, self.health.verifier_holder)]
+            items = [AdmitItem(TARGET_NAMESPACE, state.request_id, state.token_ids, self.health.verifier_holder)]
             if not self.kv.can_admit(items, lookahead=cfg.k_max + 1):
                 break  # memory pressure: wait for running requests to finish
             (admission,) = self.kv.admit(items)
@@ -145,8 +147,9 @@ class SpecEngine:
             log.debug("admitted %s (%d prompt tokens, %d cached)", state.request_id, state.prompt_len,
                       state.target_cached)
 
-    def _prepare(self) -> tuple[list[RoundPlan], float]:
-        plans = self._reserve(self._plan(self.running), may_preempt=True)
+    def _prepare(self, states: list[RequestState], may_preempt: bool) -> tuple[list[RoundPlan], float]:
+        """Plan, reserve and propose on this thread (the drafter call waited for here)."""
+        plans = self._reserve(self._plan(states), may_preempt=may_preempt)
         model_plans, batch = self._draft_batch(plans)
         if batch is None:
             return plans, 0.0
@@ -167,11 +170,8 @@ class SpecEngine:
         flight = self.pipeline.take(turn)
         if flight is not None:
             plans, draft_seconds = self._land(flight)
-        elif mine:
-            plans = self._reserve(self._plan(mine), may_preempt=False)
-            model_plans, batch = self._draft_batch(plans)
-            self.pipeline.submit(turn, plans, model_plans, batch, self.health.drafter_holder)
-            plans, draft_seconds = self._land(self.pipeline.take(turn))  # type: ignore[arg-type]
+        elif mine:  # nothing in flight for this group (its first turn, or after a recovery)
+            plans, draft_seconds = self._prepare(mine, may_preempt=False)
         else:
             plans, draft_seconds = [], 0.0
         if others and not self.pipeline.has(1 - turn):
@@ -206,7 +206,8 @@ class SpecEngine:
         cfg = self.config
         context = PlanContext(
             k_max=cfg.k_max, probe_every=cfg.probe_every, pressure_free_fraction=cfg.pressure_free_fraction,
-            free_fraction=self.kv.free_fraction(cfg.target_namespace),
+            free_fraction=self.kv.free_fraction(TARGET_NAMESPACE) if any(  # read by auto only
+                s.request.spec.k is None and s.request.spec.draft != "none" for s in states) else 1.0,
             drafter_usable=any(s.request.spec.draft == "model" for s in states) and self.health.drafter_usable(),
             engine_acceptance=self.acceptance, cost=self.cost, batch=len(states))
         plans = [plan_request(state, context) for state in states]
@@ -222,7 +223,7 @@ class SpecEngine:
         if state.draft_admitted:
             return True
         try:
-            (admission,) = self.kv.admit([AdmitItem(self.config.draft_namespace, state.request_id, state.token_ids,
+            (admission,) = self.kv.admit([AdmitItem(DRAFT_NAMESPACE, state.request_id, state.token_ids,
                                                     self.health.drafter_holder)])
         except KVError as exc:
             log.warning("draft admission refused for %s: %s", state.request_id, exc)
@@ -233,10 +234,10 @@ class SpecEngine:
 
     def _reserve(self, plans: list[RoundPlan], may_preempt: bool) -> list[RoundPlan]:
         """Each plan's maximum, in one call; a plan refused its target slots sits this round out."""
-        cfg, health = self.config, self.health
-        items = [ReserveItem(cfg.target_namespace, p.state.request_id, len(p.target_pending) + p.k,
+        health = self.health
+        items = [ReserveItem(TARGET_NAMESPACE, p.state.request_id, len(p.target_pending) + p.k,
                              health.verifier_holder) for p in plans]
-        items += [ReserveItem(cfg.draft_namespace, p.state.request_id, len(p.draft_pending) + p.k - 1,
+        items += [ReserveItem(DRAFT_NAMESPACE, p.state.request_id, len(p.draft_pending) + p.k - 1,
                               health.drafter_holder) for p in plans if p.uses_model_drafter]
         kv_start = time.perf_counter()
         results = self.kv.reserve(items)  # carries the last round's held commit, if any
@@ -245,11 +246,11 @@ class SpecEngine:
         kept: list[RoundPlan] = []
         for plan in plans:
             rid = plan.state.request_id
-            plan.target_grant = grants.get((cfg.target_namespace, rid))
-            draft = grants.get((cfg.draft_namespace, rid))
+            plan.target_grant = grants.get((TARGET_NAMESPACE, rid))
+            draft = grants.get((DRAFT_NAMESPACE, rid))
             if plan.target_grant is None:
                 if draft is not None:
-                    self.kv.rollback([(cfg.draft_namespace, rid)])
+                    self.kv.rollback([(DRAFT_NAMESPACE, rid)])
                 continue  # out of blocks this round: skipped; preempted if nothing runs
             if plan.uses_model_drafter and draft is None:
                 self._plain([plan], "draft cache out of blocks")
@@ -305,7 +306,7 @@ class SpecEngine:
         for record in outcome.acceptance:
             self.acceptance.record(record.accepted, record.proposed, record.contract)
         for request_id in outcome.release_draft:
-            self.kv.release(request_id, [self.config.draft_namespace])
+            self.kv.release(request_id, [DRAFT_NAMESPACE])
         kv_start = time.perf_counter()
         hold = self.pipeline is None and not outcome.finished  # held: sent with the next round's reserve
         self.kv.commit(outcome.commits, hold=hold)
@@ -323,12 +324,12 @@ class SpecEngine:
         for item, res in zip(commits, results, strict=True):
             if not isinstance(res, KVError):
                 continue
-            if item.namespace == self.config.target_namespace:
+            if item.namespace == TARGET_NAMESPACE:
                 raise res
             log.warning("draft commit refused for %s (%s); the drafter re-prefills it", item.request_id, res)
             for state in self.running:  # the ledger and our draft_cached disagree: start the draft cache over
                 if state.request_id == item.request_id and state.draft_admitted:
-                    self.kv.release(state.request_id, [self.config.draft_namespace])
+                    self.kv.release(state.request_id, [DRAFT_NAMESPACE])
                     state.draft_cached, state.draft_admitted = 0, False
 
     def _restart_draft_caches(self) -> None:
@@ -348,7 +349,7 @@ class SpecEngine:
         self.health.renew_verifier(reason)
         for state in reversed(self.running):
             if state.draft_admitted:  # this round's draft reservation goes with it
-                self.kv.release(state.request_id, [self.config.draft_namespace])
+                self.kv.release(state.request_id, [DRAFT_NAMESPACE])
             state.forget_kv()
             self.waiting.appendleft(state)
         self.running.clear()
@@ -395,7 +396,7 @@ class SpecEngine:
         identity = {"model": self.model_name, "draft": self.draft_name, "running": len(self.running),
                     "waiting": len(self.waiting) + self.inbox.queued()}
         return engine_stats(identity, self.totals, self.acceptance, self.cost, self.fallback_events,
-                            self.kv.free_fraction(self.config.target_namespace))
+                            self.kv.free_fraction(TARGET_NAMESPACE))
 
     def reset_statistics(self) -> None:
         """Forget acceptance, time totals and events (after warm-up); the cost model stays."""

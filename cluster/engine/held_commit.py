@@ -8,7 +8,7 @@ client that sees its last token sees its blocks released).
 
 A commit's outcomes go to `check(items, outcomes)` whenever it is sent (the engine raises on a refused
 target commit and restarts a refused draft cache). Owner of `held`: the engine thread (with overlap
-nothing is held; the draft thread only reserves).
+nothing is held, and the draft thread makes no ledger call).
 """
 
 from __future__ import annotations

@@ -57,11 +57,3 @@ class RequestInbox:
     def pending(self) -> bool:
         with self._lock:
             return bool(self._states or self._aborts)
-
-    def pending_aborts(self) -> list[str]:
-        with self._lock:
-            return list(self._aborts)
-
-    def last_queued(self) -> RequestState:
-        with self._lock:
-            return self._states[-1]

@@ -6,10 +6,8 @@ Each round makes one `reserve` and one `commit` call for the whole batch (docs/A
 
 from __future__ import annotations
 
-import functools
-import threading
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Sequence
+from typing import Protocol
 
 from kv_manager.errors import KVError, UnknownRequest
 from kv_manager.ledger import BlockLedger
@@ -23,8 +21,6 @@ from kv_manager.schema import (
     Reservation,
     ReserveItem,
 )
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class KVClient(Protocol):
@@ -57,36 +53,22 @@ class KVClient(Protocol):
     def audit(self) -> AuditReport: ...
 
 
-def _locked(method: F) -> F:
-    @functools.wraps(method)
-    def wrapper(self: LocalKV, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
-
-
 class LocalKV:
-    """Owner of nothing: forwards to the ledger, which owns all block state. One lock serializes
-    calls (with overlap, the draft thread reserves while the engine thread commits)."""
+    """Owner of nothing: forwards to the ledger, which owns all block state. Called from the engine thread
+    only (with overlap too: the draft thread makes no ledger call), so it takes no lock."""
 
     def __init__(self, ledger: BlockLedger) -> None:
         self.ledger = ledger
-        self._lock = threading.RLock()
 
-    @_locked
     def register_worker(self, worker_id: str) -> Holder:
         return self.ledger.register_worker(worker_id)
 
-    @_locked
     def expire_worker(self, worker_id: str) -> int:
         return self.ledger.expire_worker(worker_id)
 
-    @_locked
     def can_admit(self, items: Sequence[AdmitItem], lookahead: int) -> bool:
         return self.ledger.can_admit({i.namespace: len(i.prompt_token_ids) + lookahead for i in items})
 
-    @_locked
     def admit(self, items: Sequence[AdmitItem]) -> list[Admission]:
         """All or nothing across namespaces: a refusal rolls back the admissions already made."""
         done: list[Admission] = []
@@ -100,21 +82,17 @@ class LocalKV:
             raise
         return done
 
-    @_locked
     def reserve(self, items: Sequence[ReserveItem]) -> list[Reservation | KVError]:
         return self.ledger.reserve(items)
 
-    @_locked
     def commit(self, items: Sequence[CommitItem]) -> list[CommitResult | KVError]:
         return self.ledger.commit(items)
 
-    @_locked
     def commit_then_reserve(self, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]
                             ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError]]:
         """A deferred commit and the next reserve as one step (one round trip for the remote client)."""
         return self.ledger.commit(commits), self.ledger.reserve(reserves)
 
-    @_locked
     def rollback(self, keys: Sequence[tuple[str, str]]) -> None:
         for namespace, request_id in keys:
             try:
@@ -122,20 +100,16 @@ class LocalKV:
             except UnknownRequest:
                 pass
 
-    @_locked
     def release(self, request_id: str, namespaces: Sequence[str]) -> None:
         for namespace in namespaces:
             if request_id in self.ledger.requests.get(namespace, {}):
                 self.ledger.release(namespace, request_id)
 
-    @_locked
     def request_ids(self, namespace: str) -> list[str]:
         return self.ledger.request_ids(namespace)
 
-    @_locked
     def free_fraction(self, namespace: str) -> float:
         return self.ledger.free_fraction(namespace)
 
-    @_locked
     def audit(self) -> AuditReport:
         return self.ledger.audit()

@@ -79,7 +79,7 @@ class RemoteKV:
         self.timeout_s = timeout_s
         self.incarnation: str = ray.get(actor.incarnation.remote(), timeout=timeout_s)
         self._free: dict[str, float] | None = None  # None = stale
-        self._free_lock = threading.Lock()  # with overlap, the engine's draft thread calls too
+        self._free_lock = threading.Lock()  # the engine calls from one thread; tests share a client across threads
 
     def _call(self, method: str, *args: Any) -> Any:
         try:

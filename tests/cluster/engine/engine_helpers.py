@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from cluster.engine.config import EngineConfig
+from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
 from cluster.engine.engine import SpecEngine
 from cluster.engine.factory import build_local_engine
 from cluster.engine.kv_client import LocalKV
@@ -152,8 +152,8 @@ def fake_engine(num_blocks: int = 256, block_size: int = 4, max_batch: int = 4, 
                 k_max: int = 4) -> SpecEngine:
     """The real engine, ledger (in process) and workers over FakeRunners, with a draft model; no EOS."""
     config = engine_config(max_batch=max_batch, queue_capacity=64, max_context=1024, k_max=k_max, overlap=overlap)
-    namespaces = [NamespaceConfig(config.target_namespace, num_blocks, block_size),
-                  NamespaceConfig(config.draft_namespace, num_blocks, block_size)]
+    namespaces = [NamespaceConfig(TARGET_NAMESPACE, num_blocks, block_size),
+                  NamespaceConfig(DRAFT_NAMESPACE, num_blocks, block_size)]
     return SpecEngine(VerifierWorker(FakeRunner(fake_next_token, block_size)),
                       DraftWorker(FakeRunner(fake_draft_token, block_size)), LocalKV(BlockLedger(namespaces)),
                       tokenizer=None, eos_token_ids=(), vocab_size=FAKE_VOCAB, config=config,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.config import EngineConfig
+from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE
 from cluster.engine.engine import SpecEngine
 from cluster.engine.kv_client import LocalKV
 from cluster.engine.request_state import RequestState
@@ -22,7 +22,7 @@ from drafter_service.worker import DraftWorker
 from kv_manager.ledger import BlockLedger
 from kv_manager.schema import CommitItem, NamespaceConfig
 from specserve_types.api import TokenChunk
-from tests.cluster.engine.engine_helpers import FAKE_VOCAB, FakeRunner, request
+from tests.cluster.engine.engine_helpers import FAKE_VOCAB, FakeRunner, engine_config, request
 from verifier_service.worker import VerifierWorker
 
 EOS = 2
@@ -69,11 +69,9 @@ class RecordingKV:
 
 def scripted_engine(script: list[int], tokenizer: Any = None, engine_class: type[SpecEngine] = SpecEngine
                     ) -> tuple[SpecEngine, RecordingKV]:
-    config = EngineConfig(max_batch=2, max_waiting=8, max_context=256, k_max=4, probe_every=32,
-                          pressure_free_fraction=0.1, drafter_retry_seconds=5.0, max_verifier_failures=0,
-                          overlap=False)
-    ledger = BlockLedger([NamespaceConfig(config.target_namespace, 64, BLOCK_SIZE),
-                          NamespaceConfig(config.draft_namespace, 64, BLOCK_SIZE)])
+    config = engine_config(max_batch=2, queue_capacity=8, max_context=256, max_verifier_failures=0)
+    ledger = BlockLedger([NamespaceConfig(TARGET_NAMESPACE, 64, BLOCK_SIZE),
+                          NamespaceConfig(DRAFT_NAMESPACE, 64, BLOCK_SIZE)])
     rule = scripted(PROMPT + script)
     engine = engine_class(VerifierWorker(FakeRunner(rule, BLOCK_SIZE)), DraftWorker(FakeRunner(rule, BLOCK_SIZE)),
                           LocalKV(ledger), tokenizer, (EOS,), FAKE_VOCAB, config)
@@ -84,7 +82,7 @@ def scripted_engine(script: list[int], tokenizer: Any = None, engine_class: type
 
 def run_request(engine: SpecEngine, **kwargs: Any) -> tuple[list[TokenChunk], RequestState]:
     engine.submit(request("r", PROMPT, draft="model", **kwargs))
-    state = engine.inbox.last_queued()  # the request's state, to read its caches after it has left the engine
+    state = engine.inbox._states[-1]  # the request's state, to read its caches after it has left the engine
     chunks = [c for cs in engine.run_to_completion().values() for c in cs]
     return chunks, state
 
@@ -95,7 +93,7 @@ def check_commits_and_acceptance(engine: SpecEngine, kv: RecordingKV, chunks: li
     there); the draft's the same less `draft_short` (a last draft's KV is never written), nothing past
     the kept tokens; the caches agree with the ledger; acceptance counts only kept drafts."""
     full = PROMPT + output
-    expected = {engine.config.target_namespace: full, engine.config.draft_namespace: full[:len(full) - draft_short]}
+    expected = {TARGET_NAMESPACE: full, DRAFT_NAMESPACE: full[:len(full) - draft_short]}
     for namespace, tokens in expected.items():
         commits = kv.of(namespace, "r")
         assert commits[-1][0].finished

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE
 from kv_manager.errors import StaleEpoch
 from tests.cluster.engine.engine_helpers import local_engine, plain_greedy, request
 from tests.model_runtime.random_checkpoint import make_random_checkpoint
@@ -69,7 +70,7 @@ def test_steady_rounds_make_one_ledger_call_and_finishing_rounds_commit_at_once(
         finished = {c.request_id for c in chunks if c.finished}
         if finished:  # the finishing round sent its commit before returning: the ledger let go
             assert engine.kv.inner.calls[-1] == "commit", engine.kv.inner.calls
-            for namespace in (engine.config.target_namespace, engine.config.draft_namespace):
+            for namespace in (TARGET_NAMESPACE, DRAFT_NAMESPACE):
                 assert not finished & live_ids(engine, namespace)
         elif engine.kv.inner.calls and engine.kv.inner.calls[0] == "commit_then_reserve":
             assert engine.kv.inner.calls == ["commit_then_reserve"], engine.kv.inner.calls
@@ -92,7 +93,7 @@ def test_an_abort_sends_the_held_commit_first(pair) -> None:
     chunks = engine.step()
     assert [c.finish_reason for c in chunks if c.request_id == "a"] == ["abort"]
     assert engine.kv.inner.calls[:2] == ["commit", "release"], engine.kv.inner.calls
-    assert "a" not in live_ids(engine, engine.config.target_namespace)
+    assert "a" not in live_ids(engine, TARGET_NAMESPACE)
     engine.run_to_completion()
     assert not engine.kv.held
     engine.kv.audit().assert_no_leaks()
@@ -134,7 +135,7 @@ class RefusingKV(CountingKV):
 def test_a_refused_draft_commit_restarts_that_draft_cache_and_output_stays_exact(pair) -> None:
     target, _ = pair
     engine = engine_for(pair)
-    engine.kv.inner = RefusingKV(engine.kv.inner.inner, engine.config.draft_namespace, after_calls=6)
+    engine.kv.inner = RefusingKV(engine.kv.inner.inner, DRAFT_NAMESPACE, after_calls=6)
     engine.submit(request("r", [3, 4, 5, 6], max_tokens=20, k=2, ignore_eos=True))
     out = [t for c in engine.run_to_completion()["r"] for t in c.token_ids]
     assert engine.kv.inner.refused == ["r"]

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.config import EngineConfig
 from cluster.engine.factory import (
     IncompatibleDraftError,
     assemble_engine,
@@ -18,6 +17,7 @@ from cluster.engine.factory import (
     load_tokenizer,
 )
 from model_runtime.config import ModelConfig
+from tests.cluster.engine.engine_helpers import engine_config
 
 TOKENIZER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -61,9 +61,7 @@ def test_engine_with_a_permuted_draft_tokenizer_refused_before_any_worker(smollm
     def never(*_: Any) -> Any:
         raise AssertionError("a worker or ledger was made for an incompatible pair")
 
-    config = EngineConfig(max_batch=1, max_waiting=1, max_context=64, k_max=4, probe_every=32,
-                          pressure_free_fraction=0.1, drafter_retry_seconds=5.0, max_verifier_failures=0,
-                          overlap=False)
+    config = engine_config(max_batch=1, queue_capacity=1, max_context=64, max_verifier_failures=0)
     with pytest.raises(IncompatibleDraftError, match="different ids"):
         assemble_engine(str(smollm2_dir), str(permuted), config, 16, 16, make_verifier=never, make_drafter=never,
                         make_kv=never, tokenizer=load_tokenizer(smollm2_dir) if given_tokenizer else "auto")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from cluster.engine.config import TARGET_NAMESPACE
 from cluster.engine.engine import SpecEngine
 from kv_manager.errors import OutOfBlocks
 from kv_manager.schema import ReserveItem
@@ -29,7 +30,7 @@ def drive(engine: SpecEngine, out: dict[str, list[TokenChunk]], budget: int = ST
         for chunk in engine.step():
             out[chunk.request_id].append(chunk)
     raise AssertionError(f"no end within {budget} steps: running {[s.request_id for s in engine.running]}, "
-                         f"waiting {[s.request_id for s in engine.waiting]}, aborts pending {engine.inbox.pending_aborts()}")
+                         f"waiting {[s.request_id for s in engine.waiting]}, aborts pending {list(engine.inbox._aborts)}")
 
 
 def tokens_of(chunks: list[TokenChunk]) -> list[int]:
@@ -84,7 +85,7 @@ def test_abort_under_overlap_while_out_of_blocks_completes() -> None:
     """A request refused its reservation is aborted: the abort applies once its group's drafting ended;
     the others still finish with the plain greedy output."""
     engine = fake_engine(num_blocks=20, block_size=4, max_batch=4, overlap=True)
-    log = RefusalLog(engine.kv.inner, engine.config.target_namespace)
+    log = RefusalLog(engine.kv.inner, TARGET_NAMESPACE)
     engine.kv.inner = log  # below the held-commit wrapper; with overlap nothing is held: all reserves pass here
     prompts = {f"a{i}": [(5 * i + j) % FAKE_VOCAB for j in range(10)] for i in range(4)}
     for rid, prompt in prompts.items():

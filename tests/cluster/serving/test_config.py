@@ -125,7 +125,7 @@ def test_engine_config_has_no_defaults_and_refuses_bad_values() -> None:
     with pytest.raises(TypeError):
         EngineConfig()  # type: ignore[call-arg]
     good = load_config().engine_config()
-    assert (good.target_namespace, good.draft_namespace) == (TARGET_NAMESPACE, DRAFT_NAMESPACE)
+    assert (TARGET_NAMESPACE, DRAFT_NAMESPACE) == ("verifier/target", "drafter/draft")  # constants, not settings
     with pytest.raises(dataclasses.FrozenInstanceError):
         good.k_max = 2  # type: ignore[misc]
     for field, bad in [("max_batch", 0), ("max_waiting", 0), ("max_context", 0), ("k_max", -1), ("probe_every", 0),
