@@ -43,6 +43,28 @@ class CapacityError(SpecServeError, RuntimeError):
     """The server cannot take this request now (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
 
 
+MAX_ID_CHARS = 128  # request ids and model names are logged: short, printable, one line
+
+
+def check_text(field_name: str, value: str) -> None:
+    """Text a tokenizer can take: valid Unicode (no unpaired UTF-16 surrogate, which JSON's `\\ud800` escapes
+    can produce and UTF-8 cannot encode). Control characters are allowed: prompts hold tabs and newlines."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(field_name, f"is not valid Unicode: unpaired surrogate {value[exc.start]!r} "
+                                              f"at character {exc.start}") from None
+
+
+def check_identifier(field_name: str, value: str) -> None:
+    """An id that ends up in logs and headers: printable, one line, at most MAX_ID_CHARS characters."""
+    check_text(field_name, value)
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidRequestError(field_name, f"longer than {MAX_ID_CHARS} characters")
+    if not value.isprintable():
+        raise InvalidRequestError(field_name, "must be printable characters on one line")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """The request's sampling transform, applied identically to target (p) and draft (q) logits."""
@@ -78,6 +100,8 @@ class SamplingParams:
             raise InvalidRequestError("max_tokens", f"must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
+        for stop in self.stop:
+            check_text("stop", stop)
 
     @property
     def is_greedy(self) -> bool:
@@ -115,6 +139,7 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if not self.request_id:
             raise InvalidRequestError("request_id", "must be non-empty")
+        check_identifier("request_id", self.request_id)
         if len(self.prompt_token_ids) == 0:
             raise InvalidRequestError("prompt", "must be non-empty")
 

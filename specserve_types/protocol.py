@@ -22,6 +22,8 @@ from specserve_types.api import (
     SpecParams,
     SpecServeError,
     TokenChunk,
+    check_identifier,
+    check_text,
 )
 from specserve_types.proto import specserve_pb2 as pb
 
@@ -46,6 +48,7 @@ class GenerateArgs:
     n: int = 1
 
     def __post_init__(self) -> None:
+        check_identifier("request_id", self.request_id)
         if not (1 <= self.n <= MAX_N):
             raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {self.n}")
         if self.chat:
@@ -58,6 +61,9 @@ class GenerateArgs:
                     raise InvalidRequestError(f"messages[{index}].role", f"must be one of {CHAT_ROLES}, got {role!r}")
                 if not content:
                     raise InvalidRequestError(f"messages[{index}].content", "must be non-empty")
+                check_text(f"messages[{index}].content", content)
+            if sum(len(content) for _, content in self.messages) > MAX_PROMPT_CHARS:
+                raise InvalidRequestError("messages", f"longer than {MAX_PROMPT_CHARS} characters in all")
         elif self.prompt_token_ids is not None:
             if not self.prompt_token_ids:
                 raise InvalidRequestError("prompt", "must be non-empty")
@@ -65,8 +71,10 @@ class GenerateArgs:
                 raise InvalidRequestError("prompt", "token ids must be >= 0")
         elif not self.prompt_text:
             raise InvalidRequestError("prompt", "must be non-empty")
-        if self.prompt_text is not None and len(self.prompt_text) > MAX_PROMPT_CHARS:
-            raise InvalidRequestError("prompt", f"longer than {MAX_PROMPT_CHARS} characters")
+        if self.prompt_text is not None:
+            if len(self.prompt_text) > MAX_PROMPT_CHARS:
+                raise InvalidRequestError("prompt", f"longer than {MAX_PROMPT_CHARS} characters")
+            check_text("prompt", self.prompt_text)
 
     def completion_ids(self) -> list[str]:
         """Engine request ids of the n completions."""
@@ -125,6 +133,8 @@ class ServerDefaults:
     draft: str = "model"  # SpecParams.draft for requests that name none: "model", or "ngram" without a draft model
 
     def check_model(self, requested: str) -> None:
+        if requested:
+            check_identifier("model", requested)
         if requested and requested != self.model:
             raise InvalidRequestError("model", f"unknown model {requested!r}; this server serves {self.model!r}")
 

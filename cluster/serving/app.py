@@ -1,6 +1,6 @@
 """The specserve Ray Serve application.
 
-Graph: ingress(gRPC+HTTP) -> scheduler -> {drafter, verifier(TP ranks)}; scheduler <-> kv_manager actor
+Graph: ingress(own gRPC server + HTTP via Serve's proxy) -> scheduler -> {drafter, verifier(TP ranks)}; scheduler <-> kv_manager actor
 
     Ingress    stateless front end: gRPC specserve.v1.SpecServe (through Serve's gRPC proxy) and the
                OpenAI-compatible HTTP API (FastAPI); validates, streams from the scheduler
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
-from ray.serve.config import HTTPOptions, gRPCOptions
+from ray.serve.config import HTTPOptions
 
 from cluster.serving.config import ClusterConfig
 from cluster.serving.ingress import IngressDeployment
@@ -25,11 +25,10 @@ from cluster.serving.scheduler import EngineBuilder, SchedulerDeployment
 from drafter_service.deployment import DrafterDeployment
 from verifier_service.deployment import VerifierDeployment, placement_bundles
 
-__all__ = ["APP_NAME", "GRPC_SERVICER", "bind_drafter", "bind_verifier", "build_app", "deploy", "serve_options",
+__all__ = ["APP_NAME", "bind_drafter", "bind_verifier", "build_app", "deploy", "serve_options",
            "start_serve"]
 
 APP_NAME = "specserve"
-GRPC_SERVICER = "specserve_types.proto.specserve_pb2_grpc.add_SpecServeServicer_to_server"
 CONTROL_CALLS = 16  # stats / health calls a replica accepts on top of its generation streams
 CONSTRUCTOR_RETRIES = 3  # a replica that cannot load its model fails the deploy soon, not after 20 tries
 
@@ -89,13 +88,10 @@ def build_app(config: ClusterConfig, engine_builder: EngineBuilder | None = None
 
 
 def serve_options(config: ClusterConfig) -> dict[str, Any]:
-    """`serve.start` arguments: both proxies on `config.host`, gRPC with the SpecServe service."""
-    return {
-        "http_options": HTTPOptions(host=config.host, port=config.http_port,
-                                    request_timeout_s=config.request_timeout_s),
-        "grpc_options": gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER],
-                                    request_timeout_s=config.request_timeout_s),
-    }
+    """`serve.start` arguments: the HTTP proxy on `config.host`. Serve's gRPC proxy stays off: the ingress
+    replicas serve gRPC themselves (cluster/serving/grpc_service.py says why)."""
+    return {"http_options": HTTPOptions(host=config.host, port=config.http_port,
+                                        request_timeout_s=config.request_timeout_s)}
 
 
 def start_serve(config: ClusterConfig) -> None:

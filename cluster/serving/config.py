@@ -102,12 +102,13 @@ class ClusterConfig(BaseModel):
     graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0, le=3600)
     graceful_shutdown_timeout_s: float = Field(20.0, gt=0, le=3600)
     request_timeout_s: float | None = Field(None, gt=0, description="end-to-end limit per request")
+    retry_after_s: int = Field(1, ge=0, le=3600, description="the retry hint of a refusal for capacity "
+                                                             "(HTTP Retry-After, gRPC retry-after metadata)")
 
     # network
-    # The HTTP proxy binds `host`; Serve 2.60's gRPC proxy always binds [::]:grpc_port (not configurable),
-    # so a loopback-only deployment needs a loopback-only network (scripts/in-netns.sh) or a firewall.
-    host: str = Field("127.0.0.1", description="address the HTTP proxy binds and the printed addresses use")
-    grpc_port: int = Field(9000, ge=1, le=65535)
+    # Serve's HTTP proxy and the ingress replicas' own gRPC servers (cluster/serving/grpc_server.py) bind `host`
+    host: str = Field("127.0.0.1", description="address the HTTP proxy and the gRPC servers bind")
+    grpc_port: int = Field(9000, ge=1, le=65535, description="the ingress replicas' gRPC port (SO_REUSEPORT)")
     http_port: int = Field(8000, ge=1, le=65535)
     dashboard_port: int = Field(8265, ge=1, le=65535)
     ray_address: str | None = Field(None, description="join this Ray cluster; None = start a local one")

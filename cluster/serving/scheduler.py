@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from jinja2 import TemplateError
 from ray import serve
 
 from cluster.serving.config import ClusterConfig
@@ -44,11 +45,19 @@ def encode_prompt(tokenizer: Any, args: GenerateArgs) -> tuple[int, ...]:
         if max(args.prompt_token_ids) >= vocab_size:
             raise InvalidRequestError("prompt", f"token ids must be < vocabulary size {vocab_size}")
         return args.prompt_token_ids
-    if args.chat:  # the same calls as `specserve generate --chat`
-        messages = [{"role": role, "content": content} for role, content in args.messages]
-        return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False))
-    return tuple(tokenizer(args.prompt_text)["input_ids"])
+    field_name = "messages" if args.chat else "prompt"
+    try:
+        if args.chat:  # the same calls as `specserve generate --chat`
+            messages = [{"role": role, "content": content} for role, content in args.messages]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        else:
+            ids = tokenizer(args.prompt_text)["input_ids"]
+    except (TypeError, ValueError, TemplateError) as exc:  # the text was validated (api.check_text): the tokenizer
+        # or the chat template refuses what the client sent (e.g. a template's role-order rule): the client's fault
+        raise InvalidRequestError(field_name, f"cannot be tokenized: {type(exc).__name__}: {exc}") from None
+    if not ids:
+        raise InvalidRequestError(field_name, "tokenizes to no tokens")
+    return tuple(ids)
 
 
 def completion_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -125,9 +134,9 @@ class Scheduler:
                     chunk = dataclasses.replace(chunk, stats=stats)
                 chunk = dataclasses.replace(chunk, request_id=args.request_id)
                 yield IndexedChunk(index, chunk, args.spec.contract)
-        except Exception as exc:  # an engine-loop failure: report it in-band, then abort below
+        except Exception:  # an engine-loop failure: logged here, reported in-band without internals, aborted below
             logger.exception("request %s failed", args.request_id)
-            yield StreamError.of(exc)
+            yield StreamError("internal", f"internal server error (request id {args.request_id})")
         finally:
             self._live -= len(completion_ids)
             self._abort_pending(pending)

@@ -6,7 +6,7 @@ from typing import Any
 
 from ray.serve.deployment import Application
 
-from cluster.serving.app import GRPC_SERVICER, build_app, serve_options
+from cluster.serving.app import build_app, serve_options
 from cluster.serving.config import ClusterConfig, load_config
 
 
@@ -63,9 +63,8 @@ def test_cuda_workers_request_gpus() -> None:
 
 
 def test_serve_options() -> None:
+    """Serve's HTTP proxy on the configured address; no Serve gRPC proxy (the ingress serves gRPC itself)."""
     options = serve_options(load_config(host="127.0.0.1", grpc_port=9100, http_port=8100, request_timeout_s=30))
-    assert options["grpc_options"].port == 9100 and options["grpc_options"].grpc_servicer_functions == [GRPC_SERVICER]
-    assert options["grpc_options"].request_timeout_s == 30
     assert (options["http_options"].host, options["http_options"].port) == ("127.0.0.1", 8100)
-    (servicer,) = options["grpc_options"].grpc_servicer_func_callable  # importable where Serve runs
-    assert servicer.__name__ == "add_SpecServeServicer_to_server"
+    assert options["http_options"].request_timeout_s == 30
+    assert "grpc_options" not in options

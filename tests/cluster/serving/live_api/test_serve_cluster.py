@@ -1,6 +1,6 @@
 """The Ray Serve cluster end to end: gRPC and HTTP against SmolLM2-135M.
 
-One application for the module (Ray once per session: `ray_session`), with SmolLM2 as its own
+One application for the package (live_api/conftest.py; Ray once per session), with SmolLM2 as its own
 draft model (a Drafter deployment), so requests can draft with the model, by n-gram, or not at all.
 Greedy outputs are compared token for token with the in-process engine (greedy output does not
 depend on the drafter); the KV ledger is audited after cancellations.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 import requests
 
 from cluster.client import RemoteError, SpecServeClient, collect
-from cluster.serving.config import ClusterConfig, load_config
+from cluster.serving.config import ClusterConfig
 from specserve_types.api import (
     CapacityError,
     GenerationRequest,
@@ -28,44 +27,22 @@ from specserve_types.api import (
     SamplingParams,
     SpecParams,
 )
+from tests.cluster.serving.live_api.helpers import (
+    HTTP_PORT,
+    MAX_CONTEXT,
+    QUEUE_CAPACITY,
+    assert_no_leaks,
+    http,
+    scheduler_call,
+    wait_aborted,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
-GRPC_PORT, HTTP_PORT = 19310, 18310
-MAX_CONTEXT = 256
 LONG = 230  # output tokens of a request a deadline should cut (prompt + LONG fits MAX_CONTEXT)
-QUEUE_CAPACITY = 100
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n\ndef normalize(x):", "The capital of France is"]
 MAX_TOKENS = 20
-
-
-def cluster_config() -> ClusterConfig:
-    return load_config(
-        model="smollm2-135m", draft="smollm2-135m", worker_threads=1, kv_blocks=512, block_size=16,
-        queue_capacity=QUEUE_CAPACITY, max_batch=16, max_context=MAX_CONTEXT, grpc_port=GRPC_PORT,
-        http_port=HTTP_PORT, health_check_period_s=1.0, health_check_timeout_s=10.0,
-        graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=2.0,
-    )
-
-
-@pytest.fixture(scope="module")
-def cluster(ray_session: Any) -> Iterator[ClusterConfig]:
-    from ray import serve
-
-    from cluster.serving.app import deploy
-
-    config = cluster_config()
-    deploy(config)
-    try:
-        yield config
-    finally:
-        serve.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(cluster: ClusterConfig) -> Iterator[SpecServeClient]:
-    with SpecServeClient(f"127.0.0.1:{cluster.grpc_port}", timeout_s=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
@@ -89,37 +66,6 @@ def reference() -> dict[tuple[str, int | None], dict[str, Any]]:
                                 "text": "".join(c.text_delta for c in chunks),
                                 "finish_reason": chunks[-1].finish_reason}
     return out
-
-
-def scheduler_call(method: str) -> Any:
-    from ray import serve
-
-    return getattr(serve.get_deployment_handle("Scheduler", "specserve"), method).remote().result(timeout_s=60)
-
-
-def wait_idle(timeout_s: float = 60.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = scheduler_call("stats")
-        if stats["scheduler"]["live"] == 0 and stats["engine"]["running"] == 0 and stats["engine"]["waiting"] == 0:
-            return stats
-        assert time.monotonic() < deadline, f"cluster not idle: {stats['scheduler']}"
-        time.sleep(0.1)
-
-
-def assert_no_leaks() -> None:
-    wait_idle()
-    report = scheduler_call("audit")
-    report.assert_no_leaks()
-    for namespace, counts in report.counts.items():
-        assert (counts.reserved, counts.committed) == (0, 0), (namespace, counts)
-
-
-def http(path: str, body: dict | None = None, **kwargs: Any) -> requests.Response:
-    url = f"http://127.0.0.1:{HTTP_PORT}{path}"
-    if body is None:
-        return requests.get(url, timeout=60)
-    return requests.post(url, json=body, timeout=120, **kwargs)
 
 
 # -- service basics ---------------------------------------------------------------------------------
@@ -270,14 +216,6 @@ def test_n_completions_and_stop(client: SpecServeClient, reference: dict) -> Non
     stop = want["text"][5:9]
     (sample,) = collect(client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, k=4, stop=[stop])).values()
     assert sample["finish_reason"] == "stop" and sample["text"] == want["text"][:want["text"].index(stop)]
-
-
-def wait_aborted(count: int, timeout_s: float = 60.0) -> None:
-    """The cancel travels client -> proxy -> ingress -> scheduler asynchronously: wait for it to land."""
-    deadline = time.monotonic() + timeout_s
-    while (aborted := (stats := scheduler_call("stats")["scheduler"])["aborted"]) < count:
-        assert time.monotonic() < deadline, f"{aborted} aborts reached the scheduler, expected {count}: {stats}"
-        time.sleep(0.1)
 
 
 def test_deadline_aborts_the_request(client: SpecServeClient) -> None:

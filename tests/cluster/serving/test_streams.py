@@ -1,4 +1,4 @@
-"""The ingress's stream wrapper and call time limits, without Ray: a deadline aborts the request."""
+"""The scheduler stream wrapper and call time limits, without Ray: a deadline aborts the request."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cluster.serving.ingress import ChunkStream, DeadlineExceeded, call_timeout
+from cluster.serving.grpc_service import call_timeout
+from cluster.serving.streams import ChunkStream, DeadlineExceeded
 from specserve_types.api import InvalidRequestError, TokenChunk
 from specserve_types.protocol import TIMEOUT_METADATA, IndexedChunk
 
