@@ -1,12 +1,12 @@
 """A small Python client of the specserve gRPC API (and `specserve generate --server HOST:PORT`).
 
-    client = SpecServeClient("127.0.0.1:9000")  # application="specserve": the Serve app it routes to
+    client = SpecServeClient("127.0.0.1:9000")
     for item in client.generate("def fib(n):", max_tokens=32, draft="ngram"):
         print(item.chunk.text_delta, end="")
     client.health(); client.list_models(); client.stats()
 
 Status codes come back as specserve errors: INVALID_ARGUMENT -> InvalidRequestError (with .field),
-RESOURCE_EXHAUSTED -> CapacityError, anything else -> SpecServeError (with .code).
+RESOURCE_EXHAUSTED -> CapacityError (with .retry_after_s), anything else -> SpecServeError (with .code).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from specserve_types.proto import specserve_pb2_grpc as pb_grpc
 from specserve_types.protocol import TIMEOUT_METADATA, IndexedChunk, chunk_from_proto
 
 APP_NAME = "specserve"
-APP_METADATA = (("application", APP_NAME),)  # Serve's gRPC proxy routes by application name
+APP_METADATA = (("application", APP_NAME),)  # optional: a server refuses another name with NOT_FOUND
 
 
 class RemoteError(SpecServeError):
@@ -33,13 +33,25 @@ class RemoteError(SpecServeError):
         self.details = details
 
 
+def retry_after(error: grpc.RpcError) -> float | None:
+    """The server's `retry-after` hint (seconds) from a call's trailing metadata, if it sent one."""
+    trailing = getattr(error, "trailing_metadata", None)
+    for key, value in (trailing() if callable(trailing) else None) or ():
+        if key == "retry-after":
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
+
+
 def map_rpc_error(error: grpc.RpcError) -> SpecServeError:
     code, details = error.code(), error.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         field_name, _, message = details.partition(": ")
         return InvalidRequestError(field_name, message) if message else InvalidRequestError("request", details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return CapacityError(details)
+        return CapacityError(details, retry_after(error))
     return RemoteError(code, details)
 
 
@@ -84,7 +96,7 @@ class SpecServeClient:
     def __init__(self, address: str, timeout_s: float | None = None, application: str = APP_NAME) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.metadata = (("application", application),)  # the Serve application to route to
+        self.metadata = (("application", application),)  # checked by the server (NOT_FOUND if not its own)
         self._channel = grpc.insecure_channel(address)
         self._stub = pb_grpc.SpecServeStub(self._channel)
 
@@ -104,7 +116,7 @@ class SpecServeClient:
         request = build_request(prompt, **fields)
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         metadata = self.metadata
-        if timeout is not None:  # gRPC's own deadline stops at Serve's proxy: the ingress keeps this copy
+        if timeout is not None:  # the gRPC deadline is enough; the copy helps servers behind a proxy that drops it
             metadata += ((TIMEOUT_METADATA, f"{timeout:.6g}"),)
         return GenerateStream(self._stub.Generate(request, timeout=timeout, metadata=metadata))
 

@@ -40,7 +40,15 @@ class InvalidRequestError(SpecServeError, ValueError):
 
 
 class CapacityError(SpecServeError, RuntimeError):
-    """The server cannot take this request now (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+    """The server cannot take this request now (gRPC RESOURCE_EXHAUSTED, HTTP 429); `retry_after_s` is the
+    server's hint (gRPC `retry-after` trailing metadata, HTTP Retry-After) when it sent one."""
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.retry_after_s))
 
 
 MAX_ID_CHARS = 128  # request ids and model names are logged: short, printable, one line

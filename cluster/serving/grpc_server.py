@@ -41,8 +41,8 @@ class GrpcServer:
             raise RuntimeError(f"gRPC server cannot bind {address}: {exc}") from exc
         if bound == 0:
             raise RuntimeError(f"gRPC server cannot bind {address}")
-        self.address = address
         self.port = bound
+        self.address = address.rsplit(":", 1)[0] + f":{bound}"
         self.serving = False
 
     async def start(self) -> None:

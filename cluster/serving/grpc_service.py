@@ -186,15 +186,15 @@ class SpecServeService:
             self._rejections.rejected(request_id, "INVALID_ARGUMENT", exc.field, exc.message)
             return CallRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if isinstance(exc, DeadlineExceeded):
-            logger.info("request %s: call deadline passed, request aborted", request_id)
+            logger.info("request %r: call deadline passed, request aborted", request_id)
             return CallRefused(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; the request was aborted")
         if isinstance(exc, UNAVAILABLE_ERRORS):
-            logger.warning("request %s: scheduler unavailable: %s", request_id, type(exc).__name__)
+            logger.warning("request %r: scheduler unavailable: %s", request_id, type(exc).__name__)
             return CallRefused(grpc.StatusCode.UNAVAILABLE, f"scheduler unavailable; retry (request id {request_id})")
         if isinstance(exc, SpecServeError):  # an internal error reported by the scheduler (already logged there)
-            logger.warning("request %s failed: %s", request_id, exc)
+            logger.warning("request %r failed: %s", request_id, exc)
         else:
-            logger.exception("request %s: internal error in the gRPC ingress", request_id)
+            logger.exception("request %r: internal error in the gRPC ingress", request_id)
         return CallRefused(grpc.StatusCode.INTERNAL, f"internal server error (request id {request_id})")
 
     @staticmethod

@@ -39,6 +39,7 @@ class RejectionLog:
         self._last[key] = now
         suppressed = self._suppressed.pop(key, 0)
         note = f" (+{suppressed} like it suppressed in the last {self._window_s:g}s)" if suppressed else ""
-        self._logger.warning("request %s refused: %s field=%s reason=%s%s", request_id, code, key[1],
-                             ascii(reason[:MAX_REASON_CHARS]), note)
+        # the client chose the id and the reason's quoted values: escaped (one line) and bounded
+        self._logger.warning("request %s refused: %s field=%s reason=%s%s", ascii(request_id[:MAX_REASON_CHARS]),
+                             code, ascii(key[1][:MAX_REASON_CHARS]), ascii(reason[:MAX_REASON_CHARS]), note)
         return True

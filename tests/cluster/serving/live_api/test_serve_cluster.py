@@ -267,7 +267,7 @@ def test_http_disconnect_aborts_the_request(cluster: ClusterConfig) -> None:
     assert_no_leaks()
 
 
-def test_cancel_10_of_100_streams(client: SpecServeClient) -> None:
+def test_cancel_10_of_100_streams(cluster: ClusterConfig, client: SpecServeClient) -> None:
     """100 streams fill the queue: one more is refused at once; 10 cancelled mid-way; the rest finish."""
     aborted_before = scheduler_call("stats")["scheduler"]["aborted"]
     cancel_after_first_chunk = set(range(0, 10, 2))  # running: cancelled mid-stream
@@ -283,9 +283,11 @@ def test_cancel_10_of_100_streams(client: SpecServeClient) -> None:
     while scheduler_call("stats")["scheduler"]["live"] < QUEUE_CAPACITY:
         assert time.monotonic() < deadline, "100 streams were not admitted"
         time.sleep(0.05)
-    with pytest.raises(CapacityError):
+    with pytest.raises(CapacityError) as full:
         list(client.generate("one too many", max_tokens=4))
-    assert http("/v1/completions", {"prompt": "one too many", "max_tokens": 4}).status_code == 429
+    assert full.value.retry_after_s == cluster.retry_after_s
+    refused = http("/v1/completions", {"prompt": "one too many", "max_tokens": 4})
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == str(cluster.retry_after_s)
 
     for index in cancel_waiting:
         streams[index].cancel()
