@@ -143,6 +143,7 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams = field(default_factory=SpecParams)
+    trace_context: tuple[tuple[str, str], ...] = ()  # W3C traceparent/tracestate of the caller's span (tracing.py)
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -80,6 +80,20 @@ class AcceptanceStats:
             rounds_by_contract=contracts,
         )
 
+    def speculative_decoding(self) -> dict:
+        """The per-request figures in vLLM's shape (`metrics.speculative_decoding` in OpenAI responses): a spec
+        step is a round that proposed drafts; mean acceptance length = 1 + accepted drafts per step (the
+        tokens a step yields); `acceptance_histogram[i]` = steps that accepted exactly i drafts."""
+        steps = self.rounds
+        return {
+            "num_spec_steps": steps,
+            "num_draft_tokens": self.proposed,
+            "num_accepted_draft_tokens": self.accepted,
+            "draft_acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": 1.0 + self.accepted / steps if steps else 0.0,
+            "acceptance_histogram": list(self.accepted_len_histogram),
+        }
+
     def to_dict(self) -> dict:
         return {
             "rounds": self.rounds,

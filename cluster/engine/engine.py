@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from cluster.engine.accept import RoundOutcome, accept_round
@@ -40,6 +41,7 @@ from cluster.engine.request_state import RequestState, new_request_state
 from cluster.engine.round_plan import RoundPlan, propose_item, verify_item
 from cluster.engine.spec_policy import CostModel
 from cluster.engine.stats import add_round_times, engine_stats
+from cluster.engine.step_record import EngineObserver, Rollback, RoundRecord, StepRecord, new_step_record
 from cluster.engine.worker_health import WorkerHealth
 from kv_manager.errors import KVError
 from kv_manager.schema import AdmitItem, CommitItem, ReserveItem
@@ -81,6 +83,8 @@ class SpecEngine:
         self._namespaces = [TARGET_NAMESPACE] + ([DRAFT_NAMESPACE] if drafter else [])
         self._turns_without_plans = 0  # overlap: consecutive turns in which no plan got a reservation
         self.inbox = RequestInbox(config.max_waiting)  # shared with submit/abort callers; step drains it
+        self.observer: EngineObserver | None = None  # traces, metrics: gets a StepRecord per step (step_record.py)
+        self._record: StepRecord | None = None  # this step's, while an observer is attached
 
     # ------------------------------------------------------------------ requests in and out (any thread)
     def submit(self, request: GenerationRequest) -> None:
@@ -98,6 +102,15 @@ class SpecEngine:
     # ------------------------------------------------------------------ the round (engine thread)
     def step(self) -> list[TokenChunk]:
         """One round (with overlap: one group's round while the other group's drafts are made)."""
+        self._record = new_step_record() if self.observer is not None else None
+        try:
+            return self._step()
+        finally:
+            if self._record is not None:
+                self._deliver(self._record)
+                self._record = None
+
+    def _step(self) -> list[TokenChunk]:
         chunks = self._take_requests()
         self._admit()
         if not self.running:
@@ -115,9 +128,13 @@ class SpecEngine:
             self._recover_verifier(str(lost))
             return chunks
         reconcile_start = time.perf_counter()
-        outcome = accept_round(plans, verified.outputs, self.health.verifier_holder, self.health.drafter_holder)
+        with self._phase("accept"):
+            outcome = accept_round(plans, verified.outputs, self.health.verifier_holder, self.health.drafter_holder)
         self._commit(outcome)
-        chunks.extend(self._emit(outcome))
+        with self._phase("emit", chunks=len(outcome.chunks)):
+            chunks.extend(self._emit(outcome))
+        if self._record is not None:
+            self._record_rounds(self._record, plans, outcome)
         now = time.perf_counter()
         add_round_times(self.totals, plans, draft_seconds, verified.seconds, now - reconcile_start, now - round_start)
         return chunks
@@ -141,6 +158,8 @@ class SpecEngine:
             self.waiting.popleft()
             state.target_cached = admission.num_cached_tokens
             state.admitted = True
+            if state.admitted_at is None:
+                state.admitted_at = time.monotonic()
             sizes = [sum(1 for r in self.running if r.group == g) for g in (0, 1)]
             state.group = 0 if sizes[0] <= sizes[1] else 1
             self.running.append(state)
@@ -155,7 +174,9 @@ class SpecEngine:
             return plans, 0.0
         start = time.perf_counter()
         try:
-            self._apply_drafts(model_plans, self.drafter.propose(batch))  # type: ignore[union-attr]
+            with self._phase("draft.propose", requests=len(batch.items), k=max(p.k for p in model_plans)):
+                result = self.drafter.propose(batch)  # type: ignore[union-attr]
+            self._apply_drafts(model_plans, result)
         except Exception as exc:  # the drafter died: this round and the next ones decode plainly
             self._drafter_failed(model_plans, exc)
         return plans, time.perf_counter() - start
@@ -196,6 +217,8 @@ class SpecEngine:
         except Exception as exc:
             self._drafter_failed(flight.model_plans, exc)
             return flight.plans, 0.0
+        if self._record is not None:  # made on the draft thread during the last verify
+            self._record.add_phase("draft.propose", seconds, requests=len(flight.model_plans), overlapped=True)
         if flight.drafter_holder != self.health.drafter_holder:
             self._plain(flight.model_plans, "drafter epoch changed while drafting: plain decoding")
             return flight.plans, seconds
@@ -240,7 +263,9 @@ class SpecEngine:
         items += [ReserveItem(DRAFT_NAMESPACE, p.state.request_id, len(p.draft_pending) + p.k - 1,
                               health.drafter_holder) for p in plans if p.uses_model_drafter]
         kv_start = time.perf_counter()
-        results = self.kv.reserve(items)  # carries the last round's held commit, if any
+        with self._phase("kv.reserve", items=len(items)) as attributes:
+            results = self.kv.reserve(items)  # carries the last round's held commit, if any
+            attributes["refused"] = sum(isinstance(r, KVError) for r in results)
         self.totals["kv_seconds"] += time.perf_counter() - kv_start
         grants = {(r.namespace, r.request_id): r for r in results if not isinstance(r, KVError)}
         kept: list[RoundPlan] = []
@@ -292,7 +317,9 @@ class SpecEngine:
         items = [verify_item(p) for p in plans]
         call_start = time.perf_counter()
         try:
-            result = self.verifier.verify(VerifyBatch(items))
+            with self._phase("verify.forward", requests=len(items),
+                             tokens=sum(len(i.input_ids) + len(i.draft_ids) for i in items)):
+                result = self.verifier.verify(VerifyBatch(items))
         except Exception as exc:
             time.sleep(self.health.verifier_failed(exc))  # re-raises after too many failures in a row
             raise VerifierLost(f"verifier failed: {exc!r}") from exc
@@ -309,7 +336,8 @@ class SpecEngine:
             self.kv.release(request_id, [DRAFT_NAMESPACE])
         kv_start = time.perf_counter()
         hold = self.pipeline is None and not outcome.finished  # held: sent with the next round's reserve
-        self.kv.commit(outcome.commits, hold=hold)
+        with self._phase("kv.commit", items=len(outcome.commits), held=hold):
+            self.kv.commit(outcome.commits, hold=hold)
         self.totals["kv_seconds"] += time.perf_counter() - kv_start
 
     def _emit(self, outcome: RoundOutcome) -> list[TokenChunk]:
@@ -348,6 +376,7 @@ class SpecEngine:
                 self.health.drafter_failed(failure)
         self.health.renew_verifier(reason)
         for state in reversed(self.running):
+            self._note_rollback(state, f"verifier lost: {reason}")
             if state.draft_admitted:  # this round's draft reservation goes with it
                 self.kv.release(state.request_id, [DRAFT_NAMESPACE])
             state.forget_kv()
@@ -357,6 +386,7 @@ class SpecEngine:
     def _preempt(self, state: RequestState) -> None:
         """Give all of a request's KV back and requeue it; it re-prefills from its tokens (nothing is lost)."""
         log.warning("preempting %s: out of KV blocks", state.request_id)
+        self._note_rollback(state, "preempted: out of KV blocks")
         self.kv.release(state.request_id, self._namespaces)
         self.running.remove(state)
         state.forget_kv()
@@ -367,6 +397,7 @@ class SpecEngine:
         for state in list(self.running):
             if state.request_id == request_id:
                 self.running.remove(state)
+                self._note_rollback(state, "aborted")
                 self.kv.release(request_id, self._namespaces)
                 return [self._aborted_chunk(state)]
         for state in list(self.waiting):
@@ -380,6 +411,36 @@ class SpecEngine:
         state.finish_reason = "abort"
         self.inbox.forget(state.request_id)
         return TokenChunk(state.request_id, [], "", finish_reason="abort", stats=state.stats())
+
+    # ------------------------------------------------------------------ observers (engine thread)
+    def _phase(self, name: str, **attributes: Any) -> AbstractContextManager[dict[str, Any]]:
+        return self._record.phase(name, **attributes) if self._record is not None else nullcontext(attributes)
+
+    def _note_rollback(self, state: RequestState, reason: str) -> None:
+        if self._record is not None:
+            self._record.rollbacks.append(Rollback(state.request_id, state.request.trace_context, reason,
+                                                   time.time_ns()))
+
+    def _record_rounds(self, record: StepRecord, plans: list[RoundPlan], outcome: RoundOutcome) -> None:
+        chunks = {chunk.request_id: chunk for chunk in outcome.chunks}
+        record.batch_size = len(plans)
+        for plan in plans:
+            spec, chunk = plan.state.request.spec, chunks[plan.state.request_id]
+            record.rounds.append(RoundRecord(
+                plan.state.request_id, plan.state.request.trace_context, plan.k, chunk.proposed, chunk.accepted,
+                len(chunk.token_ids), spec.contract,
+                "none" if plan.k == 0 else "model" if plan.uses_model_drafter else "ngram", chunk.finish_reason))
+
+    def _deliver(self, record: StepRecord) -> None:
+        if not (record.rounds or record.rollbacks):
+            return
+        record.end_ns = time.time_ns()
+        record.drafter = None if self.health.drafter_holder is None else str(self.health.drafter_holder)
+        record.verifier = str(self.health.verifier_holder)
+        try:
+            self.observer.step(record)  # type: ignore[union-attr]
+        except Exception:  # an observer's failure must not fail a round
+            log.exception("engine observer failed; its step record is dropped")
 
     # ------------------------------------------------------------------ checks, statistics, shutdown
     def reconcile_ledger(self) -> None:

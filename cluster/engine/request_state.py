@@ -85,6 +85,8 @@ class RequestState:
     finish_reason: FinishReason | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    admitted_at: float | None = None  # first admission (the end of its wait in the queue)
+    finished_at: float | None = None
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -127,6 +129,7 @@ class RequestState:
                 self.finish_reason = "length"
             if self.finish_reason is not None:
                 delta += self.text.flush() if self.finish_reason != "stop" else ""
+                self.finished_at = time.monotonic()
                 break
         if kept and self.first_token_at is None:
             self.first_token_at = time.monotonic()
@@ -154,6 +157,9 @@ class RequestState:
             "verify_seconds": round(self.verify_seconds, 6),
             "reconcile_seconds": round(self.reconcile_seconds, 6),
             "ttft_seconds": None if self.first_token_at is None else round(self.first_token_at - self.arrival, 6),
+            "queued_seconds": None if self.admitted_at is None else round(self.admitted_at - self.arrival, 6),
+            "e2e_seconds": round((self.finished_at or time.monotonic()) - self.arrival, 6),
+            "speculative_decoding": self.acceptance.speculative_decoding(),
             "policy_events": [{"at": round(e.at, 6), "k": e.k, "reason": e.reason} for e in self.policy_events],
         }
 
