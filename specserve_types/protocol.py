@@ -46,6 +46,7 @@ class GenerateArgs:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams = field(default_factory=SpecParams)
     n: int = 1
+    trace_context: tuple[tuple[str, str], ...] = ()  # the front door's request span (specserve_types/tracing.py)
 
     def __post_init__(self) -> None:
         check_identifier("request_id", self.request_id)

@@ -8,13 +8,18 @@ otherwise streams the text to the terminal (samples one after another for --n > 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import os
 import sys
 import uuid
 from typing import Any
 
 from cluster.cli.generate_remote import DEFAULT_MODEL, generate_via_server
+from cluster.cli.tracing_flags import add_tracing_flags, tracing_fields
+from cluster.engine.request_span import RequestSpan, summed_speculation
+from cluster.engine.round_spans import RoundSpans
 from cluster.serving.config import NGRAM_DRAFT, ClusterConfig, ConfigError, make_config
 from specserve_types.api import (
     CONTRACTS,
@@ -24,6 +29,7 @@ from specserve_types.api import (
     SpecParams,
     SpecServeError,
 )
+from specserve_types.tracing import configure_tracing, shutdown_tracing
 
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 
@@ -71,6 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help=f"prompt + max_tokens limit (default {ClusterConfig.model_fields['max_context'].default}, "
                         "capped by the model)")
     p.add_argument("-v", "--verbose", action="store_true")
+    add_tracing_flags(p)
     return p
 
 
@@ -108,7 +115,7 @@ def in_process_config(args: argparse.Namespace, draft: str) -> ClusterConfig:
     """The engine settings of `generate` in process: a batch of --n, KV pools for that many full contexts;
     ClusterConfig's defaults where a flag is not given."""
     given = {key: value for key, value in (("max_context", args.max_context), ("draft_dtype", args.draft_dtype))
-             if value is not None}
+             if value is not None} | tracing_fields(args)
     return make_config(
         model=args.model, draft=NGRAM_DRAFT if draft == "none" else draft,  # 'none' (no drafting): in process only
         max_batch=max(1, args.n), kv_blocks=None, warm_up=args.k is None and not args.no_warm_up, **given,
@@ -123,10 +130,14 @@ def _run_in_process(args: argparse.Namespace) -> int:
     settings = in_process_config(args, draft)
     print(f"loading {args.model} (draft: {draft}) ...", file=sys.stderr)
     engine = build_local_engine(args.model, draft, settings.engine_config(), settings.local_runtime())
+    if configure_tracing(settings.tracing_settings(), "specserve-generate") is not None:
+        engine.observer = RoundSpans()
     prompt_ids = tokenize_prompt(engine.tokenizer, args.prompt, args.chat)
     requests = build_requests(args, prompt_ids, draft_kind)
+    span = RequestSpan.start("chat" if args.chat else "text_completion", args.model, requests[0].sampling,
+                             requests[0].request_id.rsplit("-", 1)[0], parent=os.environ, n=args.n)
     for request in requests:
-        engine.submit(request)
+        engine.submit(dataclasses.replace(request, trace_context=span.carrier()))
     samples: dict[str, dict[str, Any]] = {r.request_id: {"token_ids": [], "text": "", "finish_reason": None}
                                          for r in requests}
     per_request_stats: dict[str, Any] = {}
@@ -142,6 +153,9 @@ def _run_in_process(args: argparse.Namespace) -> int:
             if chunk.finished:
                 sample["finish_reason"] = chunk.finish_reason
                 per_request_stats[chunk.request_id] = chunk.stats
+    span.finish(args.model, [per_request_stats.get(r.request_id) for r in requests],
+                [samples[r.request_id]["finish_reason"] for r in requests])
+    shutdown_tracing()
     if args.json:
         stats = engine.stats()
         stats["requests"] = [per_request_stats.get(r.request_id) for r in requests]
@@ -151,6 +165,7 @@ def _run_in_process(args: argparse.Namespace) -> int:
             "contract": requests[0].spec.contract,
             "prompt_token_ids": prompt_ids,
             "samples": [samples[r.request_id] for r in requests],
+            "metrics": {"speculative_decoding": summed_speculation(stats["requests"])},
             "stats": stats,
         }))
     elif streaming:

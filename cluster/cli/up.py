@@ -27,6 +27,7 @@ from types import FrameType
 from typing import TextIO
 
 from cluster.cli.generate import parse_k
+from cluster.cli.tracing_flags import add_tracing_flags, tracing_fields
 from cluster.serving.config import ClusterConfig, ConfigError, load_config
 from specserve_types.api import SpecServeError
 
@@ -55,6 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seed", type=int, default=None, help="with --once")
     p.add_argument("--chat", action="store_true", help="with --once: apply the model's chat template")
     p.add_argument("-v", "--verbose", action="store_true")
+    add_tracing_flags(p)
     return p
 
 
@@ -93,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, model=args.model, draft=args.draft, ray_address=args.address,
                              host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-                             dashboard_port=args.dashboard_port, tensor_parallel_size=args.tensor_parallel_size)
+                             dashboard_port=args.dashboard_port, tensor_parallel_size=args.tensor_parallel_size,
+                             **tracing_fields(args))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

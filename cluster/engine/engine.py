@@ -85,6 +85,7 @@ class SpecEngine:
         self.inbox = RequestInbox(config.max_waiting)  # shared with submit/abort callers; step drains it
         self.observer: EngineObserver | None = None  # traces, metrics: gets a StepRecord per step (step_record.py)
         self._record: StepRecord | None = None  # this step's, while an observer is attached
+        self._fallbacks_seen = 0  # fallback events already handed to the observer
 
     # ------------------------------------------------------------------ requests in and out (any thread)
     def submit(self, request: GenerationRequest) -> None:
@@ -427,12 +428,15 @@ class SpecEngine:
         for plan in plans:
             spec, chunk = plan.state.request.spec, chunks[plan.state.request_id]
             record.rounds.append(RoundRecord(
-                plan.state.request_id, plan.state.request.trace_context, plan.k, chunk.proposed, chunk.accepted,
+                plan.state.request_id, plan.state.request.trace_context, plan.k, len(plan.drafts), chunk.proposed,
+                chunk.accepted,
                 len(chunk.token_ids), spec.contract,
                 "none" if plan.k == 0 else "model" if plan.uses_model_drafter else "ngram", chunk.finish_reason))
 
     def _deliver(self, record: StepRecord) -> None:
-        if not (record.rounds or record.rollbacks):
+        record.fallbacks = [str(e.get("event", "unknown")) for e in self.fallback_events[self._fallbacks_seen:]]
+        self._fallbacks_seen = len(self.fallback_events)
+        if not (record.rounds or record.rollbacks or record.fallbacks):
             return
         record.end_ns = time.time_ns()
         record.drafter = None if self.health.drafter_holder is None else str(self.health.drafter_holder)
@@ -464,6 +468,7 @@ class SpecEngine:
         self.acceptance = AcceptanceStats()
         self.totals = collections.defaultdict(float)
         self.fallback_events.clear()
+        self._fallbacks_seen = 0
 
     def close(self) -> None:
         """Stop the draft thread (after its in-flight call); send a held commit."""

@@ -18,6 +18,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specserve_types.api import SamplingParams
+from specserve_types.protocol import IndexedChunk
 from specserve_types.tracing import Carrier, extract, inject, tracer, tracing_enabled
 
 SPEC_KEYS = ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "draft_acceptance_rate",
@@ -67,18 +68,10 @@ class RequestSpan:
                 values = [s[key] for s in done if s.get(key) is not None]
                 if values:
                     attributes[name] = min(values) if key != "e2e_seconds" else max(values)
-            spec = [s.get("speculative_decoding") or {} for s in done]
-            steps = sum(int(s.get("num_spec_steps", 0)) for s in spec)
-            drafts = sum(int(s.get("num_draft_tokens", 0)) for s in spec)
-            accepted = sum(int(s.get("num_accepted_draft_tokens", 0)) for s in spec)
-            attributes |= {"specserve.speculative_decoding.num_spec_steps": steps,
-                           "specserve.speculative_decoding.num_draft_tokens": drafts,
-                           "specserve.speculative_decoding.num_accepted_draft_tokens": accepted,
-                           "specserve.speculative_decoding.draft_acceptance_rate": accepted / drafts if drafts else 0.0,
-                           "specserve.speculative_decoding.mean_acceptance_length":
-                               1.0 + accepted / steps if steps else 0.0,
-                           "specserve.rounds": sum(int(s.get("rounds", 0)) for s in done),
-                           "specserve.contract": str(done[0].get("contract", ""))}
+            spec = summed_speculation(done)
+            attributes |= {f"specserve.speculative_decoding.{key}": spec[key] for key in SPEC_KEYS}
+            attributes["specserve.rounds"] = sum(int(s.get("rounds", 0)) for s in done)
+            attributes["specserve.contract"] = str(done[0].get("contract", ""))
         self._span.set_attributes(attributes)
         if any(reason == "error" for reason in finish_reasons):
             self._span.set_attribute("error.type", "engine_error")
@@ -91,3 +84,36 @@ class RequestSpan:
         self._span.set_attribute("error.type", error_type)
         self._span.set_status(Status(StatusCode.ERROR, message[:200]))
         self._span.end()
+
+
+def summed_speculation(stats: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
+    """The `speculative_decoding` figures (vLLM's shape) of several completions as one request's."""
+    parts = [s.get("speculative_decoding") or {} for s in stats if s]
+    steps = sum(int(p.get("num_spec_steps", 0)) for p in parts)
+    drafts = sum(int(p.get("num_draft_tokens", 0)) for p in parts)
+    accepted = sum(int(p.get("num_accepted_draft_tokens", 0)) for p in parts)
+    histogram: list[int] = []
+    for part in parts:
+        for index, count in enumerate(part.get("acceptance_histogram", [])):
+            histogram.extend([0] * (index + 1 - len(histogram)))
+            histogram[index] += int(count)
+    return {"num_spec_steps": steps, "num_draft_tokens": drafts, "num_accepted_draft_tokens": accepted,
+            "draft_acceptance_rate": accepted / drafts if drafts else 0.0,
+            "mean_acceptance_length": 1.0 + accepted / steps if steps else 0.0, "acceptance_histogram": histogram}
+
+
+class FinalChunks:
+    """The final chunk's stats and finish reason of each completion of a request, as its chunks stream by."""
+
+    def __init__(self) -> None:
+        self._final: dict[int, tuple[dict[str, Any] | None, str | None]] = {}
+
+    def add(self, item: IndexedChunk) -> None:
+        if item.chunk.finished:
+            self._final[item.index] = (item.chunk.stats, item.chunk.finish_reason)
+
+    def stats(self) -> list[dict[str, Any] | None]:
+        return [self._final[index][0] for index in sorted(self._final)]
+
+    def reasons(self) -> list[str | None]:
+        return [self._final[index][1] for index in sorted(self._final)]

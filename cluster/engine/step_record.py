@@ -8,6 +8,7 @@ not keep references into engine state (a record holds plain values only).
     rounds  one RoundRecord per request verified this step (k, proposed, accepted, emitted, ...)
     rollbacks  (request id, reason, trace carrier) for KV given back outside a commit: abort, preemption,
             verifier loss
+    fallbacks  the kinds of the engine's fallback events this step (drafter failure, preemption, ...)
 
 Owner: the engine thread (docs/ARCHITECTURE.md §3).
 """
@@ -36,7 +37,8 @@ class RoundRecord:
     request_id: str
     trace_context: Carrier  # the request's W3C carrier (empty: not traced)
     k: int  # planned draft length
-    proposed: int  # drafts verified (0: a plain round)
+    drafts_made: int  # drafts the drafter proposed (0: a plain round); a spec step when > 0
+    proposed: int  # drafts counted as proposed (those after a stop inside the accepted run were never needed)
     accepted: int  # drafts kept
     emitted: int  # tokens emitted this round (kept accepted drafts + correction/bonus, cut at a stop)
     contract: str
@@ -67,6 +69,7 @@ class StepRecord:
     phases: list[Phase] = field(default_factory=list)
     rounds: list[RoundRecord] = field(default_factory=list)
     rollbacks: list[Rollback] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)  # the engine's fallback events of this step (their kind)
 
     @contextmanager
     def phase(self, name: str, **attributes: Any) -> Iterator[dict[str, Any]]:
@@ -85,6 +88,17 @@ class StepRecord:
 
 class EngineObserver(Protocol):
     def step(self, record: StepRecord) -> None: ...
+
+
+class Observers:
+    """Several observers as one (traces and metrics), called in order."""
+
+    def __init__(self, observers: list[EngineObserver]) -> None:
+        self.observers = observers
+
+    def step(self, record: StepRecord) -> None:
+        for observer in self.observers:
+            observer.step(record)
 
 
 def new_step_record() -> StepRecord:

@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.serving.cpu_quota import available_cpus
+from specserve_types.tracing import ENV_OTLP_ENDPOINT, OTEL_ENDPOINT_VARS, TracingSettings
+
 if TYPE_CHECKING:
     from cluster.engine.config import EngineConfig
     from cluster.engine.factory import LocalRuntime
@@ -65,8 +68,9 @@ class ClusterConfig(BaseModel):
     verifier_replicas: int = Field(1, ge=1, le=1, description="target KV pool lives in the replica")
     tensor_parallel_size: int = Field(1, ge=1, le=8, description="verifier TP ranks (gloo on CPU)")
     worker_threads: int = Field(0, ge=0, le=256,
-                                description="torch threads per model process; 0 = this machine's cores shared "
-                                            "evenly among the model processes (TP ranks + drafter)")
+                                description="torch threads per model process; 0 = the CPUs this process may use "
+                                            "(affinity, capped by the cgroup CPU limit: a pod's limits.cpu) "
+                                            "shared evenly among the model processes (TP ranks + drafter)")
     gpus_per_worker: float = Field(1.0, gt=0, le=1, description="CUDA only: GPUs per drafter replica and per "
                                    "verifier TP rank (0.5 lets a drafter share a TP=1 verifier's GPU)")
 
@@ -104,6 +108,13 @@ class ClusterConfig(BaseModel):
     request_timeout_s: float | None = Field(None, gt=0, description="end-to-end limit per request")
     retry_after_s: int = Field(1, ge=0, le=3600, description="the retry hint of a refusal for capacity "
                                                              "(HTTP Retry-After, gRPC retry-after metadata)")
+
+    # traces (off unless an exporter is named; OTEL_EXPORTER_OTLP_* variables are honoured too)
+    otlp_traces_endpoint: str | None = Field(None, description="OTLP collector: host:port (gRPC) or an "
+                                                               "http(s)://.../v1/traces URL (HTTP/protobuf)")
+    trace_file: str | None = Field(None, description="append every span as one JSON line to this file")
+    trace_sample_ratio: float = Field(1.0, ge=0, le=1, description="share of new traces sampled (parent-based: "
+                                                                   "a caller's sampled traceparent decides)")
 
     # network
     # Serve's HTTP proxy and the ingress replicas' own gRPC servers (cluster/serving/grpc_server.py) bind `host`
@@ -183,11 +194,12 @@ class ClusterConfig(BaseModel):
         """Torch threads per model process (each verifier TP rank, the drafter). Oversubscribing a CPU with
         several 'all cores' torch processes collapses throughput, so the cores are shared among the processes
         that compute at the same time: the ranks, plus the drafter only under overlap (otherwise it drafts
-        while the verifier waits for its drafts)."""
+        while the verifier waits for its drafts). The CPUs are this process's: its affinity capped by the cgroup
+        quota (cluster/serving/cpu_quota.py), not os.cpu_count()'s node cores; evaluated where the app is built."""
         if self.worker_threads > 0:
             return self.worker_threads
         concurrent = self.tensor_parallel_size + (1 if self.uses_draft_model and self.overlap else 0)
-        return max(1, (os.cpu_count() or 1) // concurrent)
+        return max(1, available_cpus() // concurrent)
 
     @property
     def uses_draft_model(self) -> bool:
@@ -217,6 +229,11 @@ class ClusterConfig(BaseModel):
 
         return LocalRuntime(block_size=self.block_size, num_blocks=self.kv_pool_blocks, device=self.device,
                             draft_dtype=self.draft_dtype, warm_up=self.warm_up)
+
+    def tracing_settings(self) -> TracingSettings:
+        endpoint = self.otlp_traces_endpoint or next(
+            (os.environ[v] for v in (ENV_OTLP_ENDPOINT, *OTEL_ENDPOINT_VARS) if os.environ.get(v)), None)
+        return TracingSettings(endpoint, self.trace_file, self.trace_sample_ratio)
 
     def with_overrides(self, **overrides: Any) -> ClusterConfig:
         """A validated copy with the non-None `overrides` applied (command-line flags over the file)."""

@@ -29,6 +29,7 @@ IDLE_POLL_S = 0.5
 
 class Engine(Protocol):
     tokenizer: Any
+    observer: Any  # an EngineObserver or None (cluster/engine/step_record.py)
 
     def submit(self, request: GenerationRequest) -> None: ...
     def step(self) -> list[TokenChunk]: ...

@@ -18,6 +18,7 @@ Refusals log one WARNING line (cluster/serving/rejections.py); server faults log
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +28,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from cluster.engine.request_span import FinalChunks, RequestSpan
 from cluster.serving.rejections import RejectionLog
 from cluster.serving.streams import ChunkStream, DeadlineExceeded, SchedulerStreams
 from specserve_types.api import InvalidRequestError, SpecServeError
@@ -121,6 +123,8 @@ class SpecServeService:
     async def generate(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         request_id = "-"
         chunks = ChunkStream()
+        span = RequestSpan(None)
+        finals = FinalChunks()
         try:
             metadata = context.invocation_metadata()
             check_application(metadata)
@@ -129,13 +133,23 @@ class SpecServeService:
             timeout_s = call_timeout(metadata, self._server_timeout_s)
             args = args_from_proto(request, self._defaults)
             request_id = args.request_id
+            span = RequestSpan.start("chat" if args.chat else "text_completion", self._defaults.model, args.sampling,
+                                     request_id, parent=metadata, n=args.n)
+            args = dataclasses.replace(args, trace_context=span.carrier())
             error, chunks = await self._streams.open(args, timeout_s)
             if error is not None:
                 self._refuse(request_id, error)
             async for item in chunks:
+                finals.add(item)
                 yield chunk_to_proto(item)
+            span.finish(self._defaults.model, finals.stats(), finals.reasons())
         except Exception as exc:  # asyncio.CancelledError (the client left) is a BaseException: not caught
-            await self._end(context, self._status(request_id, exc))
+            status = self._status(request_id, exc)
+            span.fail(status.code.name, status.details)
+            await self._end(context, status)
+        except BaseException:
+            span.fail("cancelled", "the client left")
+            raise
         finally:
             chunks.cancel()  # leaving early (cancel, disconnect, deadline, error) aborts the request at the scheduler
 

@@ -18,11 +18,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import ray
 from jinja2 import TemplateError
 from ray import serve
 
+from cluster.engine.round_spans import RoundSpans
+from cluster.engine.step_record import EngineObserver, Observers
 from cluster.serving.config import ClusterConfig
 from cluster.serving.engine_loop import Engine, EngineLoop
+from cluster.serving.metrics import SpecMetrics
 from specserve_types.api import (
     CapacityError,
     GenerationRequest,
@@ -31,6 +35,7 @@ from specserve_types.api import (
     TokenChunk,
 )
 from specserve_types.protocol import GenerateArgs, IndexedChunk, StreamError, StreamItem
+from specserve_types.tracing import configure_tracing, shutdown_tracing
 
 logger = logging.getLogger("ray.serve")
 
@@ -60,6 +65,20 @@ def encode_prompt(tokenizer: Any, args: GenerateArgs) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def engine_observers(config: ClusterConfig, metrics: SpecMetrics) -> list[EngineObserver]:
+    """What watches the engine's steps in this process: the metrics, and round spans when tracing is on."""
+    observers: list[EngineObserver] = [metrics]
+    if configure_tracing(config.tracing_settings(), "specserve-scheduler") is not None:
+        observers.append(RoundSpans())
+    return observers
+
+
+def observed(engine: Engine, observers: list[EngineObserver]) -> Engine:
+    if observers:
+        engine.observer = observers[0] if len(observers) == 1 else Observers(observers)
+    return engine
+
+
 def completion_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     """Completion `index` of n: a seeded request gets seed + index, so the n samples differ."""
     if index == 0 or sampling.seed is None:
@@ -73,7 +92,9 @@ class Scheduler:
         if engine_builder is None:
             from cluster.serving.remote_backends import build_cluster_engine as engine_builder
         self._config = config
-        self._loop = EngineLoop(lambda: engine_builder(config, drafter, verifier))
+        self.metrics = SpecMetrics(ray_metrics=ray.is_initialized())
+        observers = engine_observers(config, self.metrics)
+        self._loop = EngineLoop(lambda: observed(engine_builder(config, drafter, verifier), observers))
         self._live = 0  # admitted completions not yet finished or aborted
         self._pending: dict[str, dict[str, int]] = {}  # client request id -> unfinished engine ids (event loop)
         self._counters = {"admitted": 0, "rejected_capacity": 0, "rejected_invalid": 0, "aborted": 0,
@@ -111,7 +132,8 @@ class Scheduler:
             chunks: asyncio.Queue[tuple[int, TokenChunk]] = asyncio.Queue()
             event_loop = asyncio.get_running_loop()
             for index, engine_id in enumerate(completion_ids):
-                request = GenerationRequest(engine_id, prompt, completion_sampling(args.sampling, index), args.spec)
+                request = GenerationRequest(engine_id, prompt, completion_sampling(args.sampling, index), args.spec,
+                                            trace_context=args.trace_context)
 
                 def sink(chunk: TokenChunk, index: int = index) -> None:
                     event_loop.call_soon_threadsafe(chunks.put_nowait, (index, chunk))
@@ -132,6 +154,7 @@ class Scheduler:
                     self._counters["errored" if chunk.finish_reason == "error" else "finished"] += 1
                     stats = {**(chunk.stats or {}), "prompt_tokens": len(prompt)}
                     chunk = dataclasses.replace(chunk, stats=stats)
+                    self.metrics.finished(stats, chunk.finish_reason)
                 chunk = dataclasses.replace(chunk, request_id=args.request_id)
                 yield IndexedChunk(index, chunk, args.spec.contract)
         except Exception:  # an engine-loop failure: logged here, reported in-band without internals, aborted below
@@ -146,6 +169,7 @@ class Scheduler:
     def _abort_pending(self, pending: dict[str, int]) -> int:
         for engine_id in pending:
             self._counters["aborted"] += 1
+            self.metrics.finished(None, "abort")
             self._loop.abort(engine_id)
         count = len(pending)
         pending.clear()
@@ -169,6 +193,15 @@ class Scheduler:
             "engine": engine_stats,
         }
 
+    async def metrics_text(self) -> bytes:
+        """The Prometheus text of this scheduler's metrics (the ingress's `GET /metrics`), gauges refreshed."""
+        await self._refresh_gauges()
+        return self.metrics.text()
+
+    async def _refresh_gauges(self) -> None:
+        engine_stats, audit = await self._loop.acall(lambda engine: (engine.stats(), engine.kv.audit()))
+        self.metrics.set_gauges(engine_stats, {ns: dataclasses.asdict(c) for ns, c in audit.counts.items()})
+
     async def audit(self) -> Any:
         """The KV ledger's audit (kv_manager.schema.AuditReport): counts per namespace, leaked blocks."""
         return await self._loop.acall(lambda engine: engine.kv.audit())
@@ -183,13 +216,19 @@ class Scheduler:
         return True, "ok"
 
     async def check_health(self) -> None:
-        """Serve's periodic health check: an engine thread that died makes the replica unhealthy."""
+        """Serve's periodic health check: an engine thread that died makes the replica unhealthy. It also
+        refreshes the gauges (queue, running, KV blocks) that Ray's metrics export between scrapes."""
         if not self._loop.healthy:
             raise RuntimeError("engine loop is not running")
+        try:
+            await asyncio.wait_for(self._refresh_gauges(), timeout=self._config.health_check_timeout_s / 2)
+        except Exception as exc:  # a slow ledger call: the gauges wait for the next period
+            logger.warning("gauges not refreshed: %r", exc)
 
     def __del__(self) -> None:
         if (loop := getattr(self, "_loop", None)) is not None:
             loop.stop(timeout_s=self._config.graceful_shutdown_timeout_s)
+        shutdown_tracing()
 
 
 SchedulerDeployment = serve.deployment(Scheduler, name="Scheduler")
