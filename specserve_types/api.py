@@ -20,6 +20,8 @@ CONTRACTS: tuple[str, ...] = ("exact", "greedy", "typical")
 DRAFT_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")  # see model_runtime.tp.draft_dtype
 FinishReason = Literal["stop", "length", "eos", "abort", "error"]
 MAX_TOKENS_LIMIT = 8192
+MIN_TEMPERATURE = 1e-3  # below it, logits / temperature overflows float32: 0 (greedy) or at least this
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)  # the same overflow, the other way round
 MAX_K = 8
 
 
@@ -92,14 +94,19 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise InvalidRequestError("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                                                     f"got {self.temperature}")
         if self.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:  # NaN fails too
+            raise InvalidRequestError("repetition_penalty", f"must be in [{low:g}, {high:g}] (1 disables), "
+                                                            f"got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (-2.0 <= value <= 2.0):

@@ -1,13 +1,21 @@
 """The OpenAI-compatible HTTP API over a SchedulerStreams (the ingress's FastAPI routes call these).
 
-Bodies are parsed and formatted in cluster/serving/openai_api.py; errors answer OpenAI's error body:
-invalid -> 400, capacity -> 429, internal -> 500 (with the request id only). Leaving a stream early
+Bodies are read within bounds (cluster/serving/json_body.py), parsed and formatted in
+cluster/serving/openai_api.py. Every answer that is not a 200 is OpenAI's error body
+`{"error": {"message", "type", "param", "code"}}`, and no input gets a 5xx:
+    400 invalid_request_error  the client's fault; `param` names the field and the message starts with it
+    413 invalid_request_error  a body over json_body.MAX_BODY_BYTES (`param: "body"`)
+    429 capacity_error         the scheduler's queue is full; `Retry-After` says when to try again
+    503 unavailable_error      the scheduler replica is gone (Serve restarts it); `Retry-After` as well
+    500 internal_error         a server fault: the message holds the request id only, the log has the rest
+Each answer of a generation route carries the request id in `x-request-id`. A refusal (400, 413, 429) is one
+WARNING line (cluster/serving/rejections.py); a server fault logs its traceback once. Leaving a stream early
 (the client disconnects) cancels it, which aborts the request at the scheduler.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,25 +23,32 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from starlette.requests import ClientDisconnect
 
+from cluster.engine.request_span import RequestSpan
+from cluster.serving.json_body import BodyError, parse_json, read_body
+from cluster.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from cluster.serving.openai_api import (
     SSE_DONE,
     Collected,
+    OpenAIRequest,
     completion_body,
     error_body,
-    parse_chat,
-    parse_completion,
+    parse_request,
+    sse_data,
     sse_event,
+    usage_event,
 )
 from cluster.serving.rejections import RejectionLog
 from cluster.serving.streams import ChunkStream, SchedulerStreams
-from specserve_types.api import InvalidRequestError, SpecServeError
-from specserve_types.protocol import GenerateArgs, ServerDefaults, StreamError
+from specserve_types.api import CapacityError, InvalidRequestError, SpecServeError
+from specserve_types.protocol import ServerDefaults, new_request_id
 
 logger = logging.getLogger("ray.serve")
 
-HTTP_ERRORS = {"invalid": (400, "invalid_request_error"), "capacity": (429, "capacity_error"),
-               "internal": (500, "internal_error")}
+UNAVAILABLE_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
+REQUEST_ID_HEADER = "x-request-id"
 
 
 class OpenAIFrontEnd:
@@ -45,51 +60,101 @@ class OpenAIFrontEnd:
         self._rejections = rejections
         self._retry_after_s = retry_after_s
 
-    def error(self, error: StreamError, request_id: str = "-") -> JSONResponse:
-        status, kind = HTTP_ERRORS[error.code]
-        headers = {}
-        if error.code == "capacity":
+    # -- answers that are not a 200 ---------------------------------------------------------------------
+    def refusal(self, request_id: str, status: int, kind: str, message: str,
+                param: str | None) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """A refusal (the client's doing or a full server): one WARNING line, OpenAI's error body."""
+        self._rejections.rejected(request_id, str(status), param, message)
+        headers = {REQUEST_ID_HEADER: request_id}
+        if status == 429:
             headers["Retry-After"] = str(self._retry_after_s)
-        if error.code != "internal":
-            self._rejections.rejected(request_id, str(status), error.field, error.message)
-        return JSONResponse(error_body(error.describe(), kind, error.field), status_code=status, headers=headers)
+        return status, error_body(f"{param}: {message}" if param else message, kind, param), headers
 
+    def answer(self, request_id: str, exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """(status, error body, headers) after `exc` was raised serving a request; refusals are logged as one
+        line, faults with their traceback, and a server fault's body holds the request id, never the exception."""
+        if isinstance(exc, BodyError):
+            return self.refusal(request_id, exc.status, "invalid_request_error", exc.message, "body")
+        if isinstance(exc, ClientDisconnect):  # no one will read the answer; the log says why the request ended
+            return self.refusal(request_id, 400, "invalid_request_error", "the client left while sending it", "body")
+        if isinstance(exc, InvalidRequestError):
+            return self.refusal(request_id, 400, "invalid_request_error", exc.message, exc.field)
+        if isinstance(exc, CapacityError):
+            return self.refusal(request_id, 429, "capacity_error", str(exc) or "server is full", None)
+        headers = {REQUEST_ID_HEADER: request_id}
+        if isinstance(exc, UNAVAILABLE_ERRORS):
+            logger.warning("request %s: scheduler unavailable: %s", request_id, type(exc).__name__)
+            headers["Retry-After"] = str(self._retry_after_s)
+            return 503, error_body(f"scheduler unavailable; retry (request id {request_id})", "unavailable_error"), headers
+        if isinstance(exc, SpecServeError):  # an internal error the scheduler reported (and logged)
+            logger.warning("request %s failed: %s", request_id, exc)
+        else:
+            logger.error("request %s: internal error in the HTTP ingress", request_id, exc_info=exc)
+        return 500, error_body(f"internal server error (request id {request_id})", "internal_error"), headers
+
+    def fault(self, request_id: str, exc: BaseException, span: RequestSpan | None = None) -> JSONResponse:
+        status, body, headers = self.answer(request_id, exc)
+        if span is not None:
+            span.fail(str(status), body["error"]["message"])
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    # -- generation ---------------------------------------------------------------------------------------
     async def generate(self, request: Request, chat: bool) -> Response:
+        request_id = new_request_id()
+        span = RequestSpan(None)
         try:
-            body = await request.json()
-        except ValueError as exc:
-            return self.error(StreamError("invalid", f"not valid JSON: {exc}", "body"))
-        try:
-            args = (parse_chat if chat else parse_completion)(body, self._defaults)
-            error, chunks = await self._streams.open(args)
-        except InvalidRequestError as exc:
-            return self.error(StreamError.of(exc))
-        if error is not None:
-            return self.error(error, args.request_id)
-        if body.get("stream"):
-            return StreamingResponse(self._sse(args, chunks, chat), media_type="text/event-stream")
-        collected = Collected(n=args.n)
+            body = parse_json(await read_body(request.headers, request.stream()))
+            parsed = parse_request(body, self._defaults, chat, request_id)
+            span = RequestSpan.start("chat" if chat else "text_completion", self._defaults.model,
+                                     parsed.args.sampling, request_id, parent=request.headers.items(), n=parsed.args.n)
+            parsed = dataclasses.replace(parsed, args=dataclasses.replace(parsed.args, trace_context=span.carrier()))
+            error, chunks = await self._streams.open(parsed.args)
+            if error is not None:
+                raise error.to_exception()
+        except Exception as exc:  # asyncio.CancelledError (the client left) is a BaseException: not caught
+            return self.fault(request_id, exc, span)
+        headers = {REQUEST_ID_HEADER: request_id}
+        if parsed.stream:
+            return StreamingResponse(self._sse(parsed, chunks, chat, span), media_type="text/event-stream",
+                                     headers=headers)
+        collected = Collected(n=parsed.args.n)
         try:
             async for item in chunks:
                 collected.add(item)
-        except SpecServeError as exc:
-            return self.error(StreamError("internal", str(exc)), args.request_id)
+        except Exception as exc:
+            return self.fault(request_id, exc, span)
+        except BaseException:
+            span.fail("cancelled", "the client left")
+            raise
         finally:
             chunks.cancel()
-        return JSONResponse(completion_body(args.request_id, self._defaults.model, collected, chat))
+        collected.finish_span(span, self._defaults.model)
+        return JSONResponse(completion_body(request_id, self._defaults.model, collected, chat), headers=headers)
 
-    async def _sse(self, args: GenerateArgs, chunks: ChunkStream, chat: bool) -> AsyncIterator[str]:
-        started: set[int] = set()
+    async def _sse(self, parsed: OpenAIRequest, chunks: ChunkStream, chat: bool,
+                   span: RequestSpan) -> AsyncIterator[str]:
+        request_id, model = parsed.args.request_id, self._defaults.model
+        collected = Collected(n=parsed.args.n)
         try:
             async for item in chunks:
-                yield sse_event(args.request_id, self._defaults.model, item, chat, first=item.index not in started)
-                started.add(item.index)
-        except SpecServeError as exc:
-            yield f"data: {json.dumps(error_body(str(exc), 'internal_error'))}\n\n"
+                first = item.index not in collected.choices
+                collected.add(item)
+                yield sse_event(request_id, model, item, chat, first=first, include_usage=parsed.include_usage)
+            collected.finish_span(span, model)
+            if parsed.include_usage:
+                yield usage_event(request_id, model, collected, chat)
+        except Exception as exc:  # the status line is sent: the error travels as an event
+            status, body, _ = self.answer(request_id, exc)
+            span.fail(str(status), body["error"]["message"])
+            yield sse_data(body)
+        except BaseException:
+            span.fail("cancelled", "the client left")
+            raise
         finally:
             chunks.cancel()
         yield SSE_DONE
 
+    # -- the other routes ---------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
         created = int(time.time())
         return {"object": "list", "data": [{"id": m["id"], "object": "model", "created": created,
@@ -97,8 +162,23 @@ class OpenAIFrontEnd:
                                            for m in self._models() if m["role"] == "target"]}
 
     async def health(self) -> JSONResponse:
-        ok, status = await self._streams.health()
+        try:
+            ok, status = await self._streams.health()
+        except Exception as exc:  # the scheduler's own health check restarts it
+            logger.warning("health: scheduler unavailable: %s", type(exc).__name__)
+            ok, status = False, "scheduler unavailable"
         return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
-    async def stats(self) -> dict[str, Any]:
-        return await self._streams.stats()
+    async def metrics(self) -> Response:
+        """Prometheus text of the scheduler's metrics (cluster/serving/metrics.py), vLLM's names included."""
+        try:
+            return Response(await self._streams.metrics_text(), media_type=METRICS_CONTENT_TYPE)
+        except Exception as exc:
+            return self.fault("-", exc)
+
+    async def stats(self) -> Response:
+        try:
+            return JSONResponse(await self._streams.stats())
+        except Exception as exc:
+            return self.fault("-", exc)
+

@@ -22,9 +22,19 @@ from cluster.serving.config import ClusterConfig
 from cluster.serving.grpc_server import GrpcServer
 from cluster.serving.grpc_service import SpecServeService
 from cluster.serving.http_api import OpenAIFrontEnd
+from cluster.serving.openapi_docs import (
+    CHAT_ROUTE,
+    COMPLETIONS_ROUTE,
+    HEALTH_ROUTE,
+    METRICS_ROUTE,
+    MODELS_ROUTE,
+    STATS_ROUTE,
+    document,
+)
 from cluster.serving.rejections import RejectionLog
 from cluster.serving.streams import SchedulerStreams
 from specserve_types.protocol import ServerDefaults
+from specserve_types.tracing import configure_tracing, shutdown_tracing
 
 logger = logging.getLogger("ray.serve")
 
@@ -36,6 +46,7 @@ class Ingress:
     # No `from __future__ import annotations` here: FastAPI reads the route signatures at runtime.
     async def __init__(self, config: ClusterConfig, scheduler: Any) -> None:
         self._config = config
+        configure_tracing(config.tracing_settings(), "specserve-ingress")  # request spans (off unless configured)
         streams = SchedulerStreams(scheduler)
         self._streams = streams
         defaults = ServerDefaults(config.model, "model" if config.uses_draft_model else "ngram")
@@ -63,27 +74,35 @@ class Ingress:
     async def __del__(self) -> None:
         if (server := getattr(self, "_grpc", None)) is not None:
             await server.stop(self._config.graceful_shutdown_timeout_s)
+        shutdown_tracing()
 
     # -- HTTP (OpenAI-compatible) -------------------------------------------------------------------
-    @http_app.post("/v1/completions")
+    # /openapi.json documents the request and stream models too (cluster/serving/openapi_docs.py); done here,
+    # in the class body, because @serve.ingress freezes a copy of http_app as soon as the class is defined.
+    document(http_app)
+
+    @http_app.post("/v1/completions", **COMPLETIONS_ROUTE)
     async def completions(self, request: Request) -> Response:
         return await self._http.generate(request, chat=False)
 
-    @http_app.post("/v1/chat/completions")
+    @http_app.post("/v1/chat/completions", **CHAT_ROUTE)
     async def chat_completions(self, request: Request) -> Response:
         return await self._http.generate(request, chat=True)
 
-    @http_app.get("/v1/models")
+    @http_app.get("/v1/models", **MODELS_ROUTE)
     async def models(self) -> dict[str, Any]:
         return self._http.models()
 
-    @http_app.get("/health")
+    @http_app.get("/health", **HEALTH_ROUTE)
     async def health(self) -> JSONResponse:
         return await self._http.health()
 
-    @http_app.get("/v1/stats")
-    async def stats(self) -> dict[str, Any]:
-        return await self._http.stats()
+    @http_app.get("/metrics", **METRICS_ROUTE)
+    async def metrics(self) -> Response:
+        return await self._http.metrics()
 
+    @http_app.get("/v1/stats", **STATS_ROUTE)
+    async def stats(self) -> Response:
+        return await self._http.stats()
 
 IngressDeployment = serve.deployment(Ingress, name="Ingress")

@@ -103,3 +103,6 @@ class SchedulerStreams:
 
     async def stats(self) -> dict[str, Any]:
         return await self._scheduler.stats.remote()
+
+    async def metrics_text(self) -> bytes:
+        return await self._scheduler.metrics_text.remote()
