@@ -1,1 +1,2 @@
-"""Kubernetes/KubeRay deployment of specserve (manifests + the Serve application builder they name)."""
+"""Kubernetes/KubeRay deployment of specserve: the kustomize manifests, the Serve application builder they name
+(serve_app) and the init container's model-cache job (prepare_models)."""

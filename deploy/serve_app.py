@@ -1,4 +1,4 @@
-"""The Ray Serve application builder that `deploy/rayservice.yaml` names in `serveConfigV2`.
+"""The Ray Serve application builder that serveConfigV2 names (deploy/overlays/*/serve-config.yaml).
 
     import_path: deploy.serve_app:app_builder
     args: {model: ..., draft: ..., device: cuda, tensor_parallel_size: 2, ...}   # ClusterConfig fields
@@ -8,9 +8,12 @@ Ray Serve calls an application builder with exactly one argument, the `args` map
 it cannot be named directly; this adapter validates `args` as a `ClusterConfig` (the same
 validation and error messages as `specserve up --config FILE`) and binds the same graph.
 
-Under KubeRay, Ray and the proxies are started by the RayService, not by `specserve up`: the
-fields that only configure those (`host`, ports, `ray_address`, ...) have their place elsewhere in
-the manifest and are refused here rather than silently ignored.
+Under KubeRay, Ray and Serve's HTTP proxy are started by the RayService, not by `specserve up`: the fields
+that only configure those (`http_port`, `ray_address`, ...) have their place elsewhere in the manifest and
+are refused here rather than silently ignored. gRPC is different: each Ingress replica serves it with its
+own server on `host:grpc_port` (cluster/serving/grpc_server.py), so those two are application arguments.
+`host` defaults to 0.0.0.0 here (the Services reach the pod's address, never its loopback) and a loopback
+address is refused.
 """
 
 from __future__ import annotations
@@ -22,18 +25,18 @@ from ray import serve
 from cluster.serving.app import build_app
 from cluster.serving.config import ClusterConfig, ConfigError, load_config
 
-__all__ = ["NOT_APP_ARGS", "app_builder", "cluster_config"]
+__all__ = ["LOOPBACK_HOSTS", "NOT_APP_ARGS", "POD_HOST", "app_builder", "cluster_config"]
 
 # ClusterConfig fields `specserve up` uses to start Ray and the proxies -> where a RayService sets them.
 NOT_APP_ARGS: dict[str, str] = {
-    "host": "serveConfigV2 http_options.host",
     "http_port": "serveConfigV2 http_options.port (and the head container's 'serve' port)",
-    "grpc_port": "serveConfigV2 grpc_options.port (and the head container's 'grpc' port)",
-    "request_timeout_s": "serveConfigV2 http_options.request_timeout_s / grpc_options.request_timeout_s",
     "dashboard_port": "the head container's 'dashboard' port (rayStartParams dashboard-port)",
     "ray_address": "nothing: KubeRay deploys the application into its own Ray cluster",
     "ray_num_cpus": "rayStartParams num-cpus / the container's CPU limit",
+    "worker_niceness": "the Ray container's env RAY_worker_niceness (read by the raylet)",
 }
+POD_HOST = "0.0.0.0"  # default `host` under KubeRay: the gRPC servers listen on the pod's address
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def cluster_config(args: dict[str, Any]) -> ClusterConfig:
@@ -44,7 +47,9 @@ def cluster_config(args: dict[str, Any]) -> ClusterConfig:
     if misplaced:
         where = "; ".join(f"{name}: set it in {NOT_APP_ARGS[name]}" for name in misplaced)
         raise ConfigError(f"not an application argument under KubeRay: {where}")
-    return load_config(None, **args)
+    if str(args.get("host", POD_HOST)).strip().lower() in LOOPBACK_HOSTS:
+        raise ConfigError(f"host: {args['host']!r} is the pod's loopback, which no Service reaches; use {POD_HOST}")
+    return load_config(None, **{"host": POD_HOST, **args})
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

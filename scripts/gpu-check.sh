@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# The GPU check: one prepared run for a machine with CUDA (a few minutes), figures as JSON.
+#
+#   scripts/gpu-check.sh [OUT_DIR]        OUT_DIR default: $OUT if set, else ./gpu-check-out
+#
+# With CUDA it runs, each step's log and exit status recorded in OUT_DIR/summary.json:
+#   1. device.json          torch, CUDA, the GPUs
+#   2. parity               tests/model_runtime/test_cuda.py -k forward_match: fp32 and bf16 forwards on CUDA vs CPU
+#                           (random Qwen2/Llama weights and SmolLM2)
+#   3. tp-nccl              test_nccl_tp2_equals_tp1: TP=2 over NCCL vs TP=1 (needs 2 GPUs; with one it says so
+#                           and skips)
+#   4. serve-fractional     test_serve_drafter_and_verifier_share_a_gpu: the Serve application on CUDA, Drafter and
+#                           Verifier at 0.5 GPU each, greedy speculative == plain (inside scripts/in-netns.sh)
+#   5. step-times.json      bf16 CUDA step times of the bundled models: decode (1 token) and verify (k+1 tokens)
+#                           at 128 and 1024 tokens of context, TP=1 (the runtime bench's figures, on the GPU)
+#   6. bench-runtime.json, bench-spec.json
+#                           `specserve bench runtime` and `bench spec --quick` with `--device cuda` where those
+#                           commands take it; until they do they measure the CPU only and are skipped here
+# Without CUDA it prints what it would run (the preflight), writes OUT_DIR/summary.json saying so, and exits 0.
+# Exit status: 0 when every step that ran passed, 1 otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-.venv/bin/python}"
+SPECSERVE="${SPECSERVE:-.venv/bin/specserve}"
+OUT_DIR="${1:-${OUT:-gpu-check-out}}"
+mkdir -p "$OUT_DIR"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+STEPS_FILE="$OUT_DIR/steps.tsv"
+: > "$STEPS_FILE"
+
+log() { printf 'gpu-check: %s\n' "$*" >&2; }
+
+# step NAME COMMAND...: run it, its output to OUT_DIR/NAME.log, its status and duration to steps.tsv
+step() {
+  local name="$1"; shift
+  log "step $name: $*"
+  local started status
+  started=$(date +%s%N)
+  "$@" > "$OUT_DIR/$name.log" 2>&1
+  status=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$(( ($(date +%s%N) - started) / 1000000 ))" "$*" >> "$STEPS_FILE"
+  log "step $name: exit $status ($(tail -n 1 "$OUT_DIR/$name.log"))"
+}
+
+skip() {
+  printf '%s\tskipped\t0\t%s\n' "$1" "$2" >> "$STEPS_FILE"
+  log "step $1: skipped ($2)"
+}
+
+"$PYTHON" - "$OUT_DIR/device.json" <<'EOF'
+import json, sys
+import torch
+info = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(), "cuda": torch.version.cuda,
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available() else []}
+open(sys.argv[1], "w").write(json.dumps(info, indent=2) + "\n")
+print(json.dumps(info))
+EOF
+CUDA=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/model_runtime/test_cuda.py)
+
+bench_has_device() { "$SPECSERVE" bench "$1" --help 2>/dev/null | grep -q -- '--device'; }
+
+if [ "$CUDA" = "0" ]; then
+  log "no CUDA device: preflight only. On a machine with CUDA this script runs:"
+  log "  parity:           ${PYTEST[*]} -k forward_match --junitxml $OUT_DIR/parity.xml"
+  log "  tp-nccl:          ${PYTEST[*]} -k nccl --junitxml $OUT_DIR/tp-nccl.xml   (2+ GPUs; else skipped)"
+  log "  serve-fractional: scripts/in-netns.sh ${PYTEST[*]} -k serve --junitxml $OUT_DIR/serve.xml"
+  log "  step-times:       bf16 decode/verify step times of the bundled models on cuda:0 -> $OUT_DIR/step-times.json"
+  for bench in runtime spec; do
+    if bench_has_device "$bench"; then
+      log "  bench-$bench:     $SPECSERVE bench $bench --device cuda ... --json-out $OUT_DIR/bench-$bench.json"
+    else
+      log "  bench-$bench:     skipped: \`specserve bench $bench\` has no --device flag (CPU only)"
+    fi
+  done
+  # The same tests here skip cleanly (what the suite does on a CPU machine).
+  step preflight-skips "${PYTEST[@]}"
+  "$PYTHON" - "$OUT_DIR" <<'EOF'
+import json, sys
+out = sys.argv[1]
+steps = [dict(zip(("step", "exit", "ms", "command"), line.rstrip("\n").split("\t"))) for line in open(f"{out}/steps.tsv")]
+summary = {"cuda": False, "ran": "preflight only (no CUDA device)", "steps": steps}
+open(f"{out}/summary.json", "w").write(json.dumps(summary, indent=2) + "\n")
+EOF
+  status=$(awk -F'\t' '$2 != "0" && $2 != "skipped" {bad=1} END {print bad ? 1 : 0}' "$STEPS_FILE")
+  log "preflight done (exit $status); summary: $OUT_DIR/summary.json"
+  exit "$status"
+fi
+
+log "$CUDA CUDA device(s): running the GPU check into $OUT_DIR"
+step parity "${PYTEST[@]}" -k forward_match --junitxml "$OUT_DIR/parity.xml"
+if [ "$CUDA" -ge 2 ]; then
+  step tp-nccl "${PYTEST[@]}" -k nccl --junitxml "$OUT_DIR/tp-nccl.xml"
+else
+  skip tp-nccl "one GPU: TP=2 over NCCL needs two"
+fi
+step serve-fractional scripts/in-netns.sh "${PYTEST[@]}" -k serve --junitxml "$OUT_DIR/serve.xml"
+
+step step-times "$PYTHON" - "$OUT_DIR/step-times.json" <<'EOF'
+"""bf16 step times on cuda:0: decode (1 new token) and verify (k+1 new tokens) after a context, medians of 10."""
+import json, sys, time
+import torch
+from model_runtime.local_alloc import LocalAllocator, LocalSequence
+from model_runtime.model import CausalLM
+from model_runtime.prepare import prepare_model
+from model_runtime.registry import KNOWN_MODELS
+
+def timed(fn):
+    torch.cuda.synchronize(); start = time.perf_counter(); fn(); torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+results = []
+for name in KNOWN_MODELS:
+    model = CausalLM.load(prepare_model(name, progress=False), device="cuda:0", dtype=torch.bfloat16)
+    for context in (128, 1024):
+        for new in (1, 2, 3, 5, 9):  # decode, then verifying k = 1, 2, 4, 8 drafts
+            samples = []
+            for repeat in range(13):
+                alloc = LocalAllocator(num_blocks=(context + 32) // 16 + 2, block_size=16)
+                kv = model.allocate_kv((context + 32) // 16 + 2, 16)
+                seq = LocalSequence()
+                model.forward_seqs([alloc.extend(seq, list(range(10, 10 + context)))], kv)
+                batch = [alloc.extend(seq, list(range(200, 200 + new)))]
+                seconds = timed(lambda: model.forward_seqs(batch, kv))
+                if repeat >= 3:  # the first three warm up kernels and allocator
+                    samples.append(seconds)
+            samples.sort()
+            results.append({"model": name, "context": context, "new_tokens": new,
+                            "median_ms": round(samples[len(samples) // 2] * 1e3, 3)})
+            print(json.dumps(results[-1]), flush=True)
+    del model
+    torch.cuda.empty_cache()
+json.dump({"device": torch.cuda.get_device_name(0), "dtype": "bfloat16", "steps": results},
+          open(sys.argv[1], "w"), indent=2)
+EOF
+
+for bench in runtime spec; do
+  if bench_has_device "$bench"; then
+    extra=(); [ "$bench" = spec ] && extra=(--quick)
+    step "bench-$bench" scripts/in-netns.sh "$SPECSERVE" bench "$bench" --device cuda "${extra[@]}" \
+      --json-out "$OUT_DIR/bench-$bench.json"
+  else
+    skip "bench-$bench" "specserve bench $bench has no --device flag (CPU only)"
+  fi
+done
+
+"$PYTHON" - "$OUT_DIR" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+steps = [dict(zip(("step", "exit", "ms", "command"), line.rstrip("\n").split("\t"))) for line in open(f"{out}/steps.tsv")]
+summary = {"cuda": True, "device": json.load(open(f"{out}/device.json")), "steps": steps}
+for name in ("step-times", "bench-runtime", "bench-spec"):
+    if os.path.exists(f"{out}/{name}.json"):
+        summary[name] = json.load(open(f"{out}/{name}.json"))
+open(f"{out}/summary.json", "w").write(json.dumps(summary, indent=2) + "\n")
+EOF
+status=$(awk -F'\t' '$2 != "0" && $2 != "skipped" {bad=1} END {print bad ? 1 : 0}' "$STEPS_FILE")
+log "done (exit $status); summary: $OUT_DIR/summary.json"
+exit "$status"
