@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,8 @@ from cluster.bench.runtime import environment, hf_model_sharing_weights, progres
 from cluster.engine.engine import SpecEngine
 from cluster.engine.factory import tokenize_prompt
 from cluster.engine.kv_client import LocalKV
+from cluster.engine.request_span import RequestSpan
+from cluster.engine.round_spans import RoundSpans
 from kv_manager.ledger import BlockLedger
 from model_runtime.model import CausalLM
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
@@ -80,6 +83,7 @@ class SpecSettings:
     hf_lookup_tokens: int = 10  # transformers' prompt_lookup_num_tokens (its documented example value)
     max_context: int = 1024
     draft_dtype: str = "auto"  # see model_runtime.tp.draft_dtype
+    tracing_overhead: bool = False  # also run every config traced (every span sampled, exported to a file)
 
     def __post_init__(self) -> None:
         if self.draft == "none" and "model" in self.drafts:
@@ -99,10 +103,12 @@ class Config:
     k: int | None  # None = auto; 0 for plain decoding
     temperature: float
     batch: int
+    traced: bool = False  # request + round spans at sampling ratio 1.0 (--tracing-overhead)
 
     @property
     def label(self) -> str:
-        return "plain" if self.draft == "none" else f"{self.draft} k={'auto' if self.k is None else self.k}"
+        label = "plain" if self.draft == "none" else f"{self.draft} k={'auto' if self.k is None else self.k}"
+        return label + (" +traced" if self.traced else "")
 
 
 @dataclass
@@ -176,6 +182,7 @@ class SpecBench:
         self.tallies: dict[Config, Tally] = {}
         self.hf_tallies: dict[tuple[str, float], Tally] = {}
         self.policy: dict[Config, tuple[Any, AcceptanceStats]] = {}  # auto policy state carried per config
+        self.tracer = trace_file_tracer() if s.tracing_overhead else None
 
     # ------------------------------------------------------------------ our engine
     def _fresh_engine(self, config: Config) -> SpecEngine:
@@ -203,10 +210,19 @@ class SpecBench:
         """One engine run of `prompts` (all submitted at once); a warm-up run records nothing."""
         engine = self._fresh_engine(config)
         max_tokens = WARMUP_TOKENS if warmup else self.s.max_tokens
-        for p in prompts:
-            engine.submit(self._request(config, p, self.prompts.index(p), max_tokens))
+        spans: dict[str, RequestSpan] = {}
+        if config.traced:  # what a traced server pays: a request span per request, round spans per step
+            engine.observer = RoundSpans(self.tracer)
         start = time.perf_counter()
+        for p in prompts:
+            request = self._request(config, p, self.prompts.index(p), max_tokens)
+            if config.traced:
+                spans[p.id] = RequestSpan.start("chat", self.s.model, request.sampling, p.id, tracer_=self.tracer)
+                request = dataclasses.replace(request, trace_context=spans[p.id].carrier())
+            engine.submit(request)
         chunks = engine.run_to_completion()
+        for rid, span in spans.items():
+            span.finish(self.s.model, [chunks[rid][-1].stats], [chunks[rid][-1].finish_reason])
         wall = time.perf_counter() - start
         engine.kv.audit().assert_no_leaks()
         if warmup:
@@ -280,14 +296,19 @@ class SpecBench:
     # ------------------------------------------------------------------ the plan
     def configs(self, temperature: float, batch: int) -> list[Config]:
         spec = [Config(d, k, temperature, batch) for d in self.s.drafts for k in self.s.ks]
-        return [Config("none", 0, temperature, batch), *spec]
+        configs = [Config("none", 0, temperature, batch), *spec]
+        if self.s.tracing_overhead:
+            configs += [dataclasses.replace(c, traced=True) for c in configs]
+        return configs
 
     def warm_up(self) -> None:
         """Untimed short runs of every code path first (kernel selection, lazy allocations)."""
         progress("spec: warm-up")
         first = self.prompts[:1]
         for temperature in self.s.temperatures:
-            for config in self.configs(temperature, 1)[:1] + [Config(d, 2, temperature, 1) for d in self.s.drafts]:
+            traced = [True] if self.s.tracing_overhead else []
+            for config in self.configs(temperature, 1)[:1] + [Config(d, 2, temperature, 1, t) for d in self.s.drafts
+                                                              for t in [False, *traced]]:
                 self.run_ours(config, first, warmup=True)
             for mode in self.hf_modes():
                 self.run_hf(mode, temperature, first[0], warmup=True)
@@ -325,6 +346,9 @@ class SpecBench:
                                    "contract": "greedy" if config.temperature == 0 else "exact", **tally.summary()}
             plain = self.tallies[Config("none", 0, config.temperature, config.batch)]
             row["speedup_vs_plain"] = ratio(tally, plain)
+            row["traced"] = config.traced
+            if config.traced:  # tokens/s traced / untraced, the same config in the same run
+                row["speedup_vs_untraced"] = ratio(tally, self.tallies[dataclasses.replace(config, traced=False)])
             row["by_category_speedup_vs_plain"] = category_ratios(tally, plain)
             hf_plain = self.hf_tallies.get(("plain", config.temperature))
             peer = self.hf_tallies.get((HF_PEER[config.draft], config.temperature))
@@ -353,6 +377,22 @@ class SpecBench:
                 "prompts": [{"id": p.id, "category": p.category, "prompt_tokens": len(self.prompt_ids[p.id])}
                             for p in self.prompts],
                 "results": results, "hf": hf}
+
+
+def trace_file_tracer() -> Any:
+    """A tracer of its own (not the process's) sampling every span and exporting it as JSON lines to a
+    temporary file, as a traced server with `--trace-file` would."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+
+    from specserve_types.tracing import JsonLinesSpanExporter
+
+    path = tempfile.NamedTemporaryFile(prefix="specserve-bench-spans-", suffix=".jsonl", delete=False).name
+    provider = TracerProvider(sampler=ALWAYS_ON)
+    provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(path), schedule_delay_millis=500))
+    progress(f"spec: traced configs export their spans to {path}")
+    return provider.get_tracer("specserve-bench")
 
 
 def acc_rate(stats: dict[str, Any]) -> float:

@@ -54,6 +54,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sp.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
                     help="draft model precision (default auto: float16 on CPU, bfloat16 on CUDA)")
     sp.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    sp.add_argument("--tracing-overhead", action="store_true",
+                    help="also run every config traced (every span sampled and exported to a file) and print "
+                         "tokens/s traced vs untraced")
     sp.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
     sp.add_argument("--quick", action="store_true",
                     help="tiny run on smollm2-135m with n-gram drafts (~1 minute); explicit flags still apply")
@@ -163,7 +166,7 @@ def _run_spec(args: argparse.Namespace) -> int:
     if args.model and args.model != "qwen2.5-coder-1.5b" and args.draft is None and not args.quick:
         base.setdefault("draft", "none")
         base.setdefault("drafts", ["ngram"])
-    settings = SpecSettings(**base, threads=args.threads, hf=not args.no_hf)
+    settings = SpecSettings(**base, threads=args.threads, hf=not args.no_hf, tracing_overhead=args.tracing_overhead)
     result = run_spec_bench(settings)
     write_json(result, args.json_out)
     if args.plot is not None:
@@ -189,6 +192,12 @@ def format_spec(result: dict[str, Any]) -> str:
                      _pct(sum(frac.get(k, 0.0) for k in ("reconcile", "plan_other", "outside"))),
                      r.get("same_output_as_plain")])
     out.append(table(headers, rows))
+    traced = [r for r in result["results"] if r.get("traced")]
+    if traced:
+        out.append("\ntracing on (every span sampled, exported to a JSON-lines file) vs off, same config, same run:")
+        out.append(table(["T", "batch", "config", "tok/s traced", "traced / untraced"],
+                         [[r["temperature"], r["batch"], r["label"], r["tokens_per_second"], r["speedup_vs_untraced"]]
+                          for r in traced]))
     if result["hf"]:
         out.append("\ntransformers (batch 1, one prompt at a time):")
         out.append(table(["T", "mode", "tok/s", "vs hf plain", "=ours plain"],

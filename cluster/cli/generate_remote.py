@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from cluster.client import SpecServeClient, collect
+from cluster.engine.request_span import summed_speculation
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 
@@ -42,6 +43,7 @@ def generate_via_server(args: argparse.Namespace) -> int:
             print(json.dumps({"model": args.model, "server": args.server, "draft": args.draft,
                               "contract": ordered[0]["contract"] if ordered else args.contract,
                               "samples": [{k: s[k] for k in ("token_ids", "text", "finish_reason")} for s in ordered],
+                              "metrics": {"speculative_decoding": summed_speculation(stats["requests"])},
                               "stats": stats}))
         else:
             for i, sample in enumerate(ordered):

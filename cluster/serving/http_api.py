@@ -8,7 +8,7 @@ cluster/serving/openai_api.py. Every answer that is not a 200 is OpenAI's error 
     429 capacity_error         the scheduler's queue is full; `Retry-After` says when to try again
     503 unavailable_error      the scheduler replica is gone (Serve restarts it); `Retry-After` as well
     500 internal_error         a server fault: the message holds the request id only, the log has the rest
-Each answer of a generation route carries the request id in `x-request-id`. A refusal (400, 413, 429) is one
+Each answer of a generation route carries the request id in `x-specserve-request-id`. A refusal (400, 413, 429) is one
 WARNING line (cluster/serving/rejections.py); a server fault logs its traceback once. Leaving a stream early
 (the client disconnects) cancels it, which aborts the request at the scheduler.
 """
@@ -48,7 +48,7 @@ from specserve_types.protocol import ServerDefaults, new_request_id
 logger = logging.getLogger("ray.serve")
 
 UNAVAILABLE_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
-REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID_HEADER = "x-specserve-request-id"  # Serve's proxy sets its own x-request-id
 
 
 class OpenAIFrontEnd:

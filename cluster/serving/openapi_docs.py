@@ -51,7 +51,7 @@ def sse_event_schema(chunk: type[BaseModel]) -> dict[str, Any]:
 
 
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
-REQUEST_ID = {"x-request-id": {"description": "the request's id (also in a 500's message)",
+REQUEST_ID = {"x-specserve-request-id": {"description": "the request's id (also in a 500's message)",
                                "schema": {"type": "string"}}}
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request: `error.param` names the field, the message "

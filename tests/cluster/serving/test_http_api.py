@@ -296,7 +296,7 @@ def sse_payloads(response: Any) -> list[Any]:
 def test_completion_and_its_stream(client: TestClient, streams: ScriptedStreams) -> None:
     response = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "n": 2})
     body = response.json()
-    assert response.headers["x-request-id"] == body["id"] == streams.opened[0].request_id
+    assert response.headers["x-specserve-request-id"] == body["id"] == streams.opened[0].request_id
     assert [c["text"] for c in body["choices"]] == ["w0 w1 w2 ", "w100 w101 w102 "]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
     chunks = sse_payloads(client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "stream": True}))
@@ -338,7 +338,7 @@ def test_a_server_fault_is_500_with_the_request_id_only(client: TestClient, stre
     with caplog.at_level(logging.INFO, logger="ray.serve"):
         response = client.post("/v1/completions", json={"prompt": "x"})
     error = assert_error(response, 500, None, kind="internal_error")
-    request_id = response.headers["x-request-id"]
+    request_id = response.headers["x-specserve-request-id"]
     assert error["message"] == f"internal server error (request id {request_id})" and "secret" not in response.text
     (record,) = [r for r in caplog.records if r.name == "ray.serve"]
     assert request_id in record.getMessage() and record.exc_info is not None  # the traceback, once, in the log

@@ -210,7 +210,7 @@ def test_refused_and_bad_parameters_raise_bad_request(sdk: OpenAI, chat: bool, k
             sdk.completions.create(**{"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **kwargs})
     assert info.value.status_code == 400 and info.value.param == param, info.value.message
     assert info.value.type == "invalid_request_error" and info.value.body["message"].startswith(f"{param}: ")
-    assert info.value.response.headers["x-request-id"].startswith("req-")
+    assert info.value.response.headers["x-specserve-request-id"].startswith("req-")
 
 
 # -- a client that leaves ----------------------------------------------------------------------------------------

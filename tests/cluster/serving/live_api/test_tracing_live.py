@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import requests
 
 from cluster.client import build_request
 from cluster.serving.config import ClusterConfig
@@ -74,3 +75,20 @@ def test_a_grpc_request_is_one_trace_from_the_clients_span(cluster: ClusterConfi
         phases = {s["name"] for s in spans if s["parent_id"] == round_span["context"]["span_id"]}
         assert PHASES <= phases, phases
     assert sum(s["attributes"]["specserve.round.drafts_accepted"] for s in rounds) == spec["num_accepted_draft_tokens"]
+
+
+def test_an_http_request_continues_the_callers_trace(cluster: ClusterConfig, trace_file: Path) -> None:
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    response = requests.post(f"http://127.0.0.1:{cluster.http_port}/v1/chat/completions", timeout=120,
+                             headers={"traceparent": f"00-{trace_id}-{client_span}-01"},
+                             json={"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 8,
+                                   "k": 2, "draft": "ngram"})
+    assert response.status_code == 200, response.text
+    (stats,) = response.json()["specserve"]["stats"]
+    spans = spans_of(trace_file, trace_id, rounds=stats["rounds"])
+    # Serve's proxy/ASGI layer may add its own SERVER span ("POST /v1/chat/completions") beside ours
+    (server,) = [s for s in spans if s["kind"] == "SpanKind.SERVER" and s["name"] == "chat smollm2-135m"]
+    assert server["parent_id"] == f"0x{client_span}"
+    assert server["attributes"]["gen_ai.response.id"] == response.headers["x-specserve-request-id"]
+    assert server["attributes"]["gen_ai.usage.output_tokens"] == stats["output_tokens"]
+    assert sum(s["name"] == "speculative_round" for s in spans) == stats["rounds"]
