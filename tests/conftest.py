@@ -15,11 +15,14 @@ RAY_FIXTURES = frozenset({"ray_session"})
 # tests that do so without those fixtures: path under tests/ (a folder ends in "/") -> test-name prefixes
 RAY_TESTS: dict[str, tuple[str, ...]] = {
     "deploy/": ("",),  # builds the Serve application the RayService runs
+    "cluster/serving/live_api/": ("",),  # one live deployment for the package (live_api/conftest.py)
     "cluster/cli/test_up.py": ("test_up_serves", "test_up_once"),  # `specserve up` subprocesses: Ray + servers
 }
 # end-to-end statistical tests of the exact contract (many engine runs on tiny models: minutes, not seconds)
 STATISTICAL_TESTS: dict[str, tuple[str, ...]] = {
     "cluster/engine/test_engine_exact.py": ("",),
+    "cluster/check/test_exact_models.py": ("test_smollm2", "test_injected", "test_too_few", "test_greedy"),
+    "cluster/check/test_exact_server.py": ("test_check_through",),
 }
 MODEL_TESTS: dict[str, tuple[str, ...]] = {
     "cluster/cli/test_up.py": ("test_up_serves",),  # its server serves SmolLM2

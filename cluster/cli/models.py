@@ -1,4 +1,6 @@
-"""`specserve models list | prepare [NAME...]`: show the registry, build the safetensors cache."""
+"""`specserve models list | prepare [NAME...] | path NAME`: show the registry, build the safetensors cache,
+print a model's prepared HF folder (config, weights, tokenizer files: what third-party clients such as a
+benchmark's `--tokenizer` need)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     prepare_parser.add_argument("--cache-dir", type=Path, default=None, help="default: $SPECSERVE_CACHE")
     prepare_parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    path_parser = actions.add_parser(
+        "path", help="print the prepared HF folder of a model (tokenizer files included), preparing it if needed"
+    )
+    path_parser.add_argument("name", metavar="NAME", help=f"one of {', '.join(KNOWN_MODELS)}, or a local HF dir")
+    path_parser.add_argument("--cache-dir", type=Path, default=None, help="default: $SPECSERVE_CACHE")
+    path_parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return parser
 
 
@@ -35,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.models_command == "list":
             print(format_table(args.cache_dir))
+            return 0
+        if args.models_command == "path":
+            print(prepare_model(args.name, args.cache_dir, not args.no_progress))
             return 0
         return _prepare(args.names or list(KNOWN_MODELS), args.cache_dir, not args.no_progress)
     except (SpecServeError, OSError) as exc:

@@ -168,7 +168,7 @@ def test_async_client_answers_the_same(sdk: OpenAI) -> None:
     assert [m.id for m in models.data] == [MODEL]
 
 
-def test_async_bad_request_raises_the_typed_error() -> None:
+def test_async_bad_request_raises_the_typed_error(sdk: OpenAI) -> None:
     async def run() -> openai.BadRequestError:
         async with async_sdk() as client:
             with pytest.raises(openai.BadRequestError) as info:
