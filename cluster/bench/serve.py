@@ -56,6 +56,7 @@ class ServeBenchSettings:
     http_port: int = 8100
     kv_blocks: int = 1024
     max_context: int = 1024
+    server: str | None = None  # HOST:PORT of a running cluster's gRPC endpoint: measure it, deploy nothing
 
     def __post_init__(self) -> None:
         assert self.concurrency and all(c >= 1 for c in self.concurrency), self.concurrency
@@ -204,6 +205,10 @@ def run_serve_bench(s: ServeBenchSettings) -> dict[str, Any]:
     tokenizer = load_tokenizer(model_dir(s.model))
     prompt_set = load_prompts(s.categories, s.per_category)
     prompt_ids = [tokenize_prompt(tokenizer, p.text, chat=True) for p in prompt_set]
+    if s.server is not None:  # someone else's cluster (`specserve up`): measured as it is, left running
+        progress(f"measuring the running cluster at {s.server} (its model should be {s.model})")
+        with SpecServeClient(s.server, timeout_s=600) as client:
+            return _measure(s, client, prompt_ids, env)
     started_ray = not ray.is_initialized()
     if started_ray:
         progress("starting a local Ray (loopback)")

@@ -78,6 +78,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sv.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT (default 2000)")
     sv.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT (default 200)")
     sv.add_argument("--no-inprocess", action="store_true", help="skip the overhead comparison with the engine in process")
+    sv.add_argument("--server", default=None, metavar="HOST:PORT",
+                    help="measure a running cluster's gRPC endpoint (e.g. `specserve up`) instead of deploying one; "
+                         "--model names its model (for the prompts' tokenizer)")
     sv.add_argument("--grpc-port", type=int, default=None, help="default 9100")
     sv.add_argument("--http-port", type=int, default=None, help="default 8100")
     _common(sv)
@@ -291,7 +294,7 @@ def _run_serve(args: argparse.Namespace) -> int:
              "max_tokens": args.max_tokens, "categories": args.categories, "per_category": args.per_category,
              "slo_ttft_s": None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
              "slo_tpot_s": None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000,
-             "grpc_port": args.grpc_port, "http_port": args.http_port}
+             "grpc_port": args.grpc_port, "http_port": args.http_port, "server": args.server}
     settings = ServeBenchSettings(**{key: value for key, value in flags.items() if value is not None}, k=args.k,
                                   threads=args.threads, inprocess=not args.no_inprocess)
     result = run_serve_bench(settings)
