@@ -9,14 +9,18 @@ replica's `ComputeThread`: loading and every `propose` run there, never on Serve
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+from typing import Any
 
+import numpy as np
 from ray import serve
 
 from drafter_service.worker import DraftWorker
 from model_runtime.compute_thread import ComputeThread
-from specserve_types.round_messages import ProposeBatch, ProposeResult
+from specserve_types.faults import FAULTS
+from specserve_types.round_messages import ProposeBatch, ProposeOutput, ProposeResult
 
 logger = logging.getLogger("ray.serve")
 
@@ -38,7 +42,21 @@ class Drafter:
         logger.info("drafter ready: %s (%s), %d KV blocks of %d", model, precision, num_blocks, block_size)
 
     async def propose(self, batch: ProposeBatch) -> ProposeResult:
-        return await self.compute.run(self.worker.propose, batch)
+        if FAULTS.active and (delay := FAULTS.take("drafter.latency")) is not None:
+            await asyncio.sleep(float(delay.get("seconds", 1.0)))
+        result = await self.compute.run(self.worker.propose, batch)
+        if FAULTS.active and (garbage := FAULTS.take("drafter.garbage")) is not None:
+            result = garbage_drafts(result, self.vocab_size(), str(garbage.get("mode", "out_of_range")))
+        return result
+
+    def inject_fault(self, name: str, **params: Any) -> None:
+        """Arm a fault hook in this replica (chaos runs; specserve_types/faults.py)."""
+        FAULTS.inject(name, **params)
+
+    def clear_faults(self) -> dict[str, Any]:
+        fired = FAULTS.describe()["fired"]
+        FAULTS.clear()
+        return fired
 
     def vocab_size(self) -> int:
         return self.worker.config.vocab_size
@@ -46,6 +64,21 @@ class Drafter:
     def pid(self) -> int:
         """The replica's process id (fault-injection tests kill it)."""
         return os.getpid()
+
+
+def garbage_drafts(result: ProposeResult, vocab_size: int, mode: str) -> ProposeResult:
+    """The drafter lying (a chaos fault): ids outside the vocabulary, or one draft more than asked."""
+    outputs = []
+    for out in result.outputs:
+        if mode == "wrong_length":
+            ids = [*out.draft_ids, out.draft_ids[-1] if out.draft_ids else 0]
+            probs = out.draft_probs
+            if probs is not None and len(probs):
+                probs = np.concatenate([probs, probs[-1:]])
+        else:
+            ids, probs = [vocab_size + 7 + i for i in range(len(out.draft_ids))], out.draft_probs
+        outputs.append(ProposeOutput(out.request_id, ids, probs))
+    return ProposeResult(outputs, result.seconds, result.worker_instance)
 
 
 DrafterDeployment = serve.deployment(Drafter, name="Drafter")

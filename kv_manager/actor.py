@@ -30,6 +30,7 @@ A caller that gives up on a call (a timeout) may leave it running on the actor: 
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -51,6 +52,7 @@ from kv_manager.schema import (
     Reservation,
     ReserveItem,
 )
+from specserve_types.faults import FAULTS
 
 
 def _each(call: Any, items: Iterable[Any]) -> list[Any]:
@@ -82,6 +84,24 @@ class KVManager:
     async def incarnation(self) -> str:
         return self._incarnation
 
+    async def pid(self) -> int:
+        """This actor's process id (chaos runs kill it)."""
+        return os.getpid()
+
+    async def inject_fault(self, name: str, **params: Any) -> None:
+        """Arm a fault hook in this actor (chaos runs; specserve_types/faults.py)."""
+        FAULTS.inject(name, **params)
+
+    async def clear_faults(self) -> dict[str, Any]:
+        fired = FAULTS.describe()["fired"]
+        FAULTS.clear()
+        return fired
+
+    @staticmethod
+    def _injected(name: str) -> None:
+        if FAULTS.active and FAULTS.take(name) is not None:
+            raise RetriableKVError(f"{name} (injected fault)")
+
     async def register_worker(self, incarnation: str, worker_id: str) -> Holder:
         return self._check(incarnation).register_worker(worker_id)
 
@@ -110,6 +130,7 @@ class KVManager:
         self, incarnation: str, items: Sequence[ReserveItem], atomic: bool = False
     ) -> tuple[list[Reservation | KVError], dict[str, float]]:
         """`reserve`, plus every namespace's free fraction after it (spares a `free_fractions` call)."""
+        self._injected("kv.reserve_fail")
         outcomes = self._check(incarnation).reserve(items, atomic=atomic)
         return outcomes, self._fractions()
 
@@ -117,6 +138,7 @@ class KVManager:
         self, incarnation: str, items: Sequence[CommitItem]
     ) -> tuple[list[CommitResult | KVError], dict[str, float]]:
         """`commit`, plus every namespace's free fraction after it."""
+        self._injected("kv.commit_fail")
         outcomes = self._check(incarnation).commit(items)
         return outcomes, self._fractions()
 
@@ -124,6 +146,8 @@ class KVManager:
         self, incarnation: str, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]
     ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError], dict[str, float]]:
         """The previous round's `commit`, then this round's `reserve`, in one call (one round trip)."""
+        self._injected("kv.commit_fail")
+        self._injected("kv.reserve_fail")
         ledger = self._check(incarnation)
         committed = ledger.commit(commits)
         return committed, ledger.reserve(reserves), self._fractions()

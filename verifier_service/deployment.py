@@ -12,7 +12,9 @@ together (SPMD); the replica fans each batch out and takes rank 0's logits.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import socket
 from typing import Any
 
@@ -24,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from model_runtime.batch import SeqInput
 from model_runtime.compute_thread import ComputeThread
+from specserve_types.faults import FAULTS, InjectedFault
 from specserve_types.round_messages import VerifyBatch, VerifyResult
 from verifier_service.worker import LocalRunner, VerifierWorker
 
@@ -127,7 +130,31 @@ class Verifier:
                     block_size)
 
     async def verify(self, batch: VerifyBatch) -> VerifyResult:
-        return await self.compute.run(self.worker.verify, batch)
+        if not FAULTS.active:
+            return await self.compute.run(self.worker.verify, batch)
+        if (delay := FAULTS.take("verifier.latency")) is not None:
+            await asyncio.sleep(float(delay.get("seconds", 1.0)))
+        result = await self.compute.run(self.worker.verify, batch)
+        if FAULTS.take("verifier.raise") is not None:  # after the forward wrote the KV pool: mid-round
+            raise InjectedFault("verifier raised mid-forward (injected)")
+        return result
+
+    def inject_fault(self, name: str, **params: Any) -> None:
+        """Arm a fault hook in this replica (chaos runs; specserve_types/faults.py)."""
+        FAULTS.inject(name, **params)
+
+    def clear_faults(self) -> dict[str, Any]:
+        fired = FAULTS.describe()["fired"]
+        FAULTS.clear()
+        return fired
+
+    def pid(self) -> int:
+        """The replica's process id (chaos runs kill it)."""
+        return os.getpid()
+
+    def rank_actors(self) -> list[Any]:
+        """The TP rank actors' handles (chaos runs kill one); empty with TP = 1."""
+        return list(self.runner.ranks) if isinstance(self.runner, TPGroupRunner) else []
 
     def vocab_size(self) -> int:
         return self.worker.config.vocab_size

@@ -4,6 +4,8 @@
     specserve generate "PROMPT" [flags]           -> cluster.cli.generate
     specserve bench runtime | spec | serve        -> cluster.cli.bench
     specserve up [--config FILE]                  -> cluster.cli.up
+    specserve check exact [flags]                 -> cluster.cli.check
+    specserve chaos run | list                    -> chaos.cli (a plugin: imported by name, see PLUGINS)
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": "cluster.cli.generate",
     "bench": "cluster.cli.bench",
     "up": "cluster.cli.up",
+    "check": "cluster.cli.check",
 }
+# plugin subcommands from packages above `cluster` (imported dynamically: cluster never imports them statically)
+PLUGINS: dict[str, str] = {"chaos": "chaos.cli"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module_name in SUBCOMMANDS.values():
+    for module_name in [*SUBCOMMANDS.values(), *PLUGINS.values()]:
         module = importlib.import_module(module_name)
         sub = module.add_parser(subparsers)
         sub.set_defaults(_run=module.run)

@@ -46,10 +46,15 @@ from cluster.engine.worker_health import WorkerHealth
 from kv_manager.errors import KVError
 from kv_manager.schema import AdmitItem, CommitItem, ReserveItem
 from specserve_types.api import GenerationRequest, TokenChunk
+from specserve_types.faults import FAULTS
 from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
 from verifier_service.acceptance_stats import AcceptanceStats
 
 log = logging.getLogger("specserve.engine")
+
+
+class InvalidDrafts(Exception):
+    """The drafter answered with drafts the engine refuses (ids outside the vocabulary, a wrong count)."""
 
 
 class VerifierLost(Exception):
@@ -299,14 +304,34 @@ class SpecEngine:
         if all(len(p.draft_pending) <= 2 for p in model_plans):  # a catch-up prefill is not a draft step
             self.cost.observe_draft(max(p.k for p in model_plans), result.seconds)
         by_id = {o.request_id: o for o in result.outputs}
+        refusal = self._invalid_drafts(model_plans, by_id)
+        if refusal is not None:  # never trusted: the drafter is treated as failed, this round decodes plainly
+            self._drafter_failed(model_plans, InvalidDrafts(refusal), "fallback: drafter returned invalid drafts")
+            return
         for p in model_plans:
             out = by_id[p.state.request_id]
             p.drafts, p.draft_probs = out.draft_ids, out.draft_probs
 
-    def _drafter_failed(self, model_plans: list[RoundPlan], exc: BaseException) -> None:
+    def _invalid_drafts(self, model_plans: list[RoundPlan], by_id: dict[str, Any]) -> str | None:
+        """Why the drafter's answer cannot be used (None if it can): every planned request answered, with
+        exactly k ids, each in [0, vocab_size), and draft probabilities (when sent) with one row per draft."""
+        for p in model_plans:
+            out = by_id.get(p.state.request_id)
+            if out is None:
+                return f"no drafts for {p.state.request_id}"
+            if len(out.draft_ids) != p.k:
+                return f"{p.state.request_id}: {len(out.draft_ids)} drafts, asked for k={p.k}"
+            if any(not 0 <= int(t) < self.vocab_size for t in out.draft_ids):
+                return f"{p.state.request_id}: draft ids outside [0, {self.vocab_size})"
+            if out.draft_probs is not None and len(out.draft_probs) != p.k:
+                return f"{p.state.request_id}: {len(out.draft_probs)} draft probability rows for k={p.k}"
+        return None
+
+    def _drafter_failed(self, model_plans: list[RoundPlan], exc: BaseException,
+                        reason: str = "fallback: drafter failed, plain decoding") -> None:
         self.health.drafter_failed(exc)  # its epoch expired: every draft grant is gone
         self._restart_draft_caches()
-        self._plain(model_plans, "fallback: drafter failed, plain decoding")
+        self._plain(model_plans, reason)
 
     @staticmethod
     def _plain(plans: list[RoundPlan], reason: str) -> None:
@@ -399,7 +424,8 @@ class SpecEngine:
             if state.request_id == request_id:
                 self.running.remove(state)
                 self._note_rollback(state, "aborted")
-                self.kv.release(request_id, self._namespaces)
+                if not (FAULTS.active and FAULTS.take("engine.skip_abort_rollback") is not None):  # chaos control
+                    self.kv.release(request_id, self._namespaces)
                 return [self._aborted_chunk(state)]
         for state in list(self.waiting):
             if state.request_id == request_id:  # a waiting request holds nothing in the ledger: nothing to release
@@ -485,4 +511,4 @@ class SpecEngine:
         return out
 
 
-__all__ = ["SpecEngine", "VerifierLost"]
+__all__ = ["InvalidDrafts", "SpecEngine", "VerifierLost"]

@@ -83,5 +83,8 @@ class HeldCommitKV:
         self.send_held()
         return self.inner.request_ids(namespace)
 
+    def ledger_lost(self) -> bool:
+        return self.inner.ledger_lost()  # nothing to send first: a lost ledger refuses it anyway
+
     def free_fraction(self, namespace: str) -> float:
         return self.inner.free_fraction(namespace)  # read every round by the policy: a held commit may wait

@@ -52,6 +52,10 @@ class KVClient(Protocol):
 
     def audit(self) -> AuditReport: ...
 
+    def ledger_lost(self) -> bool:
+        """True once the ledger this client talks to is gone (its actor restarted empty, or died)."""
+        ...
+
 
 class LocalKV:
     """Owner of nothing: forwards to the ledger, which owns all block state. Called from the engine thread
@@ -113,3 +117,6 @@ class LocalKV:
 
     def audit(self) -> AuditReport:
         return self.ledger.audit()
+
+    def ledger_lost(self) -> bool:
+        return False  # the ledger lives in this process

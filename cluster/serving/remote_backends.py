@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from cluster.engine.backends import DrafterUnavailable
 from cluster.engine.engine import SpecEngine
@@ -155,6 +155,16 @@ class RemoteKV:
 
     def audit(self) -> AuditReport:
         return self._call("audit")
+
+    def ledger_lost(self) -> bool:
+        """True once the actor restarted (a new incarnation: its ledger is empty, so every call of this client
+        is refused from now on) or died for good; False while it answers, or is being restarted."""
+        try:
+            return ray.get(self.actor.incarnation.remote(), timeout=self.timeout_s) != self.incarnation
+        except ActorDiedError:
+            return True
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            return False
 
     @staticmethod
     def _raise_unexpected(outcomes: list[Any]) -> None:

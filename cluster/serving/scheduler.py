@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -34,6 +35,7 @@ from specserve_types.api import (
     SamplingParams,
     TokenChunk,
 )
+from specserve_types.faults import FAULTS
 from specserve_types.protocol import GenerateArgs, IndexedChunk, StreamError, StreamItem
 from specserve_types.tracing import configure_tracing, shutdown_tracing
 
@@ -206,6 +208,33 @@ class Scheduler:
         """The KV ledger's audit (kv_manager.schema.AuditReport): counts per namespace, leaked blocks."""
         return await self._loop.acall(lambda engine: engine.kv.audit())
 
+    async def reconcile(self) -> str | None:
+        """The ledger against the engine's live requests (SpecEngine.reconcile_ledger): None if they agree,
+        else what the ledger holds that no running request owns."""
+        def check(engine: Any) -> str | None:
+            try:
+                engine.reconcile_ledger()
+            except AssertionError as exc:
+                return str(exc)
+            return None
+        return await self._loop.acall(check)
+
+    # -- chaos runs (chaos/): fault hooks of this process, its pid, the KV manager actor it owns -------------
+    def inject_fault(self, name: str, **params: Any) -> None:
+        FAULTS.inject(name, **params)
+
+    def clear_faults(self) -> dict[str, Any]:
+        fired = FAULTS.describe()["fired"]
+        FAULTS.clear()
+        return fired
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def kv_actor(self) -> Any:
+        """The handle of this replica's KV manager actor."""
+        return await self._loop.acall(lambda engine: engine.kv.inner.actor)
+
     async def health(self) -> tuple[bool, str]:
         if not self._loop.healthy:
             return False, "engine loop is not running"
@@ -216,14 +245,25 @@ class Scheduler:
         return True, "ok"
 
     async def check_health(self) -> None:
-        """Serve's periodic health check: an engine thread that died makes the replica unhealthy. It also
-        refreshes the gauges (queue, running, KV blocks) that Ray's metrics export between scrapes."""
+        """Serve's periodic health check: an engine thread that died, or a KV manager actor that lost its
+        ledger (restarted empty), makes the replica unhealthy. It also refreshes the gauges (queue, running,
+        KV blocks) that Ray's metrics export between scrapes."""
         if not self._loop.healthy:
             raise RuntimeError("engine loop is not running")
         try:
             await asyncio.wait_for(self._refresh_gauges(), timeout=self._config.health_check_timeout_s / 2)
-        except Exception as exc:  # a slow ledger call: the gauges wait for the next period
+        except Exception as exc:  # a slow or refused ledger call: the gauges wait for the next period
             logger.warning("gauges not refreshed: %r", exc)
+        try:
+            lost = await asyncio.wait_for(self._loop.acall(lambda engine: engine.kv.ledger_lost()),
+                                          timeout=self._config.health_check_timeout_s / 2)
+        except Exception as exc:  # a busy engine thread: asked again next period
+            logger.warning("KV manager not checked: %r", exc)
+            return
+        if lost:
+            # the KV manager actor restarted with an empty ledger (or died): every round of this engine is
+            # refused from now on, so the replica restarts (a new engine, a new ledger actor)
+            raise RuntimeError("the KV manager lost its ledger: restarting the scheduler replica")
 
     def __del__(self) -> None:
         if (loop := getattr(self, "_loop", None)) is not None:

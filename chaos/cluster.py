@@ -1,0 +1,71 @@
+"""The cluster a chaos run deploys, and what the run asks it through Serve handles.
+
+SmolLM2-135M is its own draft model, so both a Drafter and a Verifier deployment exist (model-drafted
+requests) besides n-gram drafting in the scheduler. Short health-check periods and drafter timeouts make
+failures visible in seconds (what bounds each recovery: README "Chaos runs").
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from cluster.serving.config import ClusterConfig, load_config
+
+APP = "specserve"
+GRPC_PORT, HTTP_PORT = 19710, 18710
+
+
+def chaos_config(**overrides: Any) -> ClusterConfig:
+    settings: dict[str, Any] = dict(
+        model="smollm2-135m", draft="smollm2-135m", worker_threads=1, kv_blocks=256, block_size=16,
+        queue_capacity=32, max_batch=8, max_context=256, grpc_port=GRPC_PORT, http_port=HTTP_PORT,
+        drafter_retry_seconds=1.0, drafter_timeout_s=2.0, health_check_period_s=1.0, health_check_timeout_s=10.0,
+        graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=2.0, warm_up=False,
+    )
+    settings.update(overrides)
+    return load_config(**settings)
+
+
+def deploy_cluster(config: ClusterConfig) -> None:
+    import ray
+
+    from cluster.serving.app import deploy
+
+    if not ray.is_initialized():
+        config.local_ray_env()
+        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
+    deploy(config)
+
+
+def shutdown_cluster() -> None:
+    from ray import serve
+
+    serve.shutdown()
+
+
+def handle(deployment: str) -> Any:
+    from ray import serve
+
+    return serve.get_deployment_handle(deployment, APP)
+
+
+def call(deployment: str, method: str, *args: Any, timeout_s: float = 60.0, **kwargs: Any) -> Any:
+    return getattr(handle(deployment), method).remote(*args, **kwargs).result(timeout_s=timeout_s)
+
+
+def wait_idle(timeout_s: float = 120.0) -> dict[str, Any]:
+    """Wait until the scheduler has nothing live, running or waiting; returns its stats."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            stats = call("Scheduler", "stats", timeout_s=30)
+            engine, scheduler = stats["engine"], stats["scheduler"]
+            if scheduler["live"] == 0 and engine["running"] == 0 and engine["waiting"] == 0:
+                return stats
+        except Exception:  # a scheduler being replaced
+            if time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"cluster not idle after {timeout_s}s")
+        time.sleep(0.25)
