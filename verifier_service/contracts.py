@@ -63,7 +63,8 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def exact_accept(
-    x: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, u: torch.Tensor, u_next: torch.Tensor
+    x: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, u: torch.Tensor, u_next: torch.Tensor,
+    inject_bias: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for B rounds of k drafts.
 
@@ -74,6 +75,10 @@ def exact_accept(
     u [B,k] uniforms of the accept tests; u_next [B,k+1] the uniform for a next token at each possible
     position n+1. A draft with q_i(x_i) = 0 (cannot happen for x_i ~ q_i) is rejected. x, q, p share a device;
     the uniforms may live on the CPU. Returns (accepted_len [B], next_token [B]).
+
+    `inject_bias` (off in production; `specserve check exact --inject-bias` only) is WRONG on purpose: after
+    a rejection the next token comes from p instead of the residual r, which shifts the output towards the
+    drafts. It exists so the end-to-end check can show that it detects such a bug.
     """
     B, k = x.shape
     assert p.shape[:2] == (B, k + 1) and u.shape == (B, k) and u_next.shape == (B, k + 1)
@@ -86,7 +91,8 @@ def exact_accept(
     accepted_len = accepted.long().cumprod(-1).sum(-1)
     rows = torch.arange(B, device=x.device)
     q_padded = torch.cat([q, q.new_zeros(B, 1, q.shape[-1])], dim=1)  # q_{k+1} = 0
-    r = residual_distribution(p[rows, accepted_len].double(), q_padded[rows, accepted_len].double())
+    p_next = p[rows, accepted_len].double()
+    r = p_next if inject_bias else residual_distribution(p_next, q_padded[rows, accepted_len].double())
     next_token = sample_with_uniforms(r, u_next[rows, accepted_len])
     return accepted_len, next_token
 
@@ -133,14 +139,17 @@ def _drafts(draft_tokens: Sequence[int], p: torch.Tensor) -> torch.Tensor:
 
 
 def verify_exact(
-    draft_tokens: Sequence[int], q: torch.Tensor | None, p: torch.Tensor, seed: int, position: int
+    draft_tokens: Sequence[int], q: torch.Tensor | None, p: torch.Tensor, seed: int, position: int,
+    inject_bias: bool = False,
 ) -> Verdict:
-    """Exact contract for one request. q [k,V] or None (point mass); p [k+1,V]; `position` = position of x_1."""
+    """Exact contract for one request. q [k,V] or None (point mass); p [k+1,V]; `position` = position of x_1.
+    `inject_bias`: the negative control of `specserve check exact` (see `exact_accept`); never in production."""
     x, k = _drafts(draft_tokens, p), len(draft_tokens)
     assert q is None or q.shape == (k, p.shape[-1])
     u = request_uniforms(seed, position, k, "accept").view(1, k)
     u_next = request_uniforms(seed, position, k + 1, "residual").view(1, k + 1)
-    accepted_len, next_token = exact_accept(x, None if q is None else q.unsqueeze(0), p.unsqueeze(0), u, u_next)
+    accepted_len, next_token = exact_accept(x, None if q is None else q.unsqueeze(0), p.unsqueeze(0), u, u_next,
+                                            inject_bias)
     return _verdict(draft_tokens, accepted_len, next_token, "exact")
 
 

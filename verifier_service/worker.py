@@ -44,8 +44,9 @@ class LocalRunner:
         return self.rank.forward(seqs)
 
 
-def decide(item: VerifyItem, logits: torch.Tensor) -> Verdict:
-    """Apply the request's penalties, transform and contract to its k+1 scored rows."""
+def decide(item: VerifyItem, logits: torch.Tensor, inject_bias: bool = False) -> Verdict:
+    """Apply the request's penalties, transform and contract to its k+1 scored rows. `inject_bias`: see
+    `VerifierWorker.inject_bias` (testing the check only)."""
     k = len(item.draft_ids)
     params = item.sampling
     if params.has_penalties:
@@ -59,14 +60,17 @@ def decide(item: VerifyItem, logits: torch.Tensor) -> Verdict:
     if item.contract == "typical":
         return verify_typical(item.draft_ids, p, item.seed, first_draft_position)
     q = None if item.draft_probs is None else torch.from_numpy(item.draft_probs)
-    return verify_exact(item.draft_ids, q, p, item.seed, first_draft_position)
+    return verify_exact(item.draft_ids, q, p, item.seed, first_draft_position, inject_bias)
 
 
 class VerifierWorker:
-    def __init__(self, runner: ForwardRunner) -> None:
+    def __init__(self, runner: ForwardRunner, inject_bias: bool = False) -> None:
         self.runner = runner
         self.config = runner.config
         self.instance = uuid.uuid4().hex  # a new process means a new, empty KV pool
+        # For testing the statistical check only (`specserve check exact --inject-bias`, in process): the exact
+        # contract then resamples from p instead of the residual after a rejection, which is WRONG on purpose.
+        self.inject_bias = inject_bias
 
     def verify(self, batch: VerifyBatch) -> VerifyResult:
         start = time.perf_counter()
@@ -79,7 +83,7 @@ class VerifierWorker:
         all_logits = self.runner.forward(seqs, copies) if seqs else []
         outputs = []
         for item, logits in zip(batch.items, all_logits, strict=True):
-            verdict = decide(item, logits)
+            verdict = decide(item, logits, self.inject_bias)
             outputs.append(VerifyOutput(item.request_id, verdict.accepted_len, verdict.tokens, verdict.bonus))
         scored = sum(len(s.token_ids) for s in seqs)
         return VerifyResult(outputs=outputs, seconds=time.perf_counter() - start, scored_tokens=scored,

@@ -335,3 +335,13 @@ def test_decide_applies_the_items_contract(contract: Contract, temperature: floa
         else:
             expected = verify_typical(item.draft_ids, p, seed, 11)
         assert verdict == expected
+
+
+def test_inject_bias_draws_the_correction_from_p_not_the_residual() -> None:
+    """The negative control of `specserve check exact` (off by default): after a rejected draft the next token
+    comes from p itself, so it may repeat the rejected draft, which the residual never does."""
+    x = torch.tensor([[0]])
+    p = torch.tensor([[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]])
+    u, u_next = torch.tensor([[0.9]]), torch.tensor([[0.1, 0.5]])  # 0.9 * q(x) >= p(x): rejected
+    assert [int(t) for t in exact_accept(x, None, p, u, u_next)] == [0, 1]  # residual (p - q)+: token 1 only
+    assert [int(t) for t in exact_accept(x, None, p, u, u_next, inject_bias=True)] == [0, 0]  # from p: 0.1 -> 0

@@ -1,0 +1,94 @@
+"""Drawing the samples of `specserve check exact` through the real path, speculation on: in process
+through a `SpecEngine`, or through a running cluster with the gRPC client (`cluster/client.py`).
+
+Completion i of prompt j has seed  settings.seed + j * n + i  (`CheckSettings.first_seed`): independent
+draws (every uniform is a hash of (seed, position, stream), verifier_service/sampling.py) and
+non-overlapping seed ranges across prompts. EOS is ignored, so every sample has max(positions) tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from cluster.check.settings import CheckSettings, PromptSamples
+from specserve_types.api import GenerationRequest, SpecServeError
+
+if TYPE_CHECKING:
+    from cluster.engine.engine import SpecEngine
+
+Progress = Callable[[int, int], None]
+
+
+def sample_in_process(engine: SpecEngine, prompts: list[PromptSamples], settings: CheckSettings, window: int,
+                      progress: Progress | None = None) -> None:
+    """Fill `prompts` with settings.n completions each through `engine`, at most `window`
+    requests in the engine at a time."""
+    jobs = ((j, i) for j in range(len(prompts)) for i in range(settings.n))
+    total, done, in_flight = len(prompts) * settings.n, 0, 0
+    tokens: dict[str, list[int]] = {}
+    where: dict[str, tuple[int, int]] = {}
+    spec = settings.spec()
+    for prompt in prompts:
+        prompt.tokens = [()] * settings.n
+    while True:
+        while in_flight < window and (job := next(jobs, None)) is not None:
+            j, i = job
+            request_id = f"check-{j}-{i}"
+            engine.submit(GenerationRequest(request_id, tuple(prompts[j].prompt_ids),
+                                            settings.sampling(prompts[j].first_seed + i), spec))
+            tokens[request_id], where[request_id] = [], (j, i)
+            in_flight += 1
+        if in_flight == 0:
+            break
+        for chunk in engine.step():
+            j, i = where[chunk.request_id]
+            tokens[chunk.request_id].extend(chunk.token_ids)
+            prompts[j].proposed += chunk.proposed
+            prompts[j].accepted += chunk.accepted
+            if chunk.finished:
+                got = tokens.pop(chunk.request_id)
+                if chunk.finish_reason != "length" or len(got) != settings.max_tokens:
+                    raise SpecServeError(f"sample {i} of prompt {j + 1} ended with {chunk.finish_reason!r} after "
+                                         f"{len(got)} of {settings.max_tokens} tokens")
+                prompts[j].tokens[i] = tuple(got)
+                in_flight -= 1
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+
+
+def sample_via_server(address: str, prompts: list[PromptSamples], settings: CheckSettings, per_call: int,
+                      concurrency: int, progress: Progress | None = None, timeout_s: float | None = None) -> None:
+    """Fill `prompts` through a running cluster's gRPC endpoint: calls of n <= per_call completions (the
+    server gives completion m of a call seed + m), `concurrency` calls at a time."""
+    from cluster.client import SpecServeClient, collect
+
+    calls = [(j, start, min(per_call, settings.n - start))
+             for j in range(len(prompts)) for start in range(0, settings.n, per_call)]
+    total, done = len(prompts) * settings.n, 0
+    for prompt in prompts:
+        prompt.tokens = [()] * settings.n
+    fields = dict(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                  max_tokens=settings.max_tokens, ignore_eos=True, contract=settings.contract, k=settings.k,
+                  draft=settings.draft)
+    with SpecServeClient(address, timeout_s=timeout_s) as client:
+
+        def call(j: int, start: int, count: int) -> tuple[int, int, dict[int, dict[str, Any]]]:
+            stream = client.generate(prompts[j].prompt_ids, seed=prompts[j].first_seed + start, n=count, **fields)
+            return j, start, collect(stream)
+
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            for j, start, samples in pool.map(lambda c: call(*c), calls):
+                for m, sample in samples.items():
+                    got = sample["token_ids"]
+                    if sample["finish_reason"] != "length" or len(got) != settings.max_tokens:
+                        raise SpecServeError(f"sample {start + m} of prompt {j + 1} ended with "
+                                             f"{sample['finish_reason']!r} after {len(got)} tokens")
+                    prompts[j].tokens[start + m] = tuple(got)
+                    prompts[j].proposed += sample["proposed"]
+                    prompts[j].accepted += sample["accepted"]
+                done += len(samples)
+                if progress is not None:
+                    progress(done, total)
