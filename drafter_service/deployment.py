@@ -21,6 +21,7 @@ from drafter_service.worker import DraftWorker
 from model_runtime.compute_thread import ComputeThread
 from specserve_types.faults import FAULTS
 from specserve_types.round_messages import ProposeBatch, ProposeOutput, ProposeResult
+from specserve_types.tracing import TracingSettings, configure_tracing, tracing_enabled, worker_span
 
 logger = logging.getLogger("ray.serve")
 
@@ -39,9 +40,16 @@ class Drafter:
         self.worker = self.compute.call(
             lambda: DraftWorker(LocalRunner(str(checkpoint), num_blocks, block_size, device, precision)))
         self.model = model
+        configure_tracing(TracingSettings.from_env(), "specserve-drafter")  # env set by the app (runtime_env)
         logger.info("drafter ready: %s (%s), %d KV blocks of %d", model, precision, num_blocks, block_size)
 
     async def propose(self, batch: ProposeBatch) -> ProposeResult:
+        if batch.trace_context and tracing_enabled():  # the round's trace continues here (specserve_types/tracing.py)
+            with worker_span("drafter.propose", batch.trace_context, len(batch.items)):
+                return await self._propose(batch)
+        return await self._propose(batch)
+
+    async def _propose(self, batch: ProposeBatch) -> ProposeResult:
         if FAULTS.active and (delay := FAULTS.take("drafter.latency")) is not None:
             await asyncio.sleep(float(delay.get("seconds", 1.0)))
         result = await self.compute.run(self.worker.propose, batch)

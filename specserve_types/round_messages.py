@@ -43,6 +43,7 @@ class ProposeItem:
 @dataclass
 class ProposeBatch:
     items: list[ProposeItem]
+    trace_context: tuple[tuple[str, str], ...] = ()  # W3C carrier of the round span it serves (tracing.py)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class VerifyItem:
 @dataclass
 class VerifyBatch:
     items: list[VerifyItem]
+    trace_context: tuple[tuple[str, str], ...] = ()  # W3C carrier of the round span it serves (tracing.py)
 
 
 @dataclass

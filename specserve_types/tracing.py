@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,3 +161,11 @@ def extract(carrier: Iterable[tuple[str, str]] | Mapping[str, str] | None) -> ot
     items = carrier.items() if isinstance(carrier, Mapping) else (carrier or ())
     found = {key.lower(): value for key, value in items if isinstance(key, str) and key.lower() in W3C_KEYS}
     return _propagator.extract(found)
+
+
+@contextmanager
+def worker_span(name: str, carrier: Iterable[tuple[str, str]], requests: int) -> Iterator[trace.Span]:
+    """A worker's SERVER span for one batch call, continuing the round's trace from the call's carrier."""
+    with tracer().start_as_current_span(name, context=extract(carrier), kind=trace.SpanKind.SERVER,
+                                        attributes={"specserve.batch.requests": requests}) as span:
+        yield span

@@ -28,6 +28,7 @@ from model_runtime.batch import SeqInput
 from model_runtime.compute_thread import ComputeThread
 from specserve_types.faults import FAULTS, InjectedFault
 from specserve_types.round_messages import VerifyBatch, VerifyResult
+from specserve_types.tracing import TracingSettings, configure_tracing, tracing_enabled, worker_span
 from verifier_service.worker import LocalRunner, VerifierWorker
 
 logger = logging.getLogger("ray.serve")
@@ -126,10 +127,17 @@ class Verifier:
                                         worker_threads, gpus_per_rank)
         self.worker = VerifierWorker(self.runner)
         self.tensor_parallel_size = tensor_parallel_size
+        configure_tracing(TracingSettings.from_env(), "specserve-verifier")  # env set by the app (runtime_env)
         logger.info("verifier ready: %s, TP=%d, %d KV blocks of %d", model, tensor_parallel_size, num_blocks,
                     block_size)
 
     async def verify(self, batch: VerifyBatch) -> VerifyResult:
+        if batch.trace_context and tracing_enabled():  # the round's trace continues here (specserve_types/tracing.py)
+            with worker_span("verifier.verify", batch.trace_context, len(batch.items)):
+                return await self._verify(batch)
+        return await self._verify(batch)
+
+    async def _verify(self, batch: VerifyBatch) -> VerifyResult:
         if not FAULTS.active:
             return await self.compute.run(self.worker.verify, batch)
         if (delay := FAULTS.take("verifier.latency")) is not None:

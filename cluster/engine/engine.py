@@ -293,7 +293,11 @@ class SpecEngine:
 
     def _draft_batch(self, plans: list[RoundPlan]) -> tuple[list[RoundPlan], ProposeBatch | None]:
         model_plans = [p for p in plans if p.uses_model_drafter and p.k > 0]
-        return model_plans, ProposeBatch([propose_item(p) for p in model_plans]) if model_plans else None
+        if not model_plans:
+            return model_plans, None
+        # under overlap the batch drafts the other group's next round: it carries no trace of this step's
+        carrier = self._carrier(plans) if self.pipeline is None else ()
+        return model_plans, ProposeBatch([propose_item(p) for p in model_plans], carrier)
 
     def _apply_drafts(self, model_plans: list[RoundPlan], result: ProposeResult) -> None:
         if self.health.drafter_answered(result.worker_instance):
@@ -345,7 +349,7 @@ class SpecEngine:
         try:
             with self._phase("verify.forward", requests=len(items),
                              tokens=sum(len(i.input_ids) + len(i.draft_ids) for i in items)):
-                result = self.verifier.verify(VerifyBatch(items))
+                result = self.verifier.verify(VerifyBatch(items, self._carrier(plans)))
         except Exception as exc:
             time.sleep(self.health.verifier_failed(exc))  # re-raises after too many failures in a row
             raise VerifierLost(f"verifier failed: {exc!r}") from exc
@@ -443,6 +447,17 @@ class SpecEngine:
     def _phase(self, name: str, **attributes: Any) -> AbstractContextManager[dict[str, Any]]:
         return self._record.phase(name, **attributes) if self._record is not None else nullcontext(attributes)
 
+    def _carrier(self, plans: list[RoundPlan]) -> tuple[tuple[str, str], ...]:
+        """The W3C carrier the worker calls of this step continue (empty unless a traced request is in it)."""
+        record = self._record
+        if record is None:
+            return ()
+        if record.host_request is None and not record.carrier:
+            traced = [(p.state.request_id, p.state.request.trace_context) for p in plans if p.state.request.trace_context]
+            if traced:
+                self.observer.begin(record, traced)  # type: ignore[union-attr]
+        return record.carrier
+
     def _note_rollback(self, state: RequestState, reason: str) -> None:
         if self._record is not None:
             self._record.rollbacks.append(Rollback(state.request_id, state.request.trace_context, reason,
@@ -462,7 +477,7 @@ class SpecEngine:
     def _deliver(self, record: StepRecord) -> None:
         record.fallbacks = [str(e.get("event", "unknown")) for e in self.fallback_events[self._fallbacks_seen:]]
         self._fallbacks_seen = len(self.fallback_events)
-        if not (record.rounds or record.rollbacks or record.fallbacks):
+        if not (record.rounds or record.rollbacks or record.fallbacks or record.host is not None):
             return
         record.end_ns = time.time_ns()
         record.drafter = None if self.health.drafter_holder is None else str(self.health.drafter_holder)

@@ -17,8 +17,8 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span
 
-from cluster.engine.step_record import RoundRecord, StepRecord
-from specserve_types.tracing import extract, tracer
+from cluster.engine.step_record import Carrier, RoundRecord, StepRecord
+from specserve_types.tracing import extract, inject, tracer
 
 ROUND_SPAN = "speculative_round"
 
@@ -48,21 +48,39 @@ class RoundSpans:
     def __init__(self, tracer_: trace.Tracer | None = None) -> None:
         self._tracer = tracer_ or tracer()
 
+    def begin(self, record: StepRecord, traced: list[tuple[str, Carrier]]) -> None:
+        """Begin the host round (the first traced request's) before the worker calls, so the drafter and the
+        verifier continue its trace: its carrier travels in ProposeBatch / VerifyBatch."""
+        for request_id, carrier in traced:
+            span = self._tracer.start_span(ROUND_SPAN, context=extract(carrier), start_time=record.start_ns)
+            if span.is_recording():
+                record.host, record.host_request = span, request_id
+                record.carrier = inject(trace.set_span_in_context(span))
+                return
+
     def step(self, record: StepRecord) -> None:
-        host: Span | None = None
+        host: Span | None = record.host
+        if host is None:  # no host begun (no worker call carried a trace): the first sampled traced round hosts
+            for round_ in record.rounds:
+                if not round_.trace_context:
+                    continue
+                span = self._tracer.start_span(ROUND_SPAN, context=extract(round_.trace_context),
+                                               start_time=record.start_ns)
+                if span.is_recording():
+                    host, record.host_request = span, round_.request_id
+                    break
         links: list[Link] = []
+        if host is not None:  # the batch's phases hang under the host round; the other rounds link to them
+            hosted = next((r for r in record.rounds if r.request_id == record.host_request), None)
+            host.set_attributes(round_attributes(record, hosted) if hosted is not None else
+                                {"specserve.request_id": record.host_request or "", "specserve.round.skipped": True})
+            links = self._phases(record, host)
         for round_ in record.rounds:
-            if not round_.trace_context:
+            if not round_.trace_context or round_.request_id == record.host_request:
                 continue
             span = self._tracer.start_span(ROUND_SPAN, context=extract(round_.trace_context),
                                            start_time=record.start_ns, links=links,
                                            attributes=round_attributes(record, round_))
-            if not span.is_recording():
-                continue
-            if host is None:  # the batch's phases hang under the first traced round; the others link to them
-                host = span
-                links = self._phases(record, span)
-                continue
             span.end(end_time=record.end_ns)
         if host is not None:
             host.end(end_time=record.end_ns)

@@ -70,6 +70,9 @@ class StepRecord:
     rounds: list[RoundRecord] = field(default_factory=list)
     rollbacks: list[Rollback] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)  # the engine's fallback events of this step (their kind)
+    carrier: Carrier = ()  # the step's host round span (begun by an observer), sent with the worker calls
+    host: Any = None  # that span, owned by the observer that began it
+    host_request: str | None = None
 
     @contextmanager
     def phase(self, name: str, **attributes: Any) -> Iterator[dict[str, Any]]:
@@ -89,6 +92,10 @@ class StepRecord:
 class EngineObserver(Protocol):
     def step(self, record: StepRecord) -> None: ...
 
+    def begin(self, record: StepRecord, traced: list[tuple[str, Carrier]]) -> None:
+        """Once the step's requests are planned: (request id, carrier) of those traced. An observer may begin
+        a span here and set `record.carrier` so the worker calls continue the trace."""
+
 
 class Observers:
     """Several observers as one (traces and metrics), called in order."""
@@ -99,6 +106,10 @@ class Observers:
     def step(self, record: StepRecord) -> None:
         for observer in self.observers:
             observer.step(record)
+
+    def begin(self, record: StepRecord, traced: list[tuple[str, Carrier]]) -> None:
+        for observer in self.observers:
+            observer.begin(record, traced)
 
 
 def new_step_record() -> StepRecord:

@@ -43,6 +43,12 @@ def _common_options(config: ClusterConfig) -> dict[str, Any]:
     }
 
 
+def _tracing_env(config: ClusterConfig) -> dict[str, Any]:
+    """The workers' tracing settings (they get no ClusterConfig): environment variables of their processes."""
+    env = config.tracing_settings().env()
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
 def bind_verifier(config: ClusterConfig) -> serve.Application:
     """The Verifier; with TP > 1 its replica's placement group holds one bundle per rank."""
     options: dict[str, Any] = {"num_replicas": config.verifier_replicas, "max_ongoing_requests": 4,
@@ -50,10 +56,10 @@ def bind_verifier(config: ClusterConfig) -> serve.Application:
     gpus = config.gpus_per_worker if config.uses_gpu else 0.0
     bundles = placement_bundles(config.tensor_parallel_size, gpus)
     if bundles is None:  # TP = 1: the replica holds the model (and its GPU)
-        options["ray_actor_options"] = {"num_cpus": 0, "num_gpus": gpus}
+        options["ray_actor_options"] = {"num_cpus": 0, "num_gpus": gpus, **_tracing_env(config)}
     else:  # the replica only drives; rank r runs in bundle 1 + r
         options |= {"placement_group_bundles": bundles, "placement_group_strategy": "PACK",
-                    "ray_actor_options": {"num_cpus": bundles[0]["CPU"]}}
+                    "ray_actor_options": {"num_cpus": bundles[0]["CPU"], **_tracing_env(config)}}
     return VerifierDeployment.options(**options).bind(
         config.model, config.kv_pool_blocks, config.block_size, config.device, config.tensor_parallel_size,
         config.threads_per_worker, gpus)
@@ -65,7 +71,8 @@ def bind_drafter(config: ClusterConfig) -> serve.Application | None:
         return None
     return DrafterDeployment.options(
         num_replicas=config.drafter_replicas, max_ongoing_requests=4,
-        ray_actor_options={"num_cpus": 0, "num_gpus": config.gpus_per_worker if config.uses_gpu else 0.0},
+        ray_actor_options={"num_cpus": 0, "num_gpus": config.gpus_per_worker if config.uses_gpu else 0.0,
+                           **_tracing_env(config)},
         **_common_options(config),
     ).bind(config.draft, config.kv_pool_blocks, config.block_size, config.device, config.threads_per_worker,
                                 config.draft_dtype)

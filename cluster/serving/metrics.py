@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from cluster.engine.step_record import StepRecord
+from cluster.engine.step_record import Carrier, StepRecord
 
 # GenAI semantic-convention bucket boundaries (gen_ai.server.* histograms), seconds
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -111,6 +111,9 @@ class SpecMetrics:
     def __init__(self, ray_metrics: bool = True) -> None:
         self.registry = CollectorRegistry()
         self._m = {name: _Both(name, self.registry, ray_metrics) for name in DEFINITIONS}
+
+    def begin(self, record: StepRecord, traced: list[tuple[str, Carrier]]) -> None:
+        """Metrics begin nothing (EngineObserver)."""
 
     def step(self, record: StepRecord) -> None:
         m = self._m

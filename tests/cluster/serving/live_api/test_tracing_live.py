@@ -31,9 +31,11 @@ def spans_of(trace_file: Path, trace_id: str, rounds: int, timeout_s: float = 30
     while True:
         spans = [span for line in trace_file.read_text().splitlines() if (span := json.loads(line))
                  and span["context"]["trace_id"] == f"0x{trace_id}"] if trace_file.exists() else []
-        servers = sum(span["kind"] == "SpanKind.SERVER" for span in spans)
+        servers = sum(span["kind"] == "SpanKind.SERVER" and span["parent_id"] is not None
+                      and span["name"] in ("text_completion smollm2-135m", "chat smollm2-135m") for span in spans)
         round_spans = sum(span["name"] == "speculative_round" for span in spans)
-        if (servers and round_spans >= rounds) or time.monotonic() > deadline:
+        verifies = sum(span["name"] == "verifier.verify" for span in spans)
+        if (servers and round_spans >= rounds and verifies >= rounds) or time.monotonic() > deadline:
             time.sleep(1.0)  # the last round's phase spans travel in the same batch or the next
             return [span for line in trace_file.read_text().splitlines() if (span := json.loads(line))
                     and span["context"]["trace_id"] == f"0x{trace_id}"]
@@ -43,7 +45,7 @@ def spans_of(trace_file: Path, trace_id: str, rounds: int, timeout_s: float = 30
 def test_a_grpc_request_is_one_trace_from_the_clients_span(cluster: ClusterConfig, trace_file: Path) -> None:
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     metadata = (("traceparent", f"00-{trace_id}-{client_span}-01"),)
-    request = build_request(PROMPT, max_tokens=16, k=3, draft="ngram", ignore_eos=True, request_id="traced-1")
+    request = build_request(PROMPT, max_tokens=16, k=3, draft="model", ignore_eos=True, request_id="traced-1")
     with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
         chunks = [chunk_from_proto(c).chunk for c in
                   specserve_pb2_grpc.SpecServeStub(channel).Generate(request, metadata=metadata, timeout=120)]
@@ -51,7 +53,7 @@ def test_a_grpc_request_is_one_trace_from_the_clients_span(cluster: ClusterConfi
     assert stats is not None and stats["output_tokens"] == 16
 
     spans = spans_of(trace_file, trace_id, rounds=stats["rounds"])
-    servers = [s for s in spans if s["kind"] == "SpanKind.SERVER"]
+    servers = [s for s in spans if s["kind"] == "SpanKind.SERVER" and s["name"] == "text_completion smollm2-135m"]
     assert len(servers) == 1, sorted({(s["name"], s["kind"], s["resource"]["attributes"]["service.name"])
                                       for s in spans})
     (server,) = servers
@@ -75,6 +77,13 @@ def test_a_grpc_request_is_one_trace_from_the_clients_span(cluster: ClusterConfi
         phases = {s["name"] for s in spans if s["parent_id"] == round_span["context"]["span_id"]}
         assert PHASES <= phases, phases
     assert sum(s["attributes"]["specserve.round.drafts_accepted"] for s in rounds) == spec["num_accepted_draft_tokens"]
+    # the trace continues in the worker processes: their SERVER spans are children of the rounds they served
+    round_ids = {s["context"]["span_id"] for s in rounds}
+    for name, service in (("verifier.verify", "specserve-verifier"), ("drafter.propose", "specserve-drafter")):
+        workers = [s for s in spans if s["name"] == name]
+        assert workers and all(s["parent_id"] in round_ids for s in workers), (name, len(workers))
+        assert {s["resource"]["attributes"]["service.name"] for s in workers} == {service}
+    assert len([s for s in spans if s["name"] == "verifier.verify"]) == len(rounds)
 
 
 def test_an_http_request_continues_the_callers_trace(cluster: ClusterConfig, trace_file: Path) -> None:
@@ -86,6 +95,7 @@ def test_an_http_request_continues_the_callers_trace(cluster: ClusterConfig, tra
     assert response.status_code == 200, response.text
     (stats,) = response.json()["specserve"]["stats"]
     spans = spans_of(trace_file, trace_id, rounds=stats["rounds"])
+    assert sum(s["name"] == "verifier.verify" for s in spans) == stats["rounds"]
     # Serve's proxy/ASGI layer may add its own SERVER span ("POST /v1/chat/completions") beside ours
     (server,) = [s for s in spans if s["kind"] == "SpanKind.SERVER" and s["name"] == "chat smollm2-135m"]
     assert server["parent_id"] == f"0x{client_span}"
