@@ -34,6 +34,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import ray
@@ -53,6 +54,12 @@ from kv_manager.schema import (
     ReserveItem,
 )
 from specserve_types.faults import FAULTS
+from specserve_types.tracing import Carrier, TracingSettings, configure_tracing, tracing_enabled, worker_span
+
+
+def traced(name: str, carrier: Carrier, items: int) -> AbstractContextManager[Any]:
+    """The caller's traced step continues here (a SERVER span per ledger call); nothing when untraced."""
+    return worker_span(name, carrier, items) if carrier and tracing_enabled() else nullcontext()
 
 
 def _each(call: Any, items: Iterable[Any]) -> list[Any]:
@@ -72,6 +79,7 @@ class KVManager:
         # epochs of this instance start at its start time: no epoch of an earlier instance comes back
         self._ledger = BlockLedger(namespaces, first_epoch=time.time_ns())
         self._incarnation = uuid.uuid4().hex
+        configure_tracing(TracingSettings.from_env(), "specserve-kv-manager")  # env from the scheduler's options
 
     def _check(self, incarnation: str) -> BlockLedger:
         if incarnation != self._incarnation:
@@ -127,30 +135,34 @@ class KVManager:
         return self._check(incarnation).commit(items)
 
     async def reserve_with_free(
-        self, incarnation: str, items: Sequence[ReserveItem], atomic: bool = False
+        self, incarnation: str, items: Sequence[ReserveItem], atomic: bool = False, trace_context: Carrier = ()
     ) -> tuple[list[Reservation | KVError], dict[str, float]]:
         """`reserve`, plus every namespace's free fraction after it (spares a `free_fractions` call)."""
-        self._injected("kv.reserve_fail")
-        outcomes = self._check(incarnation).reserve(items, atomic=atomic)
-        return outcomes, self._fractions()
+        with traced("kv.reserve", trace_context, len(items)):
+            self._injected("kv.reserve_fail")
+            outcomes = self._check(incarnation).reserve(items, atomic=atomic)
+            return outcomes, self._fractions()
 
     async def commit_with_free(
-        self, incarnation: str, items: Sequence[CommitItem]
+        self, incarnation: str, items: Sequence[CommitItem], trace_context: Carrier = ()
     ) -> tuple[list[CommitResult | KVError], dict[str, float]]:
         """`commit`, plus every namespace's free fraction after it."""
-        self._injected("kv.commit_fail")
-        outcomes = self._check(incarnation).commit(items)
-        return outcomes, self._fractions()
+        with traced("kv.commit", trace_context, len(items)):
+            self._injected("kv.commit_fail")
+            outcomes = self._check(incarnation).commit(items)
+            return outcomes, self._fractions()
 
     async def commit_then_reserve_with_free(
-        self, incarnation: str, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]
+        self, incarnation: str, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem],
+        trace_context: Carrier = (),
     ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError], dict[str, float]]:
         """The previous round's `commit`, then this round's `reserve`, in one call (one round trip)."""
-        self._injected("kv.commit_fail")
-        self._injected("kv.reserve_fail")
-        ledger = self._check(incarnation)
-        committed = ledger.commit(commits)
-        return committed, ledger.reserve(reserves), self._fractions()
+        with traced("kv.commit_then_reserve", trace_context, len(commits) + len(reserves)):
+            self._injected("kv.commit_fail")
+            self._injected("kv.reserve_fail")
+            ledger = self._check(incarnation)
+            committed = ledger.commit(commits)
+            return committed, ledger.reserve(reserves), self._fractions()
 
     async def rollback(self, incarnation: str, keys: Sequence[RequestKey]) -> list[int | KVError]:
         ledger = self._check(incarnation)

@@ -18,6 +18,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,9 @@ W3C_KEYS = ("traceparent", "tracestate")
 
 Carrier = tuple[tuple[str, str], ...]
 _propagator = TraceContextTextMapPropagator()
+# The carrier of the work this thread does now (the engine thread's current step): clients of other processes
+# (the KV manager's) send it with their calls without changing their signatures.
+CURRENT_CARRIER: ContextVar[Carrier] = ContextVar("specserve_trace_carrier", default=())
 _configured: dict[str, Any] = {}
 _configure_lock = threading.Lock()
 

@@ -48,6 +48,7 @@ from kv_manager.schema import AdmitItem, CommitItem, ReserveItem
 from specserve_types.api import GenerationRequest, TokenChunk
 from specserve_types.faults import FAULTS
 from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
+from specserve_types.tracing import CURRENT_CARRIER
 from verifier_service.acceptance_stats import AcceptanceStats
 
 log = logging.getLogger("specserve.engine")
@@ -113,6 +114,7 @@ class SpecEngine:
             return self._step()
         finally:
             if self._record is not None:
+                CURRENT_CARRIER.set(())
                 self._deliver(self._record)
                 self._record = None
 
@@ -268,6 +270,8 @@ class SpecEngine:
                              health.verifier_holder) for p in plans]
         items += [ReserveItem(DRAFT_NAMESPACE, p.state.request_id, len(p.draft_pending) + p.k - 1,
                               health.drafter_holder) for p in plans if p.uses_model_drafter]
+        if self.pipeline is None:  # these plans are this step's (under overlap: the other group's next step)
+            self._carrier(plans)
         kv_start = time.perf_counter()
         with self._phase("kv.reserve", items=len(items)) as attributes:
             results = self.kv.reserve(items)  # carries the last round's held commit, if any
@@ -456,6 +460,7 @@ class SpecEngine:
             traced = [(p.state.request_id, p.state.request.trace_context) for p in plans if p.state.request.trace_context]
             if traced:
                 self.observer.begin(record, traced)  # type: ignore[union-attr]
+                CURRENT_CARRIER.set(record.carrier)  # the KV client sends it with this step's ledger calls
         return record.carrier
 
     def _note_rollback(self, state: RequestState, reason: str) -> None:

@@ -33,6 +33,7 @@ from kv_manager.schema import (
     ReserveItem,
 )
 from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
+from specserve_types.tracing import CURRENT_CARRIER
 
 log = logging.getLogger("specserve.cluster")
 
@@ -81,9 +82,10 @@ class RemoteKV:
         self._free: dict[str, float] | None = None  # None = stale
         self._free_lock = threading.Lock()  # the engine calls from one thread; tests share a client across threads
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
-            return ray.get(getattr(self.actor, method).remote(self.incarnation, *args), timeout=self.timeout_s)
+            return ray.get(getattr(self.actor, method).remote(self.incarnation, *args, **kwargs),
+                           timeout=self.timeout_s)
         except RayTaskError as failure:
             if isinstance(failure.cause, KVError):
                 raise failure.cause from None
@@ -99,8 +101,9 @@ class RemoteKV:
 
     def _reporting(self, method: str, *args: Any) -> Any:
         """A call whose answer ends with the free fractions after it (the `*_with_free` methods)."""
+        carrier = CURRENT_CARRIER.get()  # a traced step's: the actor continues its trace
         try:
-            *answer, free = self._call(method, *args)
+            *answer, free = self._call(method, *args, **({"trace_context": carrier} if carrier else {}))
         except BaseException:
             self._free = None
             raise
@@ -179,11 +182,13 @@ def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any) -> 
     from kv_manager.actor import KVManagerActor
 
     log.info("cluster engine: target %s, draft %s, max_batch %d", config.model, config.draft, config.max_batch)
+    env = config.tracing_settings().env()  # the actor continues traced steps (kv_manager/actor.py `traced`)
+    kv_tracing: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
     engine = assemble_engine(
         config.model, config.draft, config.engine_config(), config.kv_pool_blocks,
         config.block_size, make_verifier=lambda _dir: HandleVerifier(verifier),
         make_drafter=(lambda _dir: HandleDrafter(drafter, config.drafter_timeout_s)) if drafter is not None else None,
-        make_kv=lambda namespaces: RemoteKV(KVManagerActor.options(name=None).remote(namespaces)),
+        make_kv=lambda namespaces: RemoteKV(KVManagerActor.options(name=None, **kv_tracing).remote(namespaces)),
     )
     if config.warm_up:
         from cluster.engine.warmup import warm_up

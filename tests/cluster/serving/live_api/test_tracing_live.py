@@ -84,6 +84,9 @@ def test_a_grpc_request_is_one_trace_from_the_clients_span(cluster: ClusterConfi
         assert workers and all(s["parent_id"] in round_ids for s in workers), (name, len(workers))
         assert {s["resource"]["attributes"]["service.name"] for s in workers} == {service}
     assert len([s for s in spans if s["name"] == "verifier.verify"]) == len(rounds)
+    ledger = [s for s in spans if s["resource"]["attributes"]["service.name"] == "specserve-kv-manager"]
+    assert ledger and all(s["parent_id"] in round_ids for s in ledger)
+    assert {s["name"] for s in ledger} <= {"kv.reserve", "kv.commit", "kv.commit_then_reserve"}
 
 
 def test_an_http_request_continues_the_callers_trace(cluster: ClusterConfig, trace_file: Path) -> None:
