@@ -22,6 +22,7 @@ COPY --chown=1000:100 kv_manager/ kv_manager/
 COPY --chown=1000:100 verifier_service/ verifier_service/
 COPY --chown=1000:100 drafter_service/ drafter_service/
 COPY --chown=1000:100 cluster/ cluster/
+COPY --chown=1000:100 chaos/ chaos/
 COPY --chown=1000:100 deploy/ deploy/
 
 # The pinned dependencies (ray[serve]==2.60.0 is already in the base image: pip keeps it) and the package.

@@ -44,8 +44,8 @@ from specserve_types.protocol import (
 logger = logging.getLogger("ray.serve")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SpecServe"].full_name  # "specserve.v1.SpecServe"
-APP_NAME = "specserve"
-APPLICATION_METADATA = "application"  # optional; when sent it must name this application
+APP_NAME = "specserve"  # the default application name (cluster/serving/app.py)
+APPLICATION_METADATA = "application"  # optional; when sent it must name this server's application
 RETRY_AFTER_METADATA = "retry-after"  # seconds, on RESOURCE_EXHAUSTED (as HTTP's Retry-After)
 UNAVAILABLE_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
 
@@ -87,18 +87,20 @@ def call_timeout(metadata: Any, server_limit: float | None) -> float | None:
     return limit
 
 
-def check_application(metadata: Any) -> None:
+def check_application(metadata: Any, app_name: str = APP_NAME) -> None:
     for key, value in metadata or ():
-        if key == APPLICATION_METADATA and value != APP_NAME:
+        if key == APPLICATION_METADATA and value != app_name:
             raise CallRefused(grpc.StatusCode.NOT_FOUND,
-                              f"application {value!r} not found; this server serves {APP_NAME!r}")
+                              f"application {value!r} not found; this server serves {app_name!r}")
 
 
 class SpecServeService:
     """The four RPCs over a SchedulerStreams; `handler()` registers them on a grpc.aio server."""
 
     def __init__(self, streams: SchedulerStreams, defaults: ServerDefaults, models: Callable[[], list[dict[str, str]]],
-                 rejections: RejectionLog, server_timeout_s: float | None, retry_after_s: int) -> None:
+                 rejections: RejectionLog, server_timeout_s: float | None, retry_after_s: int,
+                 app_name: str = APP_NAME) -> None:
+        self._app_name = app_name
         self._streams = streams
         self._defaults = defaults
         self._models = models
@@ -127,7 +129,7 @@ class SpecServeService:
         finals = FinalChunks()
         try:
             metadata = context.invocation_metadata()
-            check_application(metadata)
+            check_application(metadata, self._app_name)
             request = parse(pb.GenerateRequest, data)
             request_id = request.request_id or "-"
             timeout_s = call_timeout(metadata, self._server_timeout_s)
@@ -176,7 +178,7 @@ class SpecServeService:
 
     async def _unary(self, context: grpc.aio.ServicerContext, answer: Callable[[], Awaitable[M]]) -> M:
         try:
-            check_application(context.invocation_metadata())
+            check_application(context.invocation_metadata(), self._app_name)
             return await answer()
         except Exception as exc:
             await self._end(context, self._status("-", exc))

@@ -52,8 +52,9 @@ class Ingress:
         defaults = ServerDefaults(config.model, "model" if config.uses_draft_model else "ngram")
         rejections = RejectionLog(logger)
         self._http = OpenAIFrontEnd(streams, defaults, self._models, rejections, config.retry_after_s)
+        # the Serve application this replica belongs to: what the `application` metadata must name
         service = SpecServeService(streams, defaults, self._models, rejections, config.request_timeout_s,
-                                   config.retry_after_s)
+                                   config.retry_after_s, app_name=serve.get_replica_context().app_name)
         self._grpc = GrpcServer(service, config.host, config.grpc_port)
         await self._grpc.start()
 

@@ -64,6 +64,8 @@ def test_bench_spec_quick_json(smollm2_dir: Path, tmp_path: Path, capsys: pytest
         if r["draft"] == "ngram":
             assert r["hf_peer"] == "prompt_lookup"
             assert r["same_output_as_plain"] == 1.0  # greedy contract: output equals plain decoding
+            if r["k"] == "auto" and "acceptance" not in r:
+                continue  # auto may choose plain decoding throughout (its measured costs say drafts do not pay)
             acc = r["acceptance"]
             assert acc["rounds"] > 0 and len(acc["survival"]) >= 1
             assert all(0.0 <= s <= 1.0 for s in acc["survival"])

@@ -3,9 +3,9 @@
 SmolLM2 (9 heads) cannot split in two, so the target is a tiny random-weight Qwen2 (4 heads, 2 KV
 heads, seeded; weights large enough that greedy output does not just repeat one token) with
 SmolLM2's tokenizer, drafting for itself (so TP=2 scores k+1 tokens per round, all accepted under
-greedy, output identical either way). Two Serve applications run side by side on one gRPC
-proxy: "specserve" with TP=1 and "tp2" with TP=2 (the replica + 2 rank bundles in one placement
-group); the client picks one by its `application` metadata.
+greedy, output identical either way). Two Serve applications run side by side: "specserve" with
+TP=1 and "tp2" with TP=2 (the replica + 2 rank bundles in one placement group), each ingress with
+its own gRPC server on its own port (a client naming the other application gets NOT_FOUND).
 Run inside the loopback-only namespace: scripts/in-netns.sh .venv/bin/python -m pytest -q tests/cluster
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from cluster.client import SpecServeClient, collect
+from cluster.client import RemoteError, SpecServeClient, collect
 from cluster.serving.config import ClusterConfig, load_config
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
 
@@ -50,7 +50,8 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> P
 def app_config(model: Path, tensor_parallel_size: int) -> ClusterConfig:
     return load_config(
         model=str(model), draft=str(model), tensor_parallel_size=tensor_parallel_size, worker_threads=1, kv_blocks=64,
-        block_size=16, queue_capacity=16, max_batch=8, max_context=MAX_CONTEXT, grpc_port=GRPC_PORT,
+        block_size=16, queue_capacity=16, max_batch=8, max_context=MAX_CONTEXT,
+        grpc_port=GRPC_PORT + tensor_parallel_size - 1,
         http_port=HTTP_PORT, health_check_period_s=1.0, health_check_timeout_s=10.0,
         graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=2.0,
     )
@@ -68,8 +69,11 @@ def clients(ray_session: Any, tiny_qwen2: Path) -> Iterator[dict[int, SpecServeC
     try:
         serve.run_many([serve.RunTarget(build_app(tp1), name=APP_NAME, route_prefix="/"),
                         serve.RunTarget(build_app(tp2), name="tp2", route_prefix="/tp2")])
-        address = f"127.0.0.1:{GRPC_PORT}"
-        with SpecServeClient(address, 120) as one, SpecServeClient(address, 120, application="tp2") as two:
+        with SpecServeClient(f"127.0.0.1:{tp1.grpc_port}", 120) as one, \
+                SpecServeClient(f"127.0.0.1:{tp2.grpc_port}", 120, application="tp2") as two:
+            with SpecServeClient(f"127.0.0.1:{tp2.grpc_port}", 120) as wrong, pytest.raises(RemoteError) as info:
+                wrong.list_models()  # the default application name, at tp2's server
+            assert info.value.code.name == "NOT_FOUND"
             yield {1: one, 2: two}
     finally:
         serve.shutdown()
