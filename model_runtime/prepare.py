@@ -79,7 +79,7 @@ def prepare_model(
         return done
     entry = cache_entry(source, root)
     root.mkdir(parents=True, exist_ok=True)
-    with _exclusive(root / f".{source.name}.lock"):
+    with exclusive_lock(root / f".{source.name}.lock"):
         if (done := cached_path(source, root)) is not None:
             return done  # another process finished it while we waited
         _remove_leftovers(source, root)
@@ -137,7 +137,8 @@ def _remove_leftovers(source: ModelSource, root: Path) -> None:
 
 
 @contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
+def exclusive_lock(lock_path: Path) -> Iterator[None]:
+    """An exclusive flock on `lock_path` (processes sharing a cache volume take turns)."""
     with open(lock_path, "a") as lock_file:
         fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
         try:

@@ -25,6 +25,7 @@ fires with it; default 1), `seed` (of the draws).
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from dataclasses import dataclass, field
@@ -101,3 +102,22 @@ class FaultPlan:
 FAULTS = FaultPlan()  # this process's plan
 
 __all__ = ["FAULTS", "FAULT_NAMES", "ArmedFault", "FaultPlan", "InjectedFault"]
+
+
+class FaultHooks:
+    """What every deployment and the KV actor expose to chaos runs (chaos/actions.py), through their handles:
+    arm and clear this process's hooks, and report the process id a kill action targets."""
+
+    async def inject_fault(self, name: str, **params: Any) -> None:
+        """Arm a fault hook in this process."""
+        FAULTS.inject(name, **params)
+
+    async def clear_faults(self) -> dict[str, Any]:
+        """Disarm every hook; returns how often each fired."""
+        fired = FAULTS.describe()["fired"]
+        FAULTS.clear()
+        return fired
+
+    async def pid(self) -> int:
+        """This process's id (kill actions target it, never a process name)."""
+        return os.getpid()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 from typing import Any
 
@@ -26,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from model_runtime.batch import SeqInput
 from model_runtime.compute_thread import ComputeThread
-from specserve_types.faults import FAULTS, InjectedFault
+from specserve_types.faults import FAULTS, FaultHooks, InjectedFault
 from specserve_types.round_messages import VerifyBatch, VerifyResult
 from specserve_types.tracing import TracingSettings, configure_tracing, tracing_enabled, worker_span
 from verifier_service.worker import LocalRunner, VerifierWorker
@@ -112,7 +111,7 @@ class TPGroupRunner:
             ray.kill(rank)
 
 
-class Verifier:
+class Verifier(FaultHooks):
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
                  tensor_parallel_size: int = 1, worker_threads: int = 0, gpus_per_rank: float = 0.0) -> None:
         from model_runtime.prepare import prepare_model
@@ -146,19 +145,6 @@ class Verifier:
         if FAULTS.take("verifier.raise") is not None:  # after the forward wrote the KV pool: mid-round
             raise InjectedFault("verifier raised mid-forward (injected)")
         return result
-
-    def inject_fault(self, name: str, **params: Any) -> None:
-        """Arm a fault hook in this replica (chaos runs; specserve_types/faults.py)."""
-        FAULTS.inject(name, **params)
-
-    def clear_faults(self) -> dict[str, Any]:
-        fired = FAULTS.describe()["fired"]
-        FAULTS.clear()
-        return fired
-
-    def pid(self) -> int:
-        """The replica's process id (chaos runs kill it)."""
-        return os.getpid()
 
     def rank_actors(self) -> list[Any]:
         """The TP rank actors' handles (chaos runs kill one); empty with TP = 1."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -35,7 +34,7 @@ from specserve_types.api import (
     SamplingParams,
     TokenChunk,
 )
-from specserve_types.faults import FAULTS
+from specserve_types.faults import FaultHooks
 from specserve_types.protocol import GenerateArgs, IndexedChunk, StreamError, StreamItem
 from specserve_types.tracing import configure_tracing, shutdown_tracing
 
@@ -88,7 +87,7 @@ def completion_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(sampling, seed=sampling.seed + index)
 
 
-class Scheduler:
+class Scheduler(FaultHooks):
     def __init__(self, config: ClusterConfig, drafter: Any, verifier: Any,
                  engine_builder: EngineBuilder | None = None) -> None:
         if engine_builder is None:
@@ -220,17 +219,6 @@ class Scheduler:
         return await self._loop.acall(check)
 
     # -- chaos runs (chaos/): fault hooks of this process, its pid, the KV manager actor it owns -------------
-    def inject_fault(self, name: str, **params: Any) -> None:
-        FAULTS.inject(name, **params)
-
-    def clear_faults(self) -> dict[str, Any]:
-        fired = FAULTS.describe()["fired"]
-        FAULTS.clear()
-        return fired
-
-    def pid(self) -> int:
-        return os.getpid()
-
     async def kv_actor(self) -> Any:
         """The handle of this replica's KV manager actor."""
         return await self._loop.acall(lambda engine: engine.kv.inner.actor)
