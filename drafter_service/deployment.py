@@ -27,8 +27,8 @@ logger = logging.getLogger("ray.serve")
 class Drafter(FaultHooks):
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
                  worker_threads: int = 0, dtype: str = "auto") -> None:
+        from model_runtime.precision import draft_dtype
         from model_runtime.prepare import prepare_model
-        from model_runtime.tp import draft_dtype
         from verifier_service.worker import LocalRunner
 
         self.compute = ComputeThread("drafter-compute", worker_threads)

@@ -109,6 +109,11 @@ class KVManager(FaultHooks):
     async def fork(self, incarnation: str, namespace: str, parent_id: str, child_id: str) -> Admission:
         return self._check(incarnation).fork(namespace, parent_id, child_id)
 
+    async def forks(self, incarnation: str, items: Sequence[tuple[str, str, str]]) -> list[Admission | KVError]:
+        """(namespace, parent_id, child_id) each, answered per item."""
+        ledger = self._check(incarnation)
+        return _each(lambda item: ledger.fork(*item), items)
+
     async def request_ids(self, incarnation: str, namespace: str) -> list[str]:
         return self._check(incarnation).request_ids(namespace)
 

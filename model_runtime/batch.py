@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model_runtime.attention import WidthGroup, plan_attention
+
 
 @dataclass
 class SeqInput:
@@ -49,8 +51,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] long
     seqs: list[SeqInput]
     offsets: list[int]  # start of each sequence's new tokens in the flat tensors
-    kv_slots: list[torch.Tensor]  # per sequence, flat pool slots of its past then its new tokens
-    masks: list[torch.Tensor]  # per sequence [n, past_len + n] bool
+    attention: tuple[WidthGroup, ...]  # rows grouped by padded key width (model_runtime/attention.py)
     logits_rows: torch.Tensor  # [R] rows of the flat batch whose logits are returned
     logits_counts: list[int]  # per sequence number of rows in logits_rows
 
@@ -58,8 +59,8 @@ class ForwardBatch:
         """The same batch with its tensors on `device` (once per forward, not once per layer)."""
         return dataclasses.replace(
             self, token_ids=self.token_ids.to(device), positions=self.positions.to(device),
-            slot_mapping=self.slot_mapping.to(device), kv_slots=[s.to(device) for s in self.kv_slots],
-            masks=[m.to(device) for m in self.masks], logits_rows=self.logits_rows.to(device))
+            slot_mapping=self.slot_mapping.to(device), attention=tuple(g.to(device) for g in self.attention),
+            logits_rows=self.logits_rows.to(device))
 
     @classmethod
     def build(cls, seqs: list[SeqInput], block_size: int) -> ForwardBatch:
@@ -67,8 +68,7 @@ class ForwardBatch:
         positions: list[int] = []
         slots: list[int] = []
         offsets: list[int] = []
-        kv_slots: list[torch.Tensor] = []
-        masks: list[torch.Tensor] = []
+        attention: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         rows: list[int] = []
         counts: list[int] = []
         for seq in seqs:
@@ -78,10 +78,10 @@ class ForwardBatch:
             assert len(seq.block_table) >= needed_blocks, "block table does not cover the past"
             table = torch.tensor(seq.block_table[:needed_blocks], dtype=torch.long)
             past_slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:seq.past_len]
-            kv_slots.append(torch.cat([past_slots, torch.tensor(seq.slot_mapping, dtype=torch.long)]))
+            kv_slots = torch.cat([past_slots, torch.tensor(seq.slot_mapping, dtype=torch.long)])
             new_mask = seq.attn_mask if seq.attn_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
             past_mask = torch.ones(n, seq.past_len, dtype=torch.bool)
-            masks.append(torch.cat([past_mask, new_mask.to(torch.bool)], dim=1))
+            attention.append((len(tokens), kv_slots, torch.cat([past_mask, new_mask.to(torch.bool)], dim=1)))
             wanted = {"all": n, "last": 1, "none": 0}.get(seq.logits, seq.logits)  # type: ignore[call-overload]
             rows.extend(range(len(tokens) + n - wanted, len(tokens) + n))
             counts.append(wanted)
@@ -94,8 +94,7 @@ class ForwardBatch:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             seqs=seqs,
             offsets=offsets,
-            kv_slots=kv_slots,
-            masks=masks,
+            attention=plan_attention(attention),
             logits_rows=torch.tensor(rows, dtype=torch.long),
             logits_counts=counts,
         )

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from model_runtime.attention import paged_attention
 from model_runtime.batch import ForwardBatch, SeqInput
 from model_runtime.config import ModelConfig
 from model_runtime.kv_pool import KVPool
@@ -116,16 +117,5 @@ class CausalLM:
         k_flat, v_flat = kv.k[layer_idx].view(-1, hkv, d), kv.v[layer_idx].view(-1, hkv, d)
         k_flat.index_copy_(0, batch.slot_mapping, k)
         v_flat.index_copy_(0, batch.slot_mapping, v)
-        out = torch.empty(tokens, hq, d, dtype=x.dtype, device=x.device)
-        for seq, start, kv_slots, mask in zip(batch.seqs, batch.offsets, batch.kv_slots, batch.masks, strict=True):
-            n = len(seq.token_ids)
-            k_seq, v_seq = k[start:start + n], v[start:start + n]
-            if seq.past_len:  # one gather of past + new from the pool (the new tokens were just written)
-                k_seq, v_seq = k_flat.index_select(0, kv_slots), v_flat.index_select(0, kv_slots)
-            attn = F.scaled_dot_product_attention(
-                q[start:start + n].transpose(0, 1), k_seq.transpose(0, 1), v_seq.transpose(0, 1),
-                attn_mask=None if n == 1 else mask,  # one new token sees everything
-                is_causal=False, enable_gqa=hq != hkv,
-            )
-            out[start:start + n] = attn.transpose(0, 1)
+        out = paged_attention(q, k_flat, v_flat, batch.attention)  # a row alike however many share the call
         return self._all_reduce(linear(out.view(tokens, hq * d), lw.o))

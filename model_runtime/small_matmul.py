@@ -16,7 +16,15 @@ same row alone by <= 5.6e-7 of the largest output (tested at 2e-6); SmolLM2 logi
 a 40-row verify differed by <= 1.05e-4 against a smallest top-two margin of 2e-3 over 32 prompts x 16 tokens,
 and greedy output at batch 8 x k=4 is token-identical to decoding each request alone (tests/cluster/engine/
 test_engine_models.py). Removing the difference (no width-1 kernel, blocks up to 80 rows) measured 1.8x slower
-single-row forwards on SmolLM2 (33 -> 60 ms) and still left attention rows differing, so it is bounded instead.
+single-row forwards on SmolLM2 (33 -> 60 ms) and still left attention rows differing (they no longer do:
+model_runtime/attention.py), so for float32 it is bounded instead.
+
+bfloat16 is different, and batch-invariant by construction (`bf16_linear`): oneDNN's bf16 products give a
+row the same bits for any 2..32 rows in the call, but not for 1 row (Qwen-1.5B's down projection, K = 8960)
+nor above 32 (another kernel). So bf16 rows go through F.linear in pieces of 2..32 rows (one row is padded
+to two, which costs nothing measurable: the weight is streamed either way), and a row's result never depends
+on how many rows share the call (tests/model_runtime/test_small_matmul.py checks 1..80 rows on the real
+shapes). Prefill pays: 256 rows of Qwen-1.5B's gate_up take ~42 ms in pieces of 32 against ~24 ms at once.
 
 Owner of `_PLANS`: this module; it only grows (shape -> block widths per row count) and is read by `linear`.
 """
@@ -68,13 +76,30 @@ def calibrate(weight: torch.Tensor, repeats: int = 5) -> Plan:
 
 @torch.inference_mode()
 def calibrate_all(weights: list[torch.Tensor]) -> dict[tuple[int, int], Plan]:
-    return {tuple(w.shape): calibrate(w) for w in weights if w.device.type == "cpu"}  # type: ignore[misc]
+    return {tuple(w.shape): calibrate(w) for w in weights  # type: ignore[misc]
+            if w.device.type == "cpu" and w.dtype != torch.bfloat16}
+
+
+INVARIANT_ROWS = 32  # bf16: every piece of 2..INVARIANT_ROWS rows gives a row the same bits
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear in pieces of 2..INVARIANT_ROWS rows: a row's bits do not depend on the rows around it."""
+    rows = x.shape[0]
+    if rows == 1:
+        return F.linear(torch.cat([x, x.new_zeros(1, x.shape[1])]), weight, bias)[:1]
+    if rows <= INVARIANT_ROWS:
+        return F.linear(x, weight, bias)
+    pieces = [x[i:i + INVARIANT_ROWS] for i in range(0, rows, INVARIANT_ROWS)]
+    return torch.cat([bf16_linear(piece, weight, bias) for piece in pieces])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.shape[0]
     if x.device.type != "cpu" or rows == 0:
         return F.linear(x, weight, bias)
+    if weight.dtype == torch.bfloat16:
+        return bf16_linear(x, weight, bias)
     if rows > SMALL_ROWS:
         if weight.dtype == torch.float16:
             # This CPU has no float16 GEMM: F.linear runs one row at a time (Qwen-0.5B's gate_up, 200 rows:

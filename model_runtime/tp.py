@@ -25,25 +25,8 @@ def default_backend(device: str) -> str:
 
 
 def default_dtype(device: str) -> torch.dtype:
+    """A rank built without a dtype (tests, `run_local_tp`); served models get `precision.target_dtype`."""
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def draft_dtype(name: str, device: str) -> torch.dtype:
-    """The draft model's precision. `auto`: float16 on CPU, bfloat16 on CUDA.
-
-    A draft's precision changes only how often its tokens are accepted, never the output: every
-    contract verifies against the target's own distribution. On this project's CPU a float16
-    Qwen2.5-Coder-0.5B decode step takes 28 ms against 68 ms in float32 (bfloat16: 57-61 ms), and its
-    greedy tokens matched float32's on the prompts measured (48 of 48 on code and on prose).
-    """
-    if name == "auto":
-        return torch.bfloat16 if str(device).startswith("cuda") else torch.float16
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def init_tp_group(rank: int, world_size: int, init_method: str, device: str = "cpu") -> None:

@@ -17,7 +17,8 @@ from typing import Literal
 
 Contract = Literal["exact", "greedy", "typical"]
 CONTRACTS: tuple[str, ...] = ("exact", "greedy", "typical")
-DRAFT_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")  # see model_runtime.tp.draft_dtype
+DRAFT_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")  # see model_runtime.precision
+TARGET_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")  # see model_runtime.precision.target_dtype
 FinishReason = Literal["stop", "length", "eos", "abort", "error"]
 MAX_TOKENS_LIMIT = 8192
 MIN_TEMPERATURE = 1e-3  # below it, logits / temperature overflows float32: 0 (greedy) or at least this

@@ -66,11 +66,12 @@ class TPRankActor:
             port = probe.getsockname()[1]
         return f"tcp://{host}:{port}"
 
-    def setup(self, init_method: str, checkpoint_dir: str, num_blocks: int, block_size: int, device: str) -> int:
+    def setup(self, init_method: str, checkpoint_dir: str, num_blocks: int, block_size: int, device: str,
+              dtype: torch.dtype) -> int:
         from model_runtime.tp import TPRank, init_tp_group
 
         init_tp_group(self.rank, self.world_size, init_method, device)
-        self.tp_rank = TPRank(checkpoint_dir, self.rank, self.world_size, num_blocks, block_size, device)
+        self.tp_rank = TPRank(checkpoint_dir, self.rank, self.world_size, num_blocks, block_size, device, dtype)
         return self.tp_rank.model.config.vocab_size
 
     def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]]) -> list[torch.Tensor] | None:
@@ -83,7 +84,7 @@ class TPGroupRunner:
     """ForwardRunner over `world_size` rank actors in the replica's placement group."""
 
     def __init__(self, checkpoint_dir: str, world_size: int, num_blocks: int, block_size: int, device: str,
-                 worker_threads: int, gpus_per_rank: float = 0.0) -> None:
+                 worker_threads: int, gpus_per_rank: float, dtype: torch.dtype) -> None:
         from model_runtime.config import ModelConfig
 
         self.config = ModelConfig.from_dir(checkpoint_dir)
@@ -97,7 +98,7 @@ class TPGroupRunner:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=1 + rank)
             self.ranks.append(actor_cls.options(**options).remote(rank, world_size, worker_threads))
         init_method = ray.get(self.ranks[0].rendezvous_address.remote())
-        ray.get([r.setup.remote(init_method, checkpoint_dir, num_blocks, block_size, worker_device(device))
+        ray.get([r.setup.remote(init_method, checkpoint_dir, num_blocks, block_size, worker_device(device), dtype)
                  for r in self.ranks])
         logger.info("verifier TP group ready: %d ranks, rendezvous %s", world_size, init_method)
 
@@ -113,22 +114,25 @@ class TPGroupRunner:
 
 class Verifier(FaultHooks):
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
-                 tensor_parallel_size: int = 1, worker_threads: int = 0, gpus_per_rank: float = 0.0) -> None:
+                 tensor_parallel_size: int = 1, worker_threads: int = 0, gpus_per_rank: float = 0.0,
+                 dtype: str = "auto") -> None:
+        from model_runtime.precision import target_dtype
         from model_runtime.prepare import prepare_model
 
         self.compute = ComputeThread("verifier-compute", worker_threads)  # owns the runner and its KV pool
         checkpoint = str(prepare_model(model, progress=False))
+        precision = target_dtype(dtype, worker_device(device))
         if tensor_parallel_size == 1:
             self.runner: Any = self.compute.call(LocalRunner, checkpoint, num_blocks, block_size,
-                                                 worker_device(device))
+                                                 worker_device(device), precision)
         else:
             self.runner = TPGroupRunner(checkpoint, tensor_parallel_size, num_blocks, block_size, device,
-                                        worker_threads, gpus_per_rank)
+                                        worker_threads, gpus_per_rank, precision)
         self.worker = VerifierWorker(self.runner)
         self.tensor_parallel_size = tensor_parallel_size
         configure_tracing(TracingSettings.from_env(), "specserve-verifier")  # env set by the app (runtime_env)
-        logger.info("verifier ready: %s, TP=%d, %d KV blocks of %d", model, tensor_parallel_size, num_blocks,
-                    block_size)
+        logger.info("verifier ready: %s (%s), TP=%d, %d KV blocks of %d", model, precision, tensor_parallel_size,
+                    num_blocks, block_size)
 
     async def verify(self, batch: VerifyBatch) -> VerifyResult:
         if batch.trace_context and tracing_enabled():  # the round's trace continues here (specserve_types/tracing.py)

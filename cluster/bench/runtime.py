@@ -35,6 +35,7 @@ import torch
 
 from model_runtime.local_alloc import LocalAllocator, LocalSequence
 from model_runtime.model import CausalLM
+from model_runtime.precision import target_dtype
 
 BLOCK_SIZE = 16
 
@@ -144,6 +145,7 @@ class RuntimeSettings:
     warmup: int = 1
     threads: int = 2
     compare_hf: bool = True
+    dtype: str = "float32"  # the models' precision: float32, bfloat16 or auto (model_runtime/precision.py)
 
     def __post_init__(self) -> None:
         assert self.contexts and all(c >= 1 for c in self.contexts), self.contexts
@@ -206,7 +208,7 @@ def bench_model(name: str, s: RuntimeSettings) -> dict[str, Any]:
     checkpoint = prepare_model(name)
     progress(f"runtime: loading {name}")
     start = time.perf_counter()
-    ours = CausalLM.load(checkpoint)
+    ours = CausalLM.load(checkpoint, dtype=target_dtype(s.dtype, "cpu"))
     load_s = time.perf_counter() - start
     hf = hf_model_sharing_weights(ours, checkpoint) if s.compare_hf else None
     params = sum(t.numel() for t in {id(t): t for t in _weight_tensors(ours)}.values())

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from cluster.bench.llamacpp import LlamaCppJob, LlamaCppPeer, LlamaCppSettings, require_llama_cpp
 from cluster.bench.runtime import environment, hf_model_sharing_weights, progress, set_threads
 from cluster.engine.engine import SpecEngine
 from cluster.engine.factory import tokenize_prompt
@@ -82,8 +83,12 @@ class SpecSettings:
     hf: bool = True
     hf_lookup_tokens: int = 10  # transformers' prompt_lookup_num_tokens (its documented example value)
     max_context: int = 1024
-    draft_dtype: str = "auto"  # see model_runtime.tp.draft_dtype
+    dtype: str = "auto"  # the target's: see model_runtime.precision.target_dtype
+    draft_dtype: str = "auto"  # see model_runtime.precision.draft_dtype
     tracing_overhead: bool = False  # also run every config traced (every span sampled, exported to a file)
+    llamacpp: bool = False  # also llama.cpp on the same GGUF files, greedy (cluster/bench/llamacpp.py)
+    llamacpp_only: bool = False  # llama.cpp alone: neither our engine nor transformers
+    llamacpp_draft_tokens: int = 4  # tokens llama.cpp's draft model proposes per round
 
     def __post_init__(self) -> None:
         if self.draft == "none" and "model" in self.drafts:
@@ -164,7 +169,8 @@ class SpecBench:
         self.s = s
         settings = make_config(  # KV pools for the largest batch of full contexts; "none" is in process only
             model=s.model, draft=NGRAM_DRAFT if s.draft == "none" else s.draft, max_batch=max(s.batches),
-            max_context=s.max_context, kv_blocks=None, draft_dtype=s.draft_dtype, warm_up=True)
+            max_context=s.max_context, kv_blocks=None, dtype=s.dtype, draft_dtype=s.draft_dtype,
+            warm_up=True)
         progress(f"spec: loading {s.model} (draft {s.draft})")
         self.base = build_local_engine(s.model, s.draft, settings.engine_config(), settings.local_runtime())
         self.prompts = load_prompts(s.categories, s.per_category)
@@ -173,16 +179,19 @@ class SpecBench:
         if s.hf:
             self.hf_target = hf_model_sharing_weights(self.base.verifier.runner.rank.model, model_dir(s.model))
             if self.base.drafter is not None:
-                # transformers' assistant runs in float32, as it would for a CPU user (its float16 has no
-                # fast CPU kernels); ours keeps its own draft precision.
+                # transformers' assistant runs in the target's precision (float32, or bfloat16 where this CPU
+                # has bf16 instructions), as it would for a CPU user (its float16 has no fast CPU kernels);
+                # ours keeps its own draft precision.
                 draft = self.base.drafter.runner.rank.model
-                if draft.dtype != torch.float32:
-                    draft = CausalLM.load(model_dir(s.draft))
+                target = self.base.verifier.runner.rank.model
+                if draft.dtype != target.dtype:
+                    draft = CausalLM.load(model_dir(s.draft), dtype=target.dtype)
                 self.hf_draft = hf_model_sharing_weights(draft, model_dir(s.draft))
         self.tallies: dict[Config, Tally] = {}
         self.hf_tallies: dict[tuple[str, float], Tally] = {}
         self.policy: dict[Config, tuple[Any, AcceptanceStats]] = {}  # auto policy state carried per config
         self.tracer = trace_file_tracer() if s.tracing_overhead else None
+        self.llamacpp = llamacpp_peer(s, self.base.eos_token_ids) if s.llamacpp and 0.0 in s.temperatures else None
 
     # ------------------------------------------------------------------ our engine
     def _fresh_engine(self, config: Config) -> SpecEngine:
@@ -312,6 +321,8 @@ class SpecBench:
                 self.run_ours(config, first, warmup=True)
             for mode in self.hf_modes():
                 self.run_hf(mode, temperature, first[0], warmup=True)
+            for job in self.llamacpp_jobs(temperature):
+                self.run_llamacpp(job, first[0], warmup=True)
 
     def run(self) -> dict[str, Any]:
         self.warm_up()
@@ -326,7 +337,7 @@ class SpecBench:
         return self.report()
 
     def _interleaved(self, configs: list[Config], temperature: float) -> None:
-        jobs: list[Config | str] = [*configs, *self.hf_modes()]
+        jobs: list[Config | str | LlamaCppJob] = [*configs, *self.hf_modes(), *self.llamacpp_jobs(temperature)]
         for i, prompt in enumerate(self.prompts):
             progress(f"spec: T={temperature} batch 1: prompt {i + 1}/{len(self.prompts)} ({prompt.id}, "
                      f"{len(self.prompt_ids[prompt.id])} prompt tokens)")
@@ -334,6 +345,8 @@ class SpecBench:
             for job in jobs[shift:] + jobs[:shift]:
                 if isinstance(job, Config):
                     self.run_ours(job, [prompt])
+                elif isinstance(job, LlamaCppJob):
+                    self.run_llamacpp(job, prompt)
                 else:
                     self.run_hf(job, temperature, prompt)
 
@@ -376,7 +389,23 @@ class SpecBench:
                                 "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0},
                 "prompts": [{"id": p.id, "category": p.category, "prompt_tokens": len(self.prompt_ids[p.id])}
                             for p in self.prompts],
-                "results": results, "hf": hf}
+                "results": results, "hf": hf,
+                "llamacpp": self.llamacpp_report()}
+
+    # ------------------------------------------------------------------ llama.cpp (greedy, batch 1)
+    def llamacpp_jobs(self, temperature: float) -> list[LlamaCppJob]:
+        return [LlamaCppJob(m) for m in self.llamacpp.modes()] if self.llamacpp and temperature == 0 else []
+
+    def llamacpp_report(self) -> dict[str, Any] | None:
+        if self.llamacpp is None:
+            return None
+        greedy_plain = self.tallies.get(Config("none", 0, 0.0, 1))  # ours, to compare token ids with
+        return self.llamacpp.report(greedy_plain.outputs if greedy_plain else None)
+
+    def run_llamacpp(self, job: LlamaCppJob, prompt: BenchPrompt, warmup: bool = False) -> None:
+        assert self.llamacpp is not None
+        llamacpp_run(self.llamacpp, job.mode, prompt, self.prompt_ids[prompt.id],
+                     WARMUP_TOKENS if warmup else self.s.max_tokens, warmup)
 
 
 def trace_file_tracer() -> Any:
@@ -419,6 +448,10 @@ def same_fraction(a: Tally, b: Tally) -> float | None:
 
 
 def run_spec_bench(s: SpecSettings) -> dict[str, Any]:
+    if s.llamacpp or s.llamacpp_only:
+        require_llama_cpp()  # before any model loads: LlamaCppMissingError says how to install it
+    if s.llamacpp_only:
+        return run_llamacpp_only(s)
     set_threads(s.threads)
     env = environment()
     bench = SpecBench(s)
@@ -426,3 +459,54 @@ def run_spec_bench(s: SpecSettings) -> dict[str, Any]:
     env["loadavg_at_end"] = list(os.getloadavg())
     result["environment"] = env
     return result
+
+
+# ---------------------------------------------------------------------- llama.cpp
+def llamacpp_peer(s: SpecSettings, eos_token_ids: Any) -> LlamaCppPeer:
+    """llama.cpp on the GGUF files `s.model` and `s.draft` are prepared from; modes follow `s.drafts`."""
+    from cluster.bench.gguf_file import gguf_path
+
+    model_draft = s.draft != "none" and "model" in s.drafts
+    progress(f"spec: llama.cpp: loading the GGUF files of {s.model}" + (f" and {s.draft}" if model_draft else ""))
+    return LlamaCppPeer(LlamaCppSettings(
+        model_gguf=gguf_path(s.model), draft_gguf=gguf_path(s.draft) if model_draft else None, threads=s.threads,
+        n_ctx=s.max_context, draft_tokens=s.llamacpp_draft_tokens, lookup_tokens=s.hf_lookup_tokens,
+        lookup="ngram" in s.drafts, eos_token_ids=frozenset(eos_token_ids)))
+
+
+def llamacpp_run(peer: LlamaCppPeer, mode: str, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int,
+                 warmup: bool = False) -> None:
+    run = peer.run(mode, prompt.id, prompt.category, prompt_ids, max_tokens, warmup)
+    if not warmup:
+        n = len(run.token_ids)
+        progress(f"spec: T=0.0 batch 1 {prompt.id}: llama.cpp {mode}: {n} tokens in {run.seconds:.1f} s "
+                 f"({n / run.seconds:.2f} tok/s)")
+
+
+def run_llamacpp_only(s: SpecSettings) -> dict[str, Any]:
+    """`--llamacpp-only`: llama.cpp's modes alone over the bench's prompts (our chat template's token ids),
+    interleaved per prompt as in the full run; the JSON has the full run's shape with no results of ours."""
+    from cluster.engine.factory import eos_token_ids, load_tokenizer, model_dir
+    from model_runtime.config import ModelConfig
+
+    set_threads(s.threads)
+    env = environment()
+    target_dir = model_dir(s.model)
+    tokenizer = load_tokenizer(target_dir)
+    prompts = load_prompts(s.categories, s.per_category)
+    prompt_ids = {p.id: tokenize_prompt(tokenizer, p.text, chat=True) for p in prompts}
+    peer = llamacpp_peer(s, eos_token_ids(target_dir, ModelConfig.from_dir(target_dir), tokenizer))
+    modes = peer.modes()
+    progress("spec: warm-up")
+    for mode in modes:
+        llamacpp_run(peer, mode, prompts[0], prompt_ids[prompts[0].id], WARMUP_TOKENS, warmup=True)
+    for i, prompt in enumerate(prompts):
+        shift = i % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            llamacpp_run(peer, mode, prompt, prompt_ids[prompt.id], s.max_tokens)
+    env["loadavg_at_end"] = list(os.getloadavg())
+    settings = dataclasses.asdict(s)
+    settings["ks"] = ["auto" if k is None else k for k in s.ks]
+    return {"bench": "spec", "settings": settings,
+            "prompts": [{"id": p.id, "category": p.category, "prompt_tokens": len(prompt_ids[p.id])} for p in prompts],
+            "results": [], "hf": [], "llamacpp": peer.report(), "environment": env}

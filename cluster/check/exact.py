@@ -48,6 +48,7 @@ def _prompts(tokenizer: Any, texts: Sequence[str], chat: bool, settings: CheckSe
 
 def check_in_process(model: str, draft: str, texts: Sequence[str], settings: CheckSettings, *, chat: bool = False,
                      window: int = 16, draft_dtype: str | None = None, device: str | None = None,
+                     dtype: str | None = None,
                      biased: bool = False, progress: Progress | None = None) -> tuple[CheckReport, Any]:
     """The check through an engine built here (`build_local_engine`), at most `window` requests at a time.
     `draft` is 'ngram' or a draft model; `biased` turns on the negative control. Returns the report and the
@@ -64,7 +65,8 @@ def check_in_process(model: str, draft: str, texts: Sequence[str], settings: Che
     k_max = settings.k if settings.k is not None else defaults.k_max
     # KV pools for `window` requests of the longest prompt (ClusterConfig's block size), not for full contexts
     blocks = window * (-(-(longest + k_max + 1) // defaults.block_size) + 1) + 16
-    given = {key: value for key, value in (("draft_dtype", draft_dtype), ("device", device)) if value is not None}
+    given = {key: value for key, value in (("draft_dtype", draft_dtype), ("device", device), ("dtype", dtype))
+             if value is not None}
     config = make_config(model=model, draft=draft, max_batch=window, queue_capacity=window, kv_blocks=max(8, blocks),
                          max_context=max(64, longest + k_max + 1), warm_up=False, **given)
     engine = build_local_engine(model, draft, config.engine_config(), config.local_runtime(), tokenizer=tokenizer)
@@ -82,14 +84,13 @@ def check_in_process(model: str, draft: str, texts: Sequence[str], settings: Che
 
 def check_via_server(address: str, model: str, draft: str, texts: Sequence[str], settings: CheckSettings, *,
                      chat: bool = False, per_call: int = 16, concurrency: int = 4, timeout_s: float | None = None,
-                     progress: Progress | None = None) -> tuple[CheckReport, Any]:
+                     progress: Progress | None = None, dtype: str = "auto") -> tuple[CheckReport, Any]:
     """The check through a running cluster's gRPC endpoint; `model` must name the served target (the reference
-    runs it here, on the cpu in float32)."""
-    import torch
-
+    runs it here, on the cpu, in `dtype`: the server's)."""
     from cluster.client import SpecServeClient
     from cluster.engine.factory import load_tokenizer, model_dir
     from model_runtime.model import CausalLM
+    from model_runtime.precision import target_dtype
 
     with SpecServeClient(address, timeout_s=timeout_s) as client:
         served = [m["id"] for m in client.list_models() if m["role"] == "target"]
@@ -99,7 +100,8 @@ def check_via_server(address: str, model: str, draft: str, texts: Sequence[str],
     checkpoint = model_dir(model)
     tokenizer = load_tokenizer(checkpoint)
     prompts = _prompts(tokenizer, texts, chat, settings)
-    reference = TargetReference(CausalLM.load(checkpoint, dtype=torch.float32, device="cpu"), settings.sampling())
+    reference = TargetReference(CausalLM.load(checkpoint, dtype=target_dtype(dtype, "cpu"), device="cpu"),
+                                settings.sampling())
     report = run_check(prompts, reference, settings,
                        lambda: sample_via_server(address, prompts, settings, per_call, concurrency, progress,
                                                  timeout_s),

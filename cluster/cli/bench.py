@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.cli.generate import parse_k
-from specserve_types.api import DRAFT_DTYPES
+from specserve_types.api import DRAFT_DTYPES, TARGET_DTYPES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -36,8 +36,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     rt.add_argument("--repeats", type=int, default=5, help="timed rounds; medians are reported (default 5)")
     rt.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     rt.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    rt.add_argument("--dtype", choices=TARGET_DTYPES, default="float32", help="the models' precision (default float32)")
     _common(rt)
     rt.set_defaults(_bench_run=_run_runtime)
+
+    pr = benches.add_parser("precision", help="bfloat16 against float32: perplexity and top-1 agreement on a "
+                            "shipped text, decode step time")
+    pr.add_argument("--model", default="qwen2.5-coder-1.5b", help="model name or HF dir (default qwen2.5-coder-1.5b)")
+    pr.add_argument("--dtypes", nargs="+", choices=TARGET_DTYPES[1:], default=["float32", "bfloat16"])
+    pr.add_argument("--decode-steps", type=int, default=16, help="timed one-token decode steps (median; default 16)")
+    _common(pr)
+    pr.set_defaults(_bench_run=_run_precision)
 
     sp = benches.add_parser("spec", help="speculative decoding vs plain decoding and transformers, per category")
     sp.add_argument("--model", default=None, help="target (default qwen2.5-coder-1.5b)")
@@ -51,12 +60,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sp.add_argument("--batches", nargs="+", type=int, default=None, help="concurrent requests (default 1 8)")
     sp.add_argument("--max-tokens", type=int, default=None, help="output tokens per prompt (default 64)")
     sp.add_argument("--seed", type=int, default=None)
+    sp.add_argument("--dtype", choices=TARGET_DTYPES, default=None,
+                    help="target model precision (default auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or "
+                         "AMX, float32 elsewhere)")
     sp.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
-                    help="draft model precision (default auto: float16 on CPU, bfloat16 on CUDA)")
+                    help="draft model precision (default auto: bfloat16 where the target's auto is, float16 on "
+                         "other CPUs)")
     sp.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     sp.add_argument("--tracing-overhead", action="store_true",
                     help="also run every config traced (every span sampled and exported to a file) and print "
                          "tokens/s traced vs untraced")
+    sp.add_argument("--llamacpp", action="store_true",
+                    help="also llama.cpp on the same GGUF files, greedy, batch 1: plain, with the draft model, with "
+                         "prompt lookup (optional llama-cpp-python: pip install -e '.[llamacpp]')")
+    sp.add_argument("--llamacpp-only", action="store_true", help="llama.cpp alone: neither our engine nor transformers")
+    sp.add_argument("--llamacpp-draft-tokens", type=int, default=None,
+                    help="tokens llama.cpp's draft model proposes per round (default 4)")
     sp.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
     sp.add_argument("--quick", action="store_true",
                     help="tiny run on smollm2-135m with n-gram drafts (~1 minute); explicit flags still apply")
@@ -134,7 +153,7 @@ def _run_runtime(args: argparse.Namespace) -> int:
 
     settings = RuntimeSettings(models=args.models or default_models(), contexts=args.contexts, max_k=args.max_k,
                                repeats=args.repeats, warmup=args.warmup, threads=args.threads,
-                               compare_hf=not args.no_hf)
+                               compare_hf=not args.no_hf, dtype=args.dtype)
     result = run_runtime_bench(settings)
     write_json(result, args.json_out)
     print(format_runtime(result))
@@ -156,21 +175,36 @@ def format_runtime(result: dict[str, Any]) -> str:
             + table(headers, rows))
 
 
+def _run_precision(args: argparse.Namespace) -> int:
+    from cluster.bench.precision import format_precision, run_precision_bench
+
+    result = run_precision_bench(args.model, args.dtypes, args.decode_steps, args.threads)
+    write_json(result, args.json_out)
+    print(format_precision(result))
+    return 0
+
+
 # ---------------------------------------------------------------------- spec
 def _run_spec(args: argparse.Namespace) -> int:
+    from cluster.bench.llamacpp import LlamaCppMissingError
     from cluster.bench.spec import QUICK, SpecSettings, run_spec_bench
 
     base: dict[str, Any] = dict(QUICK) if args.quick else {}
     flags = {"model": args.model, "draft": args.draft, "drafts": args.drafts, "categories": args.categories,
              "per_category": args.per_category, "ks": args.ks, "temperatures": args.temperatures,
              "batches": args.batches, "max_tokens": args.max_tokens, "seed": args.seed,
-             "draft_dtype": args.draft_dtype}
+             "draft_dtype": args.draft_dtype, "dtype": args.dtype, "llamacpp_draft_tokens": args.llamacpp_draft_tokens}
     base.update({key: value for key, value in flags.items() if value is not None})
     if args.model and args.model != "qwen2.5-coder-1.5b" and args.draft is None and not args.quick:
         base.setdefault("draft", "none")
         base.setdefault("drafts", ["ngram"])
-    settings = SpecSettings(**base, threads=args.threads, hf=not args.no_hf, tracing_overhead=args.tracing_overhead)
-    result = run_spec_bench(settings)
+    settings = SpecSettings(**base, threads=args.threads, hf=not args.no_hf, tracing_overhead=args.tracing_overhead,
+                            llamacpp=args.llamacpp or args.llamacpp_only, llamacpp_only=args.llamacpp_only)
+    try:
+        result = run_spec_bench(settings)
+    except LlamaCppMissingError as exc:
+        print(f"specserve bench spec: {exc}", file=sys.stderr)
+        return 2
     write_json(result, args.json_out)
     if args.plot is not None:
         plot_spec(result, args.plot)
@@ -182,6 +216,8 @@ def format_spec(result: dict[str, Any]) -> str:
     s = result["settings"]
     out = [f"bench spec: {s['model']} (draft {s['draft']}), {len(result['prompts'])} prompts, "
            f"max {s['max_tokens']} tokens; tok/s = output tokens / wall seconds (prefill included)"]
+    if not result["results"]:  # --llamacpp-only
+        return "\n".join(out + _llamacpp_lines(result))
     headers = ["T", "batch", "config", "tok/s", "vs plain", "vs hf peer", "peer", "vs hf plain", "accept",
                "tok/round", "mean k", "draft%", "verify%", "other%", "=plain"]
     rows = []
@@ -216,7 +252,14 @@ def format_spec(result: dict[str, Any]) -> str:
     out.append(table(["T", "config", "s_1..s_k"], [
         [r["temperature"], r["label"], " ".join(f"{v:.2f}" for v in r["acceptance"]["survival"])]
         for r in per_cat if r.get("acceptance")]))
-    return "\n".join(out)
+    return "\n".join(out + _llamacpp_lines(result))
+
+
+def _llamacpp_lines(result: dict[str, Any]) -> list[str]:
+    from cluster.bench.llamacpp import tables
+
+    section = result.get("llamacpp")
+    return [f"{title}\n{table(headers, rows)}" for title, headers, rows in tables(section)] if section else []
 
 
 def _pct(value: float | None) -> str | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from cluster.check.settings import DEFAULT_PROMPTS, CheckSettings
 from cluster.cli.generate import parse_k
 from cluster.serving.config import ConfigError
-from specserve_types.api import DRAFT_DTYPES, SpecServeError
+from specserve_types.api import DRAFT_DTYPES, TARGET_DTYPES, SpecServeError
 
 CHECK_MODEL = "smollm2-135m"
 
@@ -72,6 +72,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "--server: completions per call x concurrent calls) (default 16)")
     ex.add_argument("--per-call", type=int, default=16, help="--server: completions per gRPC call (n of the request; "
                     "default 16)")
+    ex.add_argument("--dtype", choices=TARGET_DTYPES, default=None, help="the target's precision: in process the "
+                    "engine's; with --server the reference's (it must match the server's; default auto)")
     ex.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None, help="in process: the draft model's "
                     "precision (default auto)")
     ex.add_argument("--device", default=None, help="in process: torch device of the workers (default cpu)")
@@ -117,7 +119,7 @@ def _run_exact(args: argparse.Namespace) -> int:
         per_call = min(args.per_call, args.batch)
         report, tokenizer = check_via_server(args.server, args.model, args.draft, prompts, settings, chat=args.chat,
                                              per_call=per_call, concurrency=max(1, args.batch // per_call),
-                                             timeout_s=args.timeout, progress=progress)
+                                             timeout_s=args.timeout, progress=progress, dtype=args.dtype or "auto")
     else:
         if args.threads:
             import torch
@@ -125,6 +127,7 @@ def _run_exact(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         report, tokenizer = check_in_process(args.model, args.draft, prompts, settings, chat=args.chat,
                                              window=args.batch, draft_dtype=args.draft_dtype, device=args.device,
+                                             dtype=args.dtype,
                                              biased=args.inject_bias, progress=progress)
 
     def decode(ids: list[int] | tuple[int, ...]) -> str:

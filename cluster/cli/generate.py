@@ -24,6 +24,7 @@ from cluster.serving.config import NGRAM_DRAFT, ClusterConfig, ConfigError, make
 from specserve_types.api import (
     CONTRACTS,
     DRAFT_DTYPES,
+    TARGET_DTYPES,
     GenerationRequest,
     SamplingParams,
     SpecParams,
@@ -50,9 +51,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--draft", default=None,
                    help=f"draft model name/dir, 'ngram' or 'none' (default: {DEFAULT_DRAFT} for the default model, "
                         "ngram otherwise)")
+    p.add_argument("--dtype", choices=TARGET_DTYPES, default=None,
+                   help="target model precision (auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or AMX, "
+                        "float32 elsewhere); greedy output equals plain greedy decoding of the same dtype")
     p.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
-                   help="draft model precision (auto: float16 on CPU, bfloat16 on CUDA); changes acceptance, "
-                        "never the output")
+                   help="draft model precision (auto: bfloat16 where the target's auto is, float16 on other CPUs); "
+                        "changes acceptance, never the output")
     p.add_argument("--no-warm-up", action="store_true",
                    help="skip measuring verify/draft costs before generating (auto then learns them in the first "
                         "rounds)")
@@ -67,7 +71,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--n", type=int, default=1, help="independent samples of the prompt, batched")
+    p.add_argument("--n", type=int, default=1, help="independent samples of the prompt (seeds seed, seed+1, ...), "
+                   "batched; the prompt is prefilled once and its KV shared")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
@@ -111,15 +116,30 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+GENERATE_MAX_BATCH = 256  # completions per round: the verify's logits rows (x k+1) stay a few hundred MB
+
+
+def generate_kv_blocks(batch: int, max_tokens: int, max_context: int, k_max: int, block_size: int) -> int:
+    """Blocks per KV pool for `generate`: one full context for the prompt (shared by the completions of a
+    prompt group, or one request's own) and, per completion running at once, its own tokens: max_tokens +
+    the round's k_max + 1 slots, plus its copy of the prompt's partial last block and a block boundary."""
+    own = -(-(max_tokens + k_max + 1) // block_size) + 2
+    return -(-max_context // block_size) + batch * own + 16
+
+
 def in_process_config(args: argparse.Namespace, draft: str) -> ClusterConfig:
-    """The engine settings of `generate` in process: a batch of --n, KV pools for that many full contexts;
-    ClusterConfig's defaults where a flag is not given."""
-    given = {key: value for key, value in (("max_context", args.max_context), ("draft_dtype", args.draft_dtype))
-             if value is not None} | tracing_fields(args)
-    return make_config(
+    """The engine settings of `generate` in process: a batch of --n (at most GENERATE_MAX_BATCH), KV pools
+    for the tokens it holds (generate_kv_blocks); ClusterConfig's defaults where a flag is not given."""
+    given = {key: value for key, value in (("max_context", args.max_context), ("draft_dtype", args.draft_dtype),
+                                           ("dtype", args.dtype)) if value is not None} | tracing_fields(args)
+    batch = max(1, min(args.n, GENERATE_MAX_BATCH))
+    config = make_config(
         model=args.model, draft=NGRAM_DRAFT if draft == "none" else draft,  # 'none' (no drafting): in process only
-        max_batch=max(1, args.n), kv_blocks=None, warm_up=args.k is None and not args.no_warm_up, **given,
+        max_batch=batch, queue_capacity=max(args.n, ClusterConfig.model_fields["queue_capacity"].default),
+        kv_blocks=None, warm_up=args.k is None and not args.no_warm_up, **given,
     )
+    blocks = generate_kv_blocks(batch, args.max_tokens, config.max_context, config.k_max, config.block_size)
+    return config.with_overrides(kv_blocks=min(blocks, config.kv_pool_blocks))
 
 
 def _run_in_process(args: argparse.Namespace) -> int:
@@ -136,8 +156,7 @@ def _run_in_process(args: argparse.Namespace) -> int:
     requests = build_requests(args, prompt_ids, draft_kind)
     span = RequestSpan.start("chat" if args.chat else "text_completion", args.model, requests[0].sampling,
                              requests[0].request_id.rsplit("-", 1)[0], parent=os.environ, n=args.n)
-    for request in requests:
-        engine.submit(dataclasses.replace(request, trace_context=span.carrier()))
+    engine.submit_group([dataclasses.replace(request, trace_context=span.carrier()) for request in requests])
     samples: dict[str, dict[str, Any]] = {r.request_id: {"token_ids": [], "text": "", "finish_reason": None}
                                          for r in requests}
     per_request_stats: dict[str, Any] = {}

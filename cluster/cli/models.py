@@ -54,12 +54,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(cache_dir: Path | None) -> str:
-    header = ("NAME", "ROLE", "PARAMS", "QUANT", "CACHED")
+    from model_runtime.precision import draft_dtype, dtype_name, target_dtype
+
+    header = ("NAME", "ROLE", "PARAMS", "QUANT", "RUNS AS", "CACHED")
     rows = [header]
+    # what --dtype auto / --draft-dtype auto run on this machine's CPU (the weights are converted at load)
+    runs_as = {"target": dtype_name(target_dtype("auto", "cpu")), "draft": dtype_name(draft_dtype("auto", "cpu"))}
     for source in KNOWN_MODELS.values():
         entry = cached_path(source, cache_dir)
         cached = str(entry) if entry is not None else "no (run: specserve models prepare " + source.name + ")"
-        rows.append((source.name, source.role, source.parameters, source.quantization, cached))
+        dtype = runs_as["draft" if source.role == "draft" else "target"]
+        rows.append((source.name, source.role, source.parameters, source.quantization, dtype, cached))
     widths = [max(len(row[col]) for row in rows) for col in range(len(header) - 1)]
     lines = [
         "  ".join([*(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)), row[-1]])

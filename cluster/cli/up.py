@@ -29,7 +29,7 @@ from typing import TextIO
 from cluster.cli.generate import parse_k
 from cluster.cli.tracing_flags import add_tracing_flags, tracing_fields
 from cluster.serving.config import ClusterConfig, ConfigError, load_config
-from specserve_types.api import SpecServeError
+from specserve_types.api import TARGET_DTYPES, SpecServeError
 
 log = logging.getLogger("specserve.up")
 
@@ -47,6 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--http-port", type=int, default=None)
     p.add_argument("--dashboard-port", type=int, default=None)
     p.add_argument("--tp", type=int, default=None, dest="tensor_parallel_size", help="verifier TP ranks")
+    p.add_argument("--dtype", choices=TARGET_DTYPES, default=None,
+                   help="target model precision (overrides the config; auto: bfloat16 on CUDA and on CPUs with "
+                        "avx512_bf16 or AMX, float32 elsewhere)")
     p.add_argument("--once", default=None, metavar="PROMPT",
                    help="generate for PROMPT through gRPC, print its statistics, shut down and exit")
     p.add_argument("--json", action="store_true", help="with --once: stdout is one JSON object")
@@ -96,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, model=args.model, draft=args.draft, ray_address=args.address,
                              host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                              dashboard_port=args.dashboard_port, tensor_parallel_size=args.tensor_parallel_size,
+                             dtype=args.dtype,
                              **tracing_fields(args))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

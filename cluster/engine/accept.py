@@ -2,9 +2,14 @@
 
     accept_round(plans, outputs, holders) -> RoundOutcome(commits, chunks, finished, release_draft, acceptance)
 
+A prompt group's prefill-only plan (`prefill_to`) commits its prefix and nothing else: no token, no chunk.
+
 It calls no ledger and reads no engine attribute: the engine sends `commits`, releases `release_draft`
 and drops `finished` (docs/ARCHITECTURE.md §2). It advances each request's own state (tokens appended
 one by one with stop checks, cached counts), which the engine thread owns.
+
+A pre-draft (predraft.py) is settled here: kept (this round's draft commit is deferred to the pre-drafted
+round) or dropped (the commit below gives its slots back with the round's rejected tail).
 
 Glossary: `out.tokens` = the accepted drafts + one correction/bonus token. A stop (EOS, stop string,
 max_tokens) may keep fewer: only kept tokens exist. The accepted drafts after a stop are neither committed
@@ -21,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE
+from cluster.engine.predraft import KeptPreDraft, settle
 from cluster.engine.request_state import RequestState
 from cluster.engine.round_plan import RoundPlan
 from kv_manager.schema import CommitItem, Holder
@@ -42,6 +48,8 @@ class RoundOutcome:
     finished: list[RequestState] = field(default_factory=list)
     release_draft: list[str] = field(default_factory=list)  # finished, holding a draft entry it did not commit to
     acceptance: list[AcceptanceRecord] = field(default_factory=list)  # one per request that proposed drafts
+    predrafts_kept: dict[str, KeptPreDraft] = field(default_factory=dict)  # the next round's drafts (predraft.py)
+    predraft_results: list[str] = field(default_factory=list)  # kept / why dropped, one per landed pre-draft
 
 
 def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], verifier_holder: Holder,
@@ -50,6 +58,9 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
     for plan, out in zip(plans, outputs, strict=True):
         s = plan.state
         assert out.request_id == s.request_id, f"verifier answered {out.request_id} for {s.request_id}"
+        if plan.prefill_to is not None:  # a prompt group's shared prefill: its token is not the request's
+            _commit_prefill(plan, outcome, verifier_holder, drafter_holder)
+            continue
         proposed = len(plan.drafts)
         s.rounds += 1
         kept, delta = s.append_tokens(out.tokens)
@@ -66,7 +77,14 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
         outcome.commits.append(CommitItem(TARGET_NAMESPACE, s.request_id, target_len, committed, verifier_holder,
                                           finished=finished))
         s.target_cached += target_len
-        if plan.uses_model_drafter:
+        carried = None
+        if plan.uses_model_drafter and plan.draft_grant is not None and plan.predraft is not None:
+            assert drafter_holder is not None, "a pre-draft without a drafter epoch"
+            carried, result = settle(plan, out.tokens, out.accepted_len, kept, finished, drafter_holder)
+            outcome.predraft_results.append(result)
+        if carried is not None:  # the draft commit rides with the pre-drafted round's (predraft.py)
+            outcome.predrafts_kept[s.request_id] = carried
+        elif plan.uses_model_drafter and plan.draft_grant is not None:  # no grant: the drafter's epoch changed
             assert drafter_holder is not None, "a model draft without a drafter epoch"
             draft_len = len(plan.draft_pending) + min(kept_accepted, proposed - 1)
             draft_committed = (plan.draft_pending + plan.drafts)[:draft_len]
@@ -83,3 +101,18 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
             outcome.finished.append(s)
         outcome.chunks.append(chunk)
     return outcome
+
+
+def _commit_prefill(plan: RoundPlan, outcome: RoundOutcome, verifier_holder: Holder,
+                    drafter_holder: Holder | None) -> None:
+    """A carrier's prefill-only round (shared_prompts.py): the prefix's KV is kept in both caches; nothing
+    is appended, emitted or counted (the request's own first round starts from its last prompt token)."""
+    s = plan.state
+    outcome.commits.append(CommitItem(TARGET_NAMESPACE, s.request_id, len(plan.target_pending),
+                                      plan.target_pending, verifier_holder))
+    s.target_cached += len(plan.target_pending)
+    if plan.uses_model_drafter:
+        assert drafter_holder is not None, "a model draft without a drafter epoch"
+        outcome.commits.append(CommitItem(DRAFT_NAMESPACE, s.request_id, len(plan.draft_pending),
+                                          plan.draft_pending, drafter_holder))
+        s.draft_cached += len(plan.draft_pending)

@@ -22,7 +22,9 @@ class EngineConfig:
     pressure_free_fraction: float  # below this free fraction of the target pool, auto caps k at 1
     drafter_retry_seconds: float  # base back-off before a failed drafter is tried again
     max_verifier_failures: int  # consecutive failed verify calls tolerated; one more and the engine gives up
-    overlap: bool  # draft one group while verifying the other (separate devices/processes pay off)
+    overlap: bool  # the drafter runs beside the verifier (decided by overlap_policy.py: own devices pay off)
+    overlap_reason: str  # why overlap is on or off (engine stats, logged at start)
+    predraft: bool  # under overlap: pre-draft each request's next round during its verify (predraft.py)
 
     def __post_init__(self) -> None:
         problems = [name for name, ok in (
@@ -32,7 +34,7 @@ class EngineConfig:
             ("pressure_free_fraction", 0.0 <= self.pressure_free_fraction <= 1.0),
             ("drafter_retry_seconds", self.drafter_retry_seconds >= 0.0),
             ("max_verifier_failures", self.max_verifier_failures >= 0),
-            ("overlap", isinstance(self.overlap, bool)),
+            ("overlap", isinstance(self.overlap, bool)), ("predraft", isinstance(self.predraft, bool)),
         ) if not ok]
         if problems:
             raise ValueError(f"invalid EngineConfig field(s) {problems}: {self}")

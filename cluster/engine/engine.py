@@ -12,8 +12,9 @@ One round for the running batch (docs/ARCHITECTURE.md §2), as `step` reads:
     emit     the chunks; finished requests leave
 
 Held commit (without overlap): a steady round's commit rides with the next round's reserve
-(held_commit.py). Overlap: plan, reserve and verify stay here; only the drafter call of the other
-group crosses the step (overlap.py).
+(held_commit.py). Overlap (when overlap_policy.py says so): plan, reserve and verify stay here; only the
+drafter call of the other group crosses the step (overlap.py), or with pre-drafting the drafter call of the
+same requests' next round runs during their verify (predraft.py).
 
 Ownership (docs/ARCHITECTURE.md §3): the thread that calls `step` (the engine thread) owns every
 RequestState, RoundPlan and the ledger client. `submit` and `abort` may be called from other threads:
@@ -36,16 +37,19 @@ from cluster.engine.held_commit import HeldCommitKV
 from cluster.engine.inbox import RequestInbox
 from cluster.engine.kv_client import KVClient
 from cluster.engine.overlap import DraftPipeline, InFlight
+from cluster.engine.overlap_policy import engine_overlap
 from cluster.engine.planner import PlanContext, plan_request
+from cluster.engine.predraft import PreDrafter, predraft_slots, void_draft_grants
 from cluster.engine.request_state import RequestState, new_request_state
 from cluster.engine.round_plan import RoundPlan, propose_item, verify_item
+from cluster.engine.shared_prompts import SharedPrompts, group_states
 from cluster.engine.spec_policy import CostModel
 from cluster.engine.stats import add_round_times, engine_stats
 from cluster.engine.step_record import EngineObserver, Rollback, RoundRecord, StepRecord, new_step_record
 from cluster.engine.worker_health import WorkerHealth
 from kv_manager.errors import KVError
 from kv_manager.schema import AdmitItem, CommitItem, ReserveItem
-from specserve_types.api import GenerationRequest, TokenChunk
+from specserve_types.api import GenerationRequest, InvalidRequestError, TokenChunk
 from specserve_types.faults import FAULTS
 from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
 from specserve_types.tracing import CURRENT_CARRIER
@@ -77,6 +81,7 @@ class SpecEngine:
         self.config = config
         self.model_name = model_name
         self.draft_name = draft_name
+        self.dtypes: dict[str, str] = {}  # {"target": "bfloat16", "draft": ...}: set by who builds the engine
         self.cost = CostModel()
         self.acceptance = AcceptanceStats()
         self.waiting: collections.deque[RequestState] = collections.deque()
@@ -86,9 +91,16 @@ class SpecEngine:
         self.health = WorkerHealth(self.kv, drafter is not None, config.drafter_retry_seconds,
                                    config.max_verifier_failures, self.fallback_events)
         self.pipeline = DraftPipeline(drafter.propose) if drafter is not None and config.overlap else None
+        # pre-drafting: one group, its next round drafted on the same draft thread during its verify (predraft.py)
+        self.predraft = (PreDrafter(self.pipeline, self.kv, self.health, vocab_size)
+                         if self.pipeline is not None and config.predraft else None)
+        self.overlap = engine_overlap(config.overlap, config.overlap_reason, config.predraft, drafter is not None)
+        log.info("overlap %s (%s)%s", self.overlap["mode"] or "off", self.overlap["reason"],
+                 f"; pre-drafting {self.overlap['predraft']}" if "predraft" in self.overlap else "")
         self._namespaces = [TARGET_NAMESPACE] + ([DRAFT_NAMESPACE] if drafter else [])
         self._turns_without_plans = 0  # overlap: consecutive turns in which no plan got a reservation
         self.inbox = RequestInbox(config.max_waiting)  # shared with submit/abort callers; step drains it
+        self.shared = SharedPrompts(self.kv, self.inbox)  # prompt groups: n completions prefill once
         self.observer: EngineObserver | None = None  # traces, metrics: gets a StepRecord per step (step_record.py)
         self._record: StepRecord | None = None  # this step's, while an observer is attached
         self._fallbacks_seen = 0  # fallback events already handed to the observer
@@ -99,6 +111,16 @@ class SpecEngine:
         state = new_request_state(request, self.tokenizer, self.eos_token_ids, self.vocab_size,
                                   self.config.max_context, has_drafter=self.drafter is not None)
         self.inbox.put(state, waiting=len(self.waiting))
+
+    def submit_group(self, requests: list[GenerationRequest]) -> None:
+        """The n completions of one prompt, all or none (raises like `submit`, changing nothing): the prompt is
+        prefilled once and the others fork its KV (shared_prompts.py); each draws from its own seed."""
+        states = [new_request_state(r, self.tokenizer, self.eos_token_ids, self.vocab_size, self.config.max_context,
+                                    has_drafter=self.drafter is not None) for r in requests]
+        if any(r.prompt_token_ids != requests[0].prompt_token_ids for r in requests):
+            raise InvalidRequestError("prompt", "the completions of one group share one prompt")
+        group = group_states(states)
+        self.inbox.put_group(states, waiting=len(self.waiting), reserved=(group.key,) if group else ())
 
     def abort(self, request_id: str) -> None:
         self.inbox.abort(request_id)
@@ -124,10 +146,12 @@ class SpecEngine:
         if not self.running:
             return chunks
         round_start = time.perf_counter()
-        if self.pipeline is not None:  # plan, reserve, propose
+        if self._ping_pong:  # plan, reserve, propose
             plans, draft_seconds = self._prepare_overlapped()
         else:
             plans, draft_seconds = self._prepare(self.running, may_preempt=True)
+            if self.predraft is not None:  # the next round's drafts, made on the draft thread during the verify
+                self.predraft.start(plans)
         if not plans:
             return chunks
         try:
@@ -135,10 +159,15 @@ class SpecEngine:
         except VerifierLost as lost:  # every request is requeued and re-prefills from its tokens
             self._recover_verifier(str(lost))
             return chunks
+        if self.predraft is not None:
+            draft_seconds += self._land_predrafts(plans)
         reconcile_start = time.perf_counter()
         with self._phase("accept"):
             outcome = accept_round(plans, verified.outputs, self.health.verifier_holder, self.health.drafter_holder)
+        if self.predraft is not None:  # kept ones are the next round's drafts; dropped ones went back in the commit
+            self.predraft.keep(outcome.predrafts_kept, outcome.predraft_results)
         self._commit(outcome)
+        self.shared.after_commit(plans)  # carriers' prefixes become their groups' shared prompts
         with self._phase("emit", chunks=len(outcome.chunks)):
             chunks.extend(self._emit(outcome))
         if self._record is not None:
@@ -159,12 +188,16 @@ class SpecEngine:
         cfg = self.config
         while self.waiting and len(self.running) < cfg.max_batch:
             state = self.waiting[0]
-            items = [AdmitItem(TARGET_NAMESPACE, state.request_id, state.token_ids, self.health.verifier_holder)]
-            if not self.kv.can_admit(items, lookahead=cfg.k_max + 1):
-                break  # memory pressure: wait for running requests to finish
-            (admission,) = self.kv.admit(items)
+            forked = self.shared.fork(state, cfg.k_max + 1, self.health.verifier_holder)  # a group's member
+            if forked is False:
+                break  # its group's prompt is being prefilled, or memory is short
+            if forked is None:
+                items = [AdmitItem(TARGET_NAMESPACE, state.request_id, state.token_ids, self.health.verifier_holder)]
+                if not self.kv.can_admit(items, lookahead=cfg.k_max + 1):
+                    break  # memory pressure: wait for running requests to finish
+                (admission,) = self.kv.admit(items)
+                state.target_cached = admission.num_cached_tokens
             self.waiting.popleft()
-            state.target_cached = admission.num_cached_tokens
             state.admitted = True
             if state.admitted_at is None:
                 state.admitted_at = time.monotonic()
@@ -233,6 +266,27 @@ class SpecEngine:
         self._apply_drafts(flight.model_plans, result)
         return flight.plans, seconds
 
+    @property
+    def _ping_pong(self) -> bool:
+        """Overlap by two groups (overlap.py), as opposed to none or pre-drafting's one group."""
+        return self.pipeline is not None and self.predraft is None
+
+    def _land_predrafts(self, plans: list[RoundPlan]) -> float:
+        """This step's pre-drafts, made during the verify (predraft.py). A failed or replaced drafter voids the
+        round's draft grants (its epoch expired; the drafts already verified stay verified), and every draft
+        cache restarts."""
+        assert self.predraft is not None
+        landing = self.predraft.land()
+        if landing.failure is not None:
+            self.health.drafter_failed(landing.failure)
+        if landing.lost:
+            self._restart_draft_caches()
+            void_draft_grants(plans)
+        elif landing.seconds and self._record is not None:
+            self._record.add_phase("draft.propose", landing.seconds, requests=sum(p.predraft is not None for p in plans),
+                                   overlapped=True, predraft=True)
+        return landing.seconds
+
     def _plan(self, states: list[RequestState]) -> list[RoundPlan]:
         cfg = self.config
         context = PlanContext(
@@ -241,12 +295,18 @@ class SpecEngine:
                 s.request.spec.k is None and s.request.spec.draft != "none" for s in states) else 1.0,
             drafter_usable=any(s.request.spec.draft == "model" for s in states) and self.health.drafter_usable(),
             engine_acceptance=self.acceptance, cost=self.cost, batch=len(states))
-        plans = [plan_request(state, context) for state in states]
+        def plan_one(state: RequestState) -> RoundPlan:
+            return self.shared.prefill_plan(state, context.drafter_usable) or plan_request(state, context)
+
+        # a kept pre-draft is its request's plan (predraft.py)
+        plans = self.predraft.plans(states, plan_one) if self.predraft is not None else [plan_one(s) for s in states]
         for plan in plans:
             if plan.uses_model_drafter and not self._admit_draft(plan.state):
                 self._plain([plan], "draft cache out of blocks")
             elif plan.uses_model_drafter:
-                plan.draft_pending = plan.state.token_ids[plan.state.draft_cached:]
+                plan.draft_pending = plan.state.token_ids[plan.state.draft_cached:plan.prefill_to]
+        if self.predraft is not None:  # fresh model-drafted plans reserve their pre-draft's slots too
+            self.predraft.budget(plans, cfg.k_max, cfg.probe_every)
         return plans
 
     def _admit_draft(self, state: RequestState) -> bool:
@@ -268,9 +328,9 @@ class SpecEngine:
         health = self.health
         items = [ReserveItem(TARGET_NAMESPACE, p.state.request_id, len(p.target_pending) + p.k,
                              health.verifier_holder) for p in plans]
-        items += [ReserveItem(DRAFT_NAMESPACE, p.state.request_id, len(p.draft_pending) + p.k - 1,
-                              health.drafter_holder) for p in plans if p.uses_model_drafter]
-        if self.pipeline is None:  # these plans are this step's (under overlap: the other group's next step)
+        items += [ReserveItem(DRAFT_NAMESPACE, p.state.request_id, len(p.draft_pending) + p.k - 1 + predraft_slots(p),
+                              health.drafter_holder) for p in plans if p.uses_model_drafter and not p.predrafted]
+        if not self._ping_pong:  # these plans are this step's (two groups: the other group's next step)
             self._carrier(plans)
         kv_start = time.perf_counter()
         with self._phase("kv.reserve", items=len(items)) as attributes:
@@ -282,7 +342,7 @@ class SpecEngine:
         for plan in plans:
             rid = plan.state.request_id
             plan.target_grant = grants.get((TARGET_NAMESPACE, rid))
-            draft = grants.get((DRAFT_NAMESPACE, rid))
+            draft = plan.draft_grant if plan.predrafted else grants.get((DRAFT_NAMESPACE, rid))  # a kept pre-draft's
             if plan.target_grant is None:
                 if draft is not None:
                     self.kv.rollback([(DRAFT_NAMESPACE, rid)])
@@ -296,11 +356,11 @@ class SpecEngine:
         return kept
 
     def _draft_batch(self, plans: list[RoundPlan]) -> tuple[list[RoundPlan], ProposeBatch | None]:
-        model_plans = [p for p in plans if p.uses_model_drafter and p.k > 0]
+        model_plans = [p for p in plans if p.uses_model_drafter and p.k > 0 and not p.predrafted]
         if not model_plans:
             return model_plans, None
         # under overlap the batch drafts the other group's next round: it carries no trace of this step's
-        carrier = self._carrier(plans) if self.pipeline is None else ()
+        carrier = self._carrier(plans) if not self._ping_pong else ()
         return model_plans, ProposeBatch([propose_item(p) for p in model_plans], carrier)
 
     def _apply_drafts(self, model_plans: list[RoundPlan], result: ProposeResult) -> None:
@@ -369,7 +429,7 @@ class SpecEngine:
         for request_id in outcome.release_draft:
             self.kv.release(request_id, [DRAFT_NAMESPACE])
         kv_start = time.perf_counter()
-        hold = self.pipeline is None and not outcome.finished  # held: sent with the next round's reserve
+        hold = not self._ping_pong and not outcome.finished  # held: sent with the next round's reserve
         with self._phase("kv.commit", items=len(outcome.commits), held=hold):
             self.kv.commit(outcome.commits, hold=hold)
         self.totals["kv_seconds"] += time.perf_counter() - kv_start
@@ -396,8 +456,11 @@ class SpecEngine:
 
     def _restart_draft_caches(self) -> None:
         """The drafter's epoch changed: its grants are gone, so every request re-enters the draft namespace."""
+        if self.predraft is not None:
+            self.predraft.forget()
         for state in self.running:
             state.draft_cached, state.draft_admitted = 0, False
+        self.shared.draft_lost()
 
     def _recover_verifier(self, reason: str) -> None:
         """The target KV is gone: groups in flight land first (their drafts are dropped), the verifier's epoch
@@ -416,6 +479,7 @@ class SpecEngine:
             state.forget_kv()
             self.waiting.appendleft(state)
         self.running.clear()
+        self.shared.target_lost(self.waiting)
 
     def _preempt(self, state: RequestState) -> None:
         """Give all of a request's KV back and requeue it; it re-prefills from its tokens (nothing is lost)."""
@@ -434,11 +498,13 @@ class SpecEngine:
                 self._note_rollback(state, "aborted")
                 if not (FAULTS.active and FAULTS.take("engine.skip_abort_rollback") is not None):  # chaos control
                     self.kv.release(request_id, self._namespaces)
+                self.shared.leave(state, self.waiting)  # a carrier aborted during its group's prefill
                 return [self._aborted_chunk(state)]
         for state in list(self.waiting):
             if state.request_id == request_id:  # a waiting request holds nothing in the ledger: nothing to release
                 assert not (state.admitted or state.draft_admitted), f"waiting {request_id} holds KV"
                 self.waiting.remove(state)
+                self.shared.leave(state, self.waiting)
                 return [self._aborted_chunk(state)]
         return []
 
@@ -472,6 +538,8 @@ class SpecEngine:
         chunks = {chunk.request_id: chunk for chunk in outcome.chunks}
         record.batch_size = len(plans)
         for plan in plans:
+            if plan.prefill_to is not None:  # a prompt group's prefill: no round of the request's own
+                continue
             spec, chunk = plan.state.request.spec, chunks[plan.state.request_id]
             record.rounds.append(RoundRecord(
                 plan.state.request_id, plan.state.request.trace_context, plan.k, len(plan.drafts), chunk.proposed,
@@ -499,15 +567,17 @@ class SpecEngine:
         running = {state.request_id for state in self.running}
         in_flight = self.pipeline.in_flight_ids() if self.pipeline else set()
         assert in_flight <= running, f"in flight but not running: {sorted(in_flight - running)}"
+        running |= self.shared.keys()  # the shared prompts of groups with members still to fork
         for namespace in self._namespaces:
             held = set(self.kv.request_ids(namespace))
             assert held <= running, f"{namespace}: the ledger holds {sorted(held - running)}, which are not running"
 
     def stats(self) -> dict[str, Any]:
-        identity = {"model": self.model_name, "draft": self.draft_name, "running": len(self.running),
-                    "waiting": len(self.waiting) + self.inbox.queued()}
+        identity = {"model": self.model_name, "draft": self.draft_name, "dtype": dict(self.dtypes),
+                    "running": len(self.running), "waiting": len(self.waiting) + self.inbox.queued()}
+        overlap = self.overlap | ({"predraft": self.predraft.summary()} if self.predraft is not None else {})
         return engine_stats(identity, self.totals, self.acceptance, self.cost, self.fallback_events,
-                            self.kv.free_fraction(TARGET_NAMESPACE))
+                            self.kv.free_fraction(TARGET_NAMESPACE), overlap)
 
     def reset_statistics(self) -> None:
         """Forget acceptance, time totals and events (after warm-up); the cost model stays."""

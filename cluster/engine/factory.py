@@ -24,7 +24,7 @@ from drafter_service.worker import DraftWorker
 from kv_manager.ledger import BlockLedger
 from kv_manager.schema import NamespaceConfig
 from model_runtime.config import ModelConfig
-from model_runtime.tp import draft_dtype
+from model_runtime.precision import draft_dtype, dtype_name, target_dtype
 from specserve_types.api import InvalidRequestError, SpecServeError
 from verifier_service.worker import LocalRunner, VerifierWorker
 
@@ -48,7 +48,8 @@ class LocalRuntime:
     block_size: int  # tokens per KV block
     num_blocks: int  # blocks per KV pool (target and draft)
     device: str  # torch device of the local verifier and drafter
-    draft_dtype: str  # see model_runtime.tp.draft_dtype
+    dtype: str  # the target's precision: see model_runtime.precision.target_dtype
+    draft_dtype: str  # see model_runtime.precision.draft_dtype
     warm_up: bool  # measure verify/draft costs before serving (cluster/engine/warmup.py)
 
     def __post_init__(self) -> None:
@@ -136,12 +137,14 @@ def build_local_engine(model: str, draft: str, config: EngineConfig, runtime: Lo
     def runner(checkpoint_dir: Path, dtype: torch.dtype | None = None) -> LocalRunner:
         return LocalRunner(str(checkpoint_dir), runtime.num_blocks, runtime.block_size, runtime.device, dtype)
 
+    target, drafts = target_dtype(runtime.dtype, runtime.device), draft_dtype(runtime.draft_dtype, runtime.device)
     engine = assemble_engine(
         model, draft, config, runtime.num_blocks, runtime.block_size,
-        make_verifier=lambda d: VerifierWorker(runner(d)),
-        make_drafter=lambda d: DraftWorker(runner(d, draft_dtype(runtime.draft_dtype, runtime.device))),
+        make_verifier=lambda d: VerifierWorker(runner(d, target)),
+        make_drafter=lambda d: DraftWorker(runner(d, drafts)),
         make_kv=lambda namespaces: LocalKV(BlockLedger(namespaces)), tokenizer=tokenizer,
     )
+    engine.dtypes = {"target": dtype_name(target)} | ({"draft": dtype_name(drafts)} if engine.drafter else {})
     if runtime.warm_up:
         warm_up(engine)
     return engine

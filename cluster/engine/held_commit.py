@@ -3,12 +3,12 @@
 A steady round's commit need not reach the ledger before the next round's reserve: `commit(items,
 hold=True)` keeps it and the next `reserve` carries it (`commit_then_reserve`, one round trip to the
 ledger per round). Every other ledger call sends a held commit first, so nothing ever sees the ledger
-behind the engine; the engine holds nothing with overlap or when a request finished in the round (a
+behind the engine; the engine holds nothing with two-group overlap or when a request finished in the round (a
 client that sees its last token sees its blocks released).
 
 A commit's outcomes go to `check(items, outcomes)` whenever it is sent (the engine raises on a refused
-target commit and restarts a refused draft cache). Owner of `held`: the engine thread (with overlap
-nothing is held, and the draft thread makes no ledger call).
+target commit and restarts a refused draft cache). Owner of `held`: the engine thread (with two-group
+overlap nothing is held; the draft thread never makes a ledger call).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cluster.engine.kv_client import KVClient
+from cluster.engine.kv_client import ForkItem, KVClient
 from kv_manager.errors import KVError
 from kv_manager.schema import Admission, AdmitItem, AuditReport, CommitItem, Holder, Reservation, ReserveItem
 
@@ -66,6 +66,10 @@ class HeldCommitKV:
     def admit(self, items: Sequence[AdmitItem]) -> list[Admission]:
         self.send_held()
         return self.inner.admit(items)
+
+    def fork(self, items: Sequence[ForkItem]) -> list[Admission]:
+        self.send_held()
+        return self.inner.fork(items)
 
     def rollback(self, keys: Sequence[tuple[str, str]]) -> None:
         self.send_held()

@@ -32,6 +32,21 @@ class RequestInbox:
             self._known_ids.add(state.request_id)
             self._states.append(state)
 
+    def put_group(self, states: list[RequestState], waiting: int, reserved: tuple[str, ...] = ()) -> None:
+        """Enqueue all of `states` or none (the n completions of one request); `reserved`: further ids known
+        from now on (a prompt group's ledger key), forgotten with `forget` like a request's."""
+        with self._lock:
+            ids = [state.request_id for state in states] + list(reserved)
+            seen: set[str] = set()
+            for rid in ids:
+                if rid in self._known_ids or rid in seen:
+                    raise InvalidRequestError("request_id", f"duplicate request id {rid!r}")
+                seen.add(rid)
+            if waiting + len(self._states) + len(states) > self._max_waiting:
+                raise CapacityError(f"queue full ({self._max_waiting} waiting requests)")
+            self._known_ids.update(ids)
+            self._states.extend(states)
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)

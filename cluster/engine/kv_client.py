@@ -22,6 +22,8 @@ from kv_manager.schema import (
     ReserveItem,
 )
 
+ForkItem = tuple[str, str, str]  # (namespace, parent_id, child_id)
+
 
 class KVClient(Protocol):
     """What the engine asks of the KV-block manager. Batch calls answer per item (a grant or the
@@ -34,6 +36,11 @@ class KVClient(Protocol):
     def can_admit(self, items: Sequence[AdmitItem], lookahead: int) -> bool: ...
 
     def admit(self, items: Sequence[AdmitItem]) -> list[Admission]: ...
+
+    def fork(self, items: Sequence[ForkItem]) -> list[Admission]:
+        """(namespace, parent_id, child_id) each: the child shares every block of the parent (copy on write);
+        all or nothing, raises the first refusal."""
+        ...
 
     def reserve(self, items: Sequence[ReserveItem]) -> list[Reservation | KVError]: ...
 
@@ -80,6 +87,18 @@ class LocalKV:
             for item in items:
                 done.append(self.ledger.add_request(item.namespace, item.request_id, item.prompt_token_ids,
                                                     item.holder))
+        except KVError:
+            for adm in done:
+                self.ledger.release(adm.namespace, adm.request_id)
+            raise
+        return done
+
+    def fork(self, items: Sequence[ForkItem]) -> list[Admission]:
+        """All or nothing: a refusal releases the children already forked."""
+        done: list[Admission] = []
+        try:
+            for namespace, parent_id, child_id in items:
+                done.append(self.ledger.fork(namespace, parent_id, child_id))
         except KVError:
             for adm in done:
                 self.ledger.release(adm.namespace, adm.request_id)

@@ -11,6 +11,10 @@ thread runs `propose(batch)` on a `ProposeBatch` value built on the engine threa
 touches no RequestState, no RoundPlan and no ledger. `InFlight` is the engine thread's record of a group
 whose drafts are being made; its requests stay in the engine's running list, and an abort of one of them
 waits until the group lands (the drafter is writing its draft KV blocks).
+
+Pre-drafting (predraft.py) uses the same draft thread with one group: its flight (`PREDRAFT`) starts after
+the round's own propose and lands after that round's verify, within the step (no abort ever waits for it).
+Whether there is a draft thread at all is overlap_policy.py's decision.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kv_manager.schema import Holder
 from specserve_types.round_messages import ProposeBatch, ProposeResult
 
 Timed = tuple[ProposeResult, float]  # the drafter's answer and the call's wall time
+PREDRAFT = 2  # the flight key of a step's pre-drafts (groups 0 and 1 are the ping-pong's)
 
 
 @dataclass

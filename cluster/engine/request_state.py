@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.engine.prompt_group import PromptGroup
 from specserve_types.api import FinishReason, GenerationRequest, InvalidRequestError
 from verifier_service.acceptance_stats import AcceptanceStats
 
@@ -98,6 +99,7 @@ class RequestState:
     draft_admitted: bool = False
     group: int = 0  # overlap group (0 or 1)
     rounds_at_zero: int = 0  # consecutive rounds auto chose plain decoding (it re-probes after probe_every)
+    prompt_group: PromptGroup | None = None  # n completions of one prompt, until forked (prompt_group.py)
 
     @property
     def request_id(self) -> str:

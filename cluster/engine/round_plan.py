@@ -27,9 +27,24 @@ class RoundPlan:
     uses_model_drafter: bool = False
     target_grant: Reservation | None = None
     draft_grant: Reservation | None = None
+    prefill_to: int | None = None  # a prompt group's carrier: prefill up to here only, nothing sampled
+    # pre-drafting (predraft.py): the next round's k' drafted during this verify; this round's drafts were
+    # pre-drafted during the last one (no propose); the pre-draft, once landed
+    predraft_k: int = 0
+    predrafted: bool = False
+    predraft: PreDraft | None = None
 
 
-def _penalty_history(state: RequestState) -> tuple[list[int], list[int]]:
+@dataclass
+class PreDraft:
+    """A pre-draft made during its round's verify (predraft.py): the guess g_1 of the bonus token, then the
+    next round's drafts g_2..g_{k'+1}, with their q rows when the contract needs them."""
+
+    tokens: list[int]
+    probs: np.ndarray | None
+
+
+def penalty_history(state: RequestState) -> tuple[list[int], list[int]]:
     if not state.request.sampling.has_penalties:
         return [], []
     return state.token_ids[:state.prompt_len], state.output_ids
@@ -38,10 +53,11 @@ def _penalty_history(state: RequestState) -> tuple[list[int], list[int]]:
 def propose_item(plan: RoundPlan) -> ProposeItem:
     s, grant = plan.state, plan.draft_grant
     assert grant is not None, "propose needs a draft reservation"
-    prompt_ids, output_ids = _penalty_history(s)
+    prompt_ids, output_ids = penalty_history(s)
     return ProposeItem(
         request_id=s.request_id, input_ids=plan.draft_pending, past_len=s.draft_cached,
-        block_table=list(grant.block_table), slot_mapping=list(grant.slot_mapping), k=plan.k,
+        block_table=list(grant.block_table), k=plan.k,
+        slot_mapping=list(grant.slot_mapping[:len(plan.draft_pending) + plan.k - 1]),  # a pre-draft's follow
         sampling=s.request.sampling, seed=s.seed, position=len(s.token_ids),
         want_probs=s.request.spec.contract == "exact" and not s.request.sampling.is_greedy,
         prompt_ids=prompt_ids, output_ids=output_ids, copy_blocks=list(grant.copy_on_write),
@@ -51,10 +67,11 @@ def propose_item(plan: RoundPlan) -> ProposeItem:
 def verify_item(plan: RoundPlan) -> VerifyItem:
     s, grant = plan.state, plan.target_grant
     assert grant is not None, "verify needs a target reservation"
-    n_slots = len(plan.target_pending) + len(plan.drafts)
-    prompt_ids, output_ids = _penalty_history(s)
+    drafts, probs = (plan.drafts, plan.draft_probs) if plan.prefill_to is None else ([], None)  # never verified
+    n_slots = len(plan.target_pending) + len(drafts)
+    prompt_ids, output_ids = penalty_history(s)
     return VerifyItem(
-        request_id=s.request_id, input_ids=plan.target_pending, draft_ids=plan.drafts, draft_probs=plan.draft_probs,
+        request_id=s.request_id, input_ids=plan.target_pending, draft_ids=drafts, draft_probs=probs,
         past_len=s.target_cached, block_table=list(grant.block_table), slot_mapping=list(grant.slot_mapping[:n_slots]),
         sampling=s.request.sampling, contract=s.request.spec.contract, seed=s.seed, position=len(s.token_ids),
         prompt_ids=prompt_ids, output_ids=output_ids, copy_blocks=list(grant.copy_on_write),

@@ -41,9 +41,11 @@ def add_round_times(totals: dict[str, float], plans: Sequence[RoundPlan], draft_
 
 
 def engine_stats(identity: Mapping[str, Any], totals: Mapping[str, float], acceptance: AcceptanceStats,
-                 cost: CostModel, fallback_events: Sequence[dict[str, Any]], kv_free_fraction: float) -> dict[str, Any]:
+                 cost: CostModel, fallback_events: Sequence[dict[str, Any]], kv_free_fraction: float,
+                 overlap: Mapping[str, Any]) -> dict[str, Any]:
     """`SpecEngine.stats()` as one JSON-able dict (GetStats, `--json`, benchmarks); `identity` holds
-    model, draft, running and waiting."""
+    model, draft, running and waiting; `overlap` whether the drafter runs beside the verifier, how, why
+    (overlap_policy.py) and the pre-draft counts (predraft.py)."""
     return {
         **identity,
         "rounds": int(totals.get("rounds", 0)),
@@ -57,6 +59,7 @@ def engine_stats(identity: Mapping[str, Any], totals: Mapping[str, float], accep
         "cost_model": {"draft_token_seconds": cost.draft_token,
                        "verify_seconds_by_tokens": dict(cost.verify_by_tokens)},
         **busy_fractions(totals),
+        "overlap": dict(overlap),
         "fallback_events": list(fallback_events),
         "kv_free_fraction": kv_free_fraction,
     }

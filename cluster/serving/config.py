@@ -25,13 +25,14 @@ from specserve_types.tracing import ENV_OTLP_ENDPOINT, OTEL_ENDPOINT_VARS, Traci
 if TYPE_CHECKING:
     from cluster.engine.config import EngineConfig
     from cluster.engine.factory import LocalRuntime
+    from cluster.engine.overlap_policy import OverlapDecision
 
 __all__ = ["ENGINE_OPTIONS", "NGRAM_DRAFT", "ClusterConfig", "ConfigError", "load_config", "make_config"]
 
 NGRAM_DRAFT = "ngram"  # `draft` value: n-gram (prompt lookup) drafting, no draft model
 # The fields a config file may also set under `engine_options:` (the older spelling, still accepted).
 ENGINE_OPTIONS = ("k_max", "probe_every", "pressure_free_fraction", "drafter_retry_seconds",
-                  "max_verifier_failures", "overlap")
+                  "max_verifier_failures", "overlap", "predraft")
 
 
 class ConfigError(ValueError):
@@ -57,9 +58,12 @@ class ClusterConfig(BaseModel):
     model: str = Field("qwen2.5-coder-1.5b", description="target model: registry name or HF checkpoint dir")
     draft: str = Field("qwen2.5-coder-0.5b", description="draft model name/dir, or 'ngram'")
     device: str = Field("cpu", description="torch device of the drafter and verifier workers")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="target model precision (auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or AMX, "
+                            "float32 elsewhere); greedy output equals plain greedy decoding of the same dtype")
     draft_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="draft model precision (auto: float16 on CPU, bfloat16 on CUDA); changes acceptance, "
-                            "never the output")
+        "auto", description="draft model precision (auto: bfloat16 where the target's auto is bfloat16, float16 on "
+                            "other CPUs); changes acceptance, never the output")
 
     # deployments
     ingress_replicas: int = Field(1, ge=1, le=64)
@@ -97,8 +101,13 @@ class ClusterConfig(BaseModel):
                                          "again (doubling per consecutive failure, up to 32x)")
     max_verifier_failures: int = Field(20, ge=0, le=1 << 20,
                                        description="consecutive failed verify calls before the engine gives up")
-    overlap: bool = Field(False, description="draft one group while verifying the other (separate "
-                                             "devices/processes pay off)")
+    overlap: Literal["auto"] | bool = Field(
+        "auto", description="run the drafter beside the verifier: auto = on where the two have devices of their own "
+                            "(distinct GPUs, or CPU threads that fit the CPUs without sharing), off elsewhere; "
+                            "true/false force it (cluster/engine/overlap_policy.py; the reason is in the stats)")
+    predraft: bool = Field(False, description="under overlap, draft each request's next round during its verify "
+                                              "(assuming its drafts are accepted) instead of ping-ponging two "
+                                              "groups (cluster/engine/predraft.py)")
 
     # Serve health checks and graceful shutdown (applied to every deployment)
     health_check_period_s: float = Field(10.0, gt=0, le=3600)
@@ -198,7 +207,8 @@ class ClusterConfig(BaseModel):
         quota (cluster/serving/cpu_quota.py), not os.cpu_count()'s node cores; evaluated where the app is built."""
         if self.worker_threads > 0:
             return self.worker_threads
-        concurrent = self.tensor_parallel_size + (1 if self.uses_draft_model and self.overlap else 0)
+        drafting_beside = self.uses_draft_model and self.overlap_decision(in_process=False).enabled
+        concurrent = self.tensor_parallel_size + (1 if drafting_beside else 0)
         return max(1, available_cpus() // concurrent)
 
     @property
@@ -212,15 +222,28 @@ class ClusterConfig(BaseModel):
             return self.kv_blocks
         return self.max_batch * (-(-self.max_context // self.block_size) + 1) + 16
 
-    def engine_config(self) -> EngineConfig:
-        """The engine's settings (in process and in the scheduler)."""
+    def overlap_decision(self, in_process: bool) -> OverlapDecision:
+        """Whether the drafter runs beside the verifier, and why (cluster/engine/overlap_policy.py): in process
+        (generate, bench spec) both share one process; in the cluster each model process has its own threads
+        or GPU."""
+        from cluster.engine.overlap_policy import Placement, decide_overlap
+
+        return decide_overlap(self.overlap, Placement(
+            in_process=in_process, draft_model=self.uses_draft_model, device=self.device,
+            gpus_per_worker=self.gpus_per_worker, tensor_parallel_size=self.tensor_parallel_size,
+            worker_threads=self.worker_threads, cpus=available_cpus()))
+
+    def engine_config(self, in_process: bool = True) -> EngineConfig:
+        """The engine's settings: in process (generate, bench, check), or the scheduler's (`in_process=False`)."""
         from cluster.engine.config import EngineConfig
+
+        overlap = self.overlap_decision(in_process)
 
         return EngineConfig(
             max_batch=self.max_batch, max_waiting=self.queue_capacity, max_context=self.max_context,
             k_max=self.k_max, probe_every=self.probe_every, pressure_free_fraction=self.pressure_free_fraction,
             drafter_retry_seconds=self.drafter_retry_seconds, max_verifier_failures=self.max_verifier_failures,
-            overlap=self.overlap,
+            overlap=overlap.enabled, overlap_reason=overlap.reason, predraft=self.predraft,
         )
 
     def local_runtime(self) -> LocalRuntime:
@@ -228,7 +251,7 @@ class ClusterConfig(BaseModel):
         from cluster.engine.factory import LocalRuntime
 
         return LocalRuntime(block_size=self.block_size, num_blocks=self.kv_pool_blocks, device=self.device,
-                            draft_dtype=self.draft_dtype, warm_up=self.warm_up)
+                            dtype=self.dtype, draft_dtype=self.draft_dtype, warm_up=self.warm_up)
 
     def tracing_settings(self) -> TracingSettings:
         endpoint = self.otlp_traces_endpoint or next(

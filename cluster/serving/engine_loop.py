@@ -32,6 +32,7 @@ class Engine(Protocol):
     observer: Any  # an EngineObserver or None (cluster/engine/step_record.py)
 
     def submit(self, request: GenerationRequest) -> None: ...
+    def submit_group(self, requests: list[GenerationRequest]) -> None: ...
     def step(self) -> list[TokenChunk]: ...
     def abort(self, request_id: str) -> None: ...
     def has_unfinished(self) -> bool: ...
@@ -92,6 +93,17 @@ class EngineLoop:
             self._sinks[request.request_id] = sink
 
         return self.call(submit)
+
+    def submit_group(self, requests: list[GenerationRequest], sinks: dict[str, ChunkSink]
+                     ) -> concurrent.futures.Future:
+        """The n completions of one prompt, all or none (they share the prompt's KV in the engine); each
+        request's chunks go to `sinks[request_id]`."""
+
+        def submit_group(engine: Engine) -> None:
+            engine.submit_group(requests)  # raises before any sink is registered: nothing to clean up
+            self._sinks.update(sinks)
+
+        return self.call(submit_group)
 
     def abort(self, request_id: str) -> concurrent.futures.Future:
         """Abort a request; its sink is dropped at once (the abort chunk goes nowhere)."""

@@ -130,6 +130,17 @@ class RemoteKV:
             raise refusals[0]
         return outcomes
 
+    def fork(self, items: Sequence[tuple[str, str, str]]) -> list[Admission]:
+        """All or nothing: a refusal releases the children the same call forked."""
+        outcomes = self._mutating("forks", list(items))
+        refusals = [o for o in outcomes if isinstance(o, KVError)]
+        if refusals:
+            done = [(o.namespace, o.request_id) for o in outcomes if not isinstance(o, KVError)]
+            if done:
+                self._mutating("release", done)
+            raise refusals[0]
+        return outcomes
+
     def reserve(self, items: Sequence[ReserveItem]) -> list[Reservation | KVError]:
         return self._reporting("reserve_with_free", list(items), False)
 
@@ -185,11 +196,16 @@ def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any) -> 
     env = config.tracing_settings().env()  # the actor continues traced steps (kv_manager/actor.py `traced`)
     kv_tracing: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
     engine = assemble_engine(
-        config.model, config.draft, config.engine_config(), config.kv_pool_blocks,
+        config.model, config.draft, config.engine_config(in_process=False), config.kv_pool_blocks,
         config.block_size, make_verifier=lambda _dir: HandleVerifier(verifier),
         make_drafter=(lambda _dir: HandleDrafter(drafter, config.drafter_timeout_s)) if drafter is not None else None,
         make_kv=lambda namespaces: RemoteKV(KVManagerActor.options(name=None, **kv_tracing).remote(namespaces)),
     )
+    from model_runtime.precision import draft_dtype, dtype_name, target_dtype
+
+    # resolved as the workers resolve them (same function, same device name; a node pool of one CPU type)
+    engine.dtypes = {"target": dtype_name(target_dtype(config.dtype, config.device))} | (
+        {"draft": dtype_name(draft_dtype(config.draft_dtype, config.device))} if drafter is not None else {})
     if config.warm_up:
         from cluster.engine.warmup import warm_up
 

@@ -132,22 +132,23 @@ class Scheduler(FaultHooks):
                 return
             chunks: asyncio.Queue[tuple[int, TokenChunk]] = asyncio.Queue()
             event_loop = asyncio.get_running_loop()
-            for index, engine_id in enumerate(completion_ids):
-                request = GenerationRequest(engine_id, prompt, completion_sampling(args.sampling, index), args.spec,
-                                            trace_context=args.trace_context)
+            requests = [GenerationRequest(engine_id, prompt, completion_sampling(args.sampling, index), args.spec,
+                                          trace_context=args.trace_context)
+                        for index, engine_id in enumerate(completion_ids)]
 
-                def sink(chunk: TokenChunk, index: int = index) -> None:
-                    event_loop.call_soon_threadsafe(chunks.put_nowait, (index, chunk))
+            def sink(index: int) -> Callable[[TokenChunk], None]:
+                return lambda chunk: event_loop.call_soon_threadsafe(chunks.put_nowait, (index, chunk))
 
-                pending[engine_id] = index  # before the await: a cancel here still aborts it
-                try:
-                    await asyncio.wrap_future(self._loop.submit(request, sink))
-                except (InvalidRequestError, CapacityError) as exc:
-                    pending.pop(engine_id, None)
-                    key = "rejected_invalid" if isinstance(exc, InvalidRequestError) else "rejected_capacity"
-                    self._counters[key] += 1
-                    yield StreamError.of(exc)
-                    return
+            pending.update({engine_id: index for index, engine_id in enumerate(completion_ids)})  # a cancel from
+            try:  # here on aborts them; the n completions share the prompt's KV (one prefill, engine.submit_group)
+                await asyncio.wrap_future(self._loop.submit_group(
+                    requests, {engine_id: sink(index) for index, engine_id in enumerate(completion_ids)}))
+            except (InvalidRequestError, CapacityError) as exc:
+                pending.clear()  # all or none: nothing was submitted
+                key = "rejected_invalid" if isinstance(exc, InvalidRequestError) else "rejected_capacity"
+                self._counters[key] += 1
+                yield StreamError.of(exc)
+                return
             self._counters["admitted"] += len(completion_ids)
             while pending:
                 index, chunk = await chunks.get()

@@ -557,7 +557,8 @@ def test_worker_threads_follow_the_worker_cpu_limit(rayservice: dict[str, Any], 
     """serveConfigV2 sets worker_threads explicitly: the builder runs in a Ray task on whichever pod Serve picks
     (often the head, with other CPU limits), so the cgroup quota it would read is not the worker's."""
     assert cluster_config.worker_threads > 0
-    concurrent = cluster_config.tensor_parallel_size + int(cluster_config.uses_draft_model and cluster_config.overlap)
+    overlap = cluster_config.overlap_decision(in_process=False).enabled  # auto: the gpu overlay's own GPUs say on
+    concurrent = cluster_config.tensor_parallel_size + int(cluster_config.uses_draft_model and overlap)
     limit = _cpus(_ray_container(_worker(rayservice))["resources"]["limits"]["cpu"])
     assert cluster_config.worker_threads * concurrent <= limit
     if not cluster_config.uses_gpu:  # CPU compute: use the pod's CPUs, not fewer

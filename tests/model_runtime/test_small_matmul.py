@@ -65,3 +65,21 @@ def test_best_splits_minimise_total_time() -> None:
     assert plan[0] in ((1,), (2,)) and plan[2] == (3,) and plan[3] == (4,)
     assert sorted(plan[4]) == [2, 3] and sum(plan[7]) >= 8
     assert best_splits({4: 1.0}, 5) == ((4,), (4,), (4,), (4,), (4, 4))
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported(),
+                    reason="bf16 products are emulated on this CPU (the dtype auto runs float32 here)")
+@pytest.mark.parametrize("shape", [(1536, 8960), (17920, 1536), (2048, 1536), (576, 1536), (960, 576)])
+def test_bf16_rows_are_bitwise_the_same_for_any_row_count(shape: tuple[int, int]) -> None:
+    """bf16 is batch-invariant by construction: a row alone (plain decoding) and the same row among 2..80 others
+    (a verify, a batch, a prefill), at any position, give the same bits. Shapes: Qwen-1.5B's down (K = 8960,
+    where oneDNN's one-row kernel rounds differently), gate_up and qkv; SmolLM2's down and qkv."""
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randn(*shape, generator=gen) * 0.02).bfloat16()
+    bias = torch.randn(shape[0], generator=gen).bfloat16()
+    x = torch.randn(80, shape[1], generator=gen).bfloat16()
+    alone = torch.cat([linear(x[i:i + 1], weight, bias) for i in range(80)])
+    for rows in (2, 3, 5, 8, 9, 16, 31, 32, 33, 47, 64, 65, 80):
+        perm = torch.randperm(80, generator=gen)[:rows]
+        assert torch.equal(linear(x[perm], weight, bias), alone[perm]), rows
+    assert (alone.float() - F.linear(x.float(), weight.float(), bias.float())).abs().max().item() < 0.1

@@ -21,7 +21,7 @@ from cluster.check.report import (
     overall,
 )
 from cluster.check.settings import CheckSettings, PromptSamples
-from model_runtime.model import CausalLM
+from tests.cluster.engine.engine_helpers import load_target
 from tests.model_runtime.random_checkpoint import make_random_checkpoint
 
 VOCAB = 6
@@ -33,7 +33,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> TargetReference:
     checkpoint = make_random_checkpoint(tmp_path_factory.mktemp("check") / "t", seed=5, vocab_size=VOCAB,
                                         hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                                         intermediate_size=64, init_std=0.1)
-    return TargetReference(CausalLM.load(Path(checkpoint)), CheckSettings().sampling())
+    return TargetReference(load_target(Path(checkpoint)), CheckSettings().sampling())
 
 
 def draw(reference: TargetReference, n: int, length: int, seed: int, shift: float = 0.0) -> PromptSamples:

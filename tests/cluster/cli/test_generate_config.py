@@ -1,12 +1,12 @@
-"""`specserve generate` in process: its engine settings come from a ClusterConfig built from the flags,
-with the values the flags always gave (a batch of --n, KV pools for --n full contexts, warm-up only
-under auto k); a bad model is a one-line error, exit status 2."""
+"""`specserve generate` in process: its engine settings come from a ClusterConfig built from the flags
+(a batch of --n up to GENERATE_MAX_BATCH, KV pools for the tokens that batch holds, never more than --n
+full contexts, warm-up only under auto k); a bad model is a one-line error, exit status 2."""
 
 from __future__ import annotations
 
 import pytest
 
-from cluster.cli.generate import in_process_config
+from cluster.cli.generate import GENERATE_MAX_BATCH, generate_kv_blocks, in_process_config
 from cluster.cli.main import build_parser, main
 from cluster.serving.config import ClusterConfig
 
@@ -22,6 +22,17 @@ def test_flags_give_the_engine_settings() -> None:
     assert (engine.max_batch, engine.max_context, engine.max_waiting, engine.k_max) == (3, 100, 256, 4)
     assert runtime.num_blocks == 3 * (-(-100 // 16) + 1) + 16 and runtime.block_size == 16
     assert (runtime.device, runtime.draft_dtype, runtime.warm_up) == ("cpu", "float32", True)
+
+
+def test_many_completions_size_the_pools_by_their_own_tokens() -> None:
+    """--n 3000 --max-tokens 4: a batch of 256 at a time, the queue takes all 3000, and each pool holds one
+    full context (the shared prompt) + per running completion its 4 tokens + k_max + 1 in 3 blocks (its copy
+    of the prompt's partial block, a boundary): 912 blocks, where 256 full contexts were 33_040."""
+    settings = settings_for("--n", "3000", "--max-tokens", "4")
+    engine, runtime = settings.engine_config(), settings.local_runtime()
+    assert (engine.max_batch, engine.max_waiting) == (GENERATE_MAX_BATCH, 3000) == (256, 3000)
+    assert runtime.num_blocks == generate_kv_blocks(256, 4, 2048, 4, 16) == 128 + 256 * 3 + 16
+    assert settings.model_copy(update={"kv_blocks": None}).kv_pool_blocks == 256 * (128 + 1) + 16 == 33_040
 
 
 def test_defaults_and_warm_up_only_under_auto_k() -> None:

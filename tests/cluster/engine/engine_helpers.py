@@ -25,6 +25,7 @@ from kv_manager.schema import NamespaceConfig
 from model_runtime.batch import SeqInput
 from model_runtime.local_alloc import LocalAllocator, LocalSequence
 from model_runtime.model import CausalLM
+from model_runtime.precision import target_dtype
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
 from verifier_service.worker import VerifierWorker
 
@@ -51,9 +52,16 @@ def local_engine(target: Path | str, draft: Path | str, tokenizer: Any = "auto",
                               tokenizer=tokenizer)
 
 
-def plain_greedy(checkpoint: Path, prompt: list[int], max_tokens: int, eos: set[int] | None = None) -> list[int]:
-    """Plain greedy target decoding with our runtime (itself checked against transformers)."""
-    model = CausalLM.load(checkpoint)
+def load_target(checkpoint: Path | str, dtype: str = "auto") -> CausalLM:
+    """The target as an engine built with ClusterConfig's `dtype` runs it (auto: bf16 on a CPU with bf16)."""
+    return CausalLM.load(checkpoint, dtype=target_dtype(dtype, "cpu"))
+
+
+def plain_greedy(checkpoint: Path, prompt: list[int], max_tokens: int, eos: set[int] | None = None,
+                 dtype: str = "auto") -> list[int]:
+    """Plain greedy target decoding with our runtime (itself checked against transformers), one token per
+    forward, in the precision an engine of that `dtype` runs."""
+    model = load_target(checkpoint, dtype)
     alloc = LocalAllocator(256, 16)
     kv = model.allocate_kv(256, 16)
     seq = LocalSequence()
@@ -149,12 +157,15 @@ class FakeRunner:
 
 
 def fake_engine(num_blocks: int = 256, block_size: int = 4, max_batch: int = 4, overlap: bool = False,
-                k_max: int = 4) -> SpecEngine:
-    """The real engine, ledger (in process) and workers over FakeRunners, with a draft model; no EOS."""
-    config = engine_config(max_batch=max_batch, queue_capacity=64, max_context=1024, k_max=k_max, overlap=overlap)
+                k_max: int = 4, predraft: bool = False,
+                draft_rule: Callable[[list[int]], int] = fake_draft_token) -> SpecEngine:
+    """The real engine, ledger (in process) and workers over FakeRunners, with a draft model (drafting by
+    `draft_rule`); no EOS."""
+    config = engine_config(max_batch=max_batch, queue_capacity=64, max_context=1024, k_max=k_max, overlap=overlap,
+                           predraft=predraft)
     namespaces = [NamespaceConfig(TARGET_NAMESPACE, num_blocks, block_size),
                   NamespaceConfig(DRAFT_NAMESPACE, num_blocks, block_size)]
     return SpecEngine(VerifierWorker(FakeRunner(fake_next_token, block_size)),
-                      DraftWorker(FakeRunner(fake_draft_token, block_size)), LocalKV(BlockLedger(namespaces)),
+                      DraftWorker(FakeRunner(draft_rule, block_size)), LocalKV(BlockLedger(namespaces)),
                       tokenizer=None, eos_token_ids=(), vocab_size=FAKE_VOCAB, config=config,
                       model_name="fake", draft_name="fake-draft")

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from model_runtime.local_alloc import LocalAllocator, LocalSequence
-from model_runtime.model import CausalLM
-from tests.cluster.engine.engine_helpers import local_engine, request
+from tests.cluster.engine.engine_helpers import load_target, local_engine, request
 from tests.model_runtime.random_checkpoint import make_random_checkpoint
 from tests.verifier_service.test_contracts import chi_square_pvalue
 
@@ -39,7 +38,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def two_token_distribution(checkpoint: Path, prompt: list[int] = PROMPT) -> torch.Tensor:
-    model = CausalLM.load(checkpoint)
+    model = load_target(checkpoint)
     probs = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     alloc = LocalAllocator(16, 4)
     kv = model.allocate_kv(16, 4)

@@ -118,7 +118,9 @@ def test_engine_config_derives_from_the_cluster_config() -> None:
     config = load_config(max_batch=4, queue_capacity=32, max_context=512, probe_every=8)
     assert config.engine_config() == EngineConfig(
         max_batch=4, max_waiting=32, max_context=512, k_max=4, probe_every=8, pressure_free_fraction=0.1,
-        drafter_retry_seconds=5.0, max_verifier_failures=20, overlap=False)
+        drafter_retry_seconds=5.0, max_verifier_failures=20, overlap=False,
+        overlap_reason=config.overlap_decision(in_process=True).reason, predraft=False)
+    assert config.overlap == "auto" and config.engine_config().overlap_reason.startswith("auto: in process")
 
 
 def test_engine_config_has_no_defaults_and_refuses_bad_values() -> None:
@@ -130,7 +132,7 @@ def test_engine_config_has_no_defaults_and_refuses_bad_values() -> None:
         good.k_max = 2  # type: ignore[misc]
     for field, bad in [("max_batch", 0), ("max_waiting", 0), ("max_context", 0), ("k_max", -1), ("probe_every", 0),
                        ("pressure_free_fraction", 1.5), ("drafter_retry_seconds", -1.0),
-                       ("max_verifier_failures", -1), ("overlap", 1)]:
+                       ("max_verifier_failures", -1), ("overlap", 1), ("predraft", 1)]:
         with pytest.raises(ValueError, match=field):
             dataclasses.replace(good, **{field: bad})
 
@@ -143,3 +145,32 @@ def test_kv_blocks_none_sizes_the_pools_for_max_batch_full_contexts() -> None:
     runtime = config.local_runtime()
     assert (runtime.num_blocks, runtime.block_size, runtime.device, runtime.draft_dtype, runtime.warm_up) == (
         40, 16, "cpu", "auto", True)
+
+
+@pytest.mark.parametrize(("fields", "in_process", "enabled", "words"), [
+    ({}, True, False, "in process"),  # generate, bench spec: one process for both
+    ({"worker_threads": 2, "tensor_parallel_size": 1}, False, None, "CPU"),  # depends on this machine's CPUs
+    ({"draft": "ngram"}, False, False, "no draft model"),
+    ({"device": "cuda"}, False, True, "a GPU of their own"),
+    ({"device": "cuda", "gpus_per_worker": 0.5}, False, False, "may place the drafter"),
+    ({"overlap": True}, True, True, "overlap: true in the config"),
+    ({"overlap": "false", "device": "cuda"}, False, False, "auto would be on"),  # a string from a flag is a bool
+])
+def test_overlap_is_decided_from_where_the_drafter_and_verifier_run(fields: dict, in_process: bool,
+                                                                     enabled: bool | None, words: str) -> None:
+    config = make_config(**{"model": "smollm2-135m", "draft": "smollm2-135m", **fields})
+    decision = config.overlap_decision(in_process=in_process)
+    if enabled is None:  # (ranks + drafter) * threads + 1 <= CPUs
+        from cluster.serving.cpu_quota import available_cpus
+
+        enabled = 2 * 2 + 1 <= available_cpus()
+        words = "no core is shared" if enabled else "would share cores"
+    assert decision.enabled is enabled and words in decision.reason, decision
+    engine = config.engine_config(in_process=in_process)
+    assert (engine.overlap, engine.overlap_reason) == (decision.enabled, decision.reason)
+
+
+def test_engine_options_accept_predraft() -> None:
+    config = load_config(model="smollm2-135m", draft="smollm2-135m", engine_options={"overlap": True, "predraft": True})
+    assert (config.overlap, config.predraft) == (True, True)
+    assert config.engine_config().predraft and config.engine_config().overlap

@@ -44,11 +44,20 @@ class ScriptedEngine:
         self.fail_next_round = False
         self.held_blocks: set[str] = set()  # stands in for the KV ledger
 
-    def submit(self, request: GenerationRequest) -> None:
+    def check(self, request: GenerationRequest) -> None:
         if len(request.prompt_token_ids) + request.sampling.max_tokens > self.max_context:
             raise InvalidRequestError("prompt", "longer than the context")
         if request.prompt_token_ids[0] == ord("!"):
             raise CapacityError("engine full")
+
+    def submit_group(self, requests: list[GenerationRequest]) -> None:
+        for request in requests:  # all or none, as the engine's
+            self.check(request)
+        for request in requests:
+            self.submit(request)
+
+    def submit(self, request: GenerationRequest) -> None:
+        self.check(request)
         self.requests[request.request_id] = request
         self.running[request.request_id] = []
         self.held_blocks.add(request.request_id)

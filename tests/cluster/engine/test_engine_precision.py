@@ -1,0 +1,51 @@
+"""Greedy speculative output equals plain greedy decoding of the same dtype, token by token, alone and in a
+batch of 8 with k up to 8, on the real SmolLM2 weights; the stats say which precision runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from model_runtime import precision
+from tests.cluster.engine.engine_helpers import local_engine, plain_greedy, request, run
+from tests.cluster.engine.test_engine_models import EIGHT_PROMPTS
+
+
+def check_equals_plain(smollm2_dir: Path, dtype: str, k: int, batch: int, draft: str = "model") -> None:
+    engine = local_engine(smollm2_dir, smollm2_dir if draft == "model" else draft, max_batch=batch,
+                          block_size=16, kv_blocks=256, dtype=dtype)
+    prompts = [engine.tokenizer(t)["input_ids"] for t in EIGHT_PROMPTS]
+    reqs = [request(f"r{i}", p, max_tokens=20, k=k, draft=draft) for i, p in enumerate(prompts)]
+    got = run(engine, reqs)
+    verify_rows = engine.stats()["cost_model"]["verify_seconds_by_tokens"]
+    assert max(verify_rows) >= min(batch, 8) * (k + 1)  # the wide verifies ran
+    eos = set(engine.eos_token_ids)
+    for r, p in zip(reqs, prompts, strict=True):
+        assert got[r.request_id] == plain_greedy(smollm2_dir, p, r.sampling.max_tokens, eos, dtype), r.request_id
+    engine.kv.audit().assert_no_leaks()
+    engine.reconcile_ledger()
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not precision.cpu_has_bf16(), reason="no bf16 instructions: auto runs float32")
+@pytest.mark.parametrize(("k", "batch"), [(8, 1), (8, 8), (3, 8)])
+def test_bf16_greedy_equals_plain_bf16(smollm2_dir: Path, k: int, batch: int) -> None:
+    """SmolLM2 drafting for itself: every draft is accepted, so each verify scores k+1 rows per request (72 at
+    batch 8, k=8) against plain decoding's one; bf16 rows are bitwise batch-invariant, so the tokens match."""
+    check_equals_plain(smollm2_dir, "bfloat16", k, batch)
+
+
+@pytest.mark.model
+def test_float32_greedy_equals_plain_float32(smollm2_dir: Path) -> None:
+    check_equals_plain(smollm2_dir, "float32", 4, 8)
+
+
+@pytest.mark.model
+def test_stats_name_the_precision(smollm2_dir: Path) -> None:
+    engine = local_engine(smollm2_dir, smollm2_dir, max_batch=1, kv_blocks=32, dtype="float32",
+                          draft_dtype="bfloat16")
+    assert engine.stats()["dtype"] == {"target": "float32", "draft": "bfloat16"}
+    ngram = local_engine(smollm2_dir, "ngram", max_batch=1, kv_blocks=32, dtype="auto")
+    auto = "bfloat16" if precision.cpu_has_bf16() else "float32"
+    assert ngram.stats()["dtype"] == {"target": auto}

@@ -1,0 +1,106 @@
+"""Row-invariant paged attention (model_runtime/attention.py): a row's output is bitwise the same whether it is
+computed alone (plain decoding: one row, keys up to its own position) or among others (a verify of k+1 rows,
+a prefill, other sequences of a batch), in float32 and bfloat16; and it equals the textbook attention (fp32
+SDPA) to rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_runtime.attention import TILE, WidthGroup, paged_attention, plan_attention
+
+HEADS, KV_HEADS, D = 12, 2, 64
+
+
+def causal_mask(past: int, n: int) -> torch.Tensor:
+    return torch.cat([torch.ones(n, past, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], dim=1)
+
+
+def causal_plan(past: int, n: int, slots: torch.Tensor, offset: int = 0) -> tuple[WidthGroup, ...]:
+    return plan_attention([(offset, slots, causal_mask(past, n))])
+
+
+def pool(length: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(length + 7, KV_HEADS, D, generator=g).to(dtype)  # a few slots the sequence does not own
+    v = torch.randn(length + 7, KV_HEADS, D, generator=g).to(dtype)
+    slots = torch.randperm(length + 7, generator=g)[:length]  # a sequence's slots are scattered in the pool
+    return k, v, slots
+
+
+def alone(q_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Plain decoding of that token: one row seeing exactly its own prefix."""
+    return paged_attention(q_row[None], k, v, causal_plan(slots.shape[0] - 1, 1, slots))[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_equal_bitwise_alone_and_among_others(dtype: torch.dtype) -> None:
+    checked = 0
+    for seed, (past, n) in enumerate([(0, 1), (0, 9), (3, 2), (60, 5), (62, 4), (127, 9), (200, 17), (0, 70),
+                                      (500, 9), (1000, 33)]):
+        k, v, slots = pool(past + n, dtype, seed)
+        q = torch.randn(n, HEADS, D, generator=torch.Generator().manual_seed(100 + seed)).to(dtype)
+        together = paged_attention(q, k, v, causal_plan(past, n, slots))
+        for i in range(n):
+            assert torch.equal(alone(q[i], k, v, slots[:past + i + 1]), together[i]), (dtype, past, n, i)
+            checked += 1
+    assert checked > 150
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_equal_bitwise_in_a_batch_of_sequences(dtype: torch.dtype) -> None:
+    """Twelve sequences in one forward (decodes, verifies of 3..9 rows, a prefill), widths shared across
+    sequences: each row equals that token decoded alone."""
+    shapes = [(40, 1), (41, 1), (100, 5), (10, 9), (0, 30), (63, 1), (62, 3), (130, 1), (700, 9), (5, 2),
+              (64, 1), (120, 8)]
+    k_all, v_all, seqs, qs = [], [], [], []
+    base = 0
+    for seed, (past, n) in enumerate(shapes):
+        k, v, slots = pool(past + n, dtype, 40 + seed)
+        k_all.append(k)
+        v_all.append(v)
+        seqs.append((sum(s[1] for s in shapes[:seed]), slots + base, causal_mask(past, n)))
+        qs.append(torch.randn(n, HEADS, D, generator=torch.Generator().manual_seed(80 + seed)).to(dtype))
+        base += k.shape[0]
+    k, v, q = torch.cat(k_all), torch.cat(v_all), torch.cat(qs)
+    groups = plan_attention(seqs)
+    assert any(g.rows.shape[0] > 1 for g in groups)  # some width is shared by several sequences
+    together = paged_attention(q, k, v, groups)
+    for (offset, slots, _mask), (past, n) in zip(seqs, shapes, strict=True):
+        for i in range(n):
+            assert torch.equal(alone(q[offset + i], k, v, slots[:past + i + 1]), together[offset + i]), (past, n, i)
+
+
+def test_matches_sdpa_in_float32() -> None:
+    past, n = 90, 6
+    k, v, slots = pool(past + n, torch.float32, 3)
+    q = torch.randn(n, HEADS, D, generator=torch.Generator().manual_seed(4))
+    mask = causal_mask(past, n)
+    ours = paged_attention(q, k, v, plan_attention([(0, slots, mask)]))
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k[slots].transpose(0, 1), v[slots].transpose(0, 1),
+                                         attn_mask=mask, enable_gqa=True).transpose(0, 1)
+    assert (ours - ref).abs().max().item() < 1e-5
+
+
+def test_tree_mask_rows_see_only_their_ancestors() -> None:
+    """A token tree: row 2 sees the past, row 0 and itself (not row 1): equal to a chain of those tokens."""
+    past = 10
+    k, v, slots = pool(past + 3, torch.float32, 5)
+    q = torch.randn(3, HEADS, D, generator=torch.Generator().manual_seed(6))
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(3, past, dtype=torch.bool), tree], dim=1)
+    out = paged_attention(q, k, v, plan_attention([(0, slots, mask)]))
+    chain_slots = torch.cat([slots[:past + 1], slots[past + 2:past + 3]])
+    assert (out[2] - alone(q[2], k, v, chain_slots)).abs().max().item() < 1e-6
+
+
+def test_plan_groups_rows_by_padded_key_width() -> None:
+    slots = torch.arange(TILE + 3)
+    groups = causal_plan(TILE - 2, 5, slots, offset=4)  # rows see 63, 64 | 65, 66, 67 keys
+    assert [(g.width, g.rows.tolist()) for g in groups] == [(TILE, [[4, 5]]), (2 * TILE, [[6, 7, 8]])]
+    assert groups[1].slots.shape == (1, 2 * TILE) and set(groups[1].slots.flatten().tolist()) <= set(slots.tolist())
+    two = plan_attention([(0, torch.arange(10), causal_mask(9, 1)), (1, torch.arange(20, 33), causal_mask(10, 3))])
+    (g,) = two
+    assert g.rows.tolist() == [[0, 0, 0], [1, 2, 3]] and g.real.tolist() == [True, False, False, True, True, True]
