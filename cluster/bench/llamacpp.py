@@ -18,6 +18,7 @@ llama_cpp is imported only by `LlamaCppPeer` (and llamacpp_draft.py); everything
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,8 @@ from specserve_types.api import SpecServeError
 PIN = "llama-cpp-python==0.3.36"
 INSTALL_HINT = (
     f"llama.cpp is optional and not installed: `.venv/bin/pip install -e '.[llamacpp]'` ({PIN}; pip compiles "
-    "llama.cpp from source: it needs cmake and a C++ compiler; CMAKE_ARGS=-DGGML_NATIVE=ON builds for this CPU)")
+    "llama.cpp from source: it needs cmake and a C++ compiler; README, `bench spec` beside llama.cpp, gives the "
+    "CMAKE_ARGS for x86 CPUs whose AMX kernels fail)")
 MODES = ("plain", "draft_model", "prompt_lookup")
 PLAIN = "plain"
 
@@ -130,8 +132,9 @@ def tables(section: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]
     modes = {m["mode"]: m for m in section["modes"]}
     spec_modes = [m for m in MODES if m != PLAIN and m in modes]
     title = (f"\nllama.cpp {section['version']} on the same GGUF files ({Path(s['model_gguf']).name}, draft "
-             f"{Path(s['draft_gguf']).name if s['draft_gguf'] else 'none'}), greedy, batch 1, {s['threads']} threads, "
-             f"draft_model k={s['draft_tokens']}, prompt_lookup {s['lookup_tokens']} tokens:")
+             f"{Path(s['draft_gguf']).name if s['draft_gguf'] else 'none'}), greedy, batch 1, {s['threads']} threads"
+             + (f", draft_model k={s['draft_tokens']}" if "draft_model" in modes else "")
+             + (f", prompt_lookup {s['lookup_tokens']} tokens" if "prompt_lookup" in modes else "") + ":")
     headers = ["category", "plain tok/s"] + [h for m in spec_modes for h in (f"{m} tok/s", "x plain")]
     categories = list(modes[PLAIN]["by_category"]) if PLAIN in modes else []
     rows = []
@@ -224,7 +227,8 @@ class LlamaCppPeer:
                     "draft_gguf": str(self.s.draft_gguf) if self.s.draft_gguf else None,
                     "threads": self.s.threads, "n_ctx": self.s.n_ctx, "draft_tokens": self.s.draft_tokens,
                     "lookup_tokens": self.s.lookup_tokens, "lookup_max_ngram_size": 2,
-                    "sampling": "greedy (temp 0, top_k 1, repeat_penalty 1)", "batch": 1}
+                    "sampling": "greedy (temp 0, top_k 1, repeat_penalty 1)", "batch": 1,
+                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
         return {"version": self.version, "settings": settings, **summarise(self.runs, our_plain)}
 
 

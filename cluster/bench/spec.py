@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from cluster.bench.llamacpp import LlamaCppJob, LlamaCppPeer, LlamaCppSettings, require_llama_cpp
+from cluster.bench.llamacpp import LlamaCppJob, LlamaCppSettings, require_llama_cpp
+from cluster.bench.llamacpp_process import LlamaCppProcess
 from cluster.bench.runtime import environment, hf_model_sharing_weights, progress, set_threads
 from cluster.engine.engine import SpecEngine
 from cluster.engine.factory import tokenize_prompt
@@ -455,26 +456,30 @@ def run_spec_bench(s: SpecSettings) -> dict[str, Any]:
     set_threads(s.threads)
     env = environment()
     bench = SpecBench(s)
-    result = bench.run()
+    try:
+        result = bench.run()
+    finally:
+        if bench.llamacpp is not None:
+            bench.llamacpp.close()
     env["loadavg_at_end"] = list(os.getloadavg())
     result["environment"] = env
     return result
 
 
 # ---------------------------------------------------------------------- llama.cpp
-def llamacpp_peer(s: SpecSettings, eos_token_ids: Any) -> LlamaCppPeer:
+def llamacpp_peer(s: SpecSettings, eos_token_ids: Any) -> LlamaCppProcess:
     """llama.cpp on the GGUF files `s.model` and `s.draft` are prepared from; modes follow `s.drafts`."""
     from cluster.bench.gguf_file import gguf_path
 
     model_draft = s.draft != "none" and "model" in s.drafts
     progress(f"spec: llama.cpp: loading the GGUF files of {s.model}" + (f" and {s.draft}" if model_draft else ""))
-    return LlamaCppPeer(LlamaCppSettings(
+    return LlamaCppProcess(LlamaCppSettings(
         model_gguf=gguf_path(s.model), draft_gguf=gguf_path(s.draft) if model_draft else None, threads=s.threads,
         n_ctx=s.max_context, draft_tokens=s.llamacpp_draft_tokens, lookup_tokens=s.hf_lookup_tokens,
         lookup="ngram" in s.drafts, eos_token_ids=frozenset(eos_token_ids)))
 
 
-def llamacpp_run(peer: LlamaCppPeer, mode: str, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int,
+def llamacpp_run(peer: LlamaCppProcess, mode: str, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int,
                  warmup: bool = False) -> None:
     run = peer.run(mode, prompt.id, prompt.category, prompt_ids, max_tokens, warmup)
     if not warmup:
@@ -504,9 +509,11 @@ def run_llamacpp_only(s: SpecSettings) -> dict[str, Any]:
         shift = i % len(modes)
         for mode in modes[shift:] + modes[:shift]:
             llamacpp_run(peer, mode, prompt, prompt_ids[prompt.id], s.max_tokens)
+    report = peer.report()
+    peer.close()
     env["loadavg_at_end"] = list(os.getloadavg())
     settings = dataclasses.asdict(s)
     settings["ks"] = ["auto" if k is None else k for k in s.ks]
     return {"bench": "spec", "settings": settings,
             "prompts": [{"id": p.id, "category": p.category, "prompt_tokens": len(prompt_ids[p.id])} for p in prompts],
-            "results": [], "hf": [], "llamacpp": peer.report(), "environment": env}
+            "results": [], "hf": [], "llamacpp": report, "environment": env}

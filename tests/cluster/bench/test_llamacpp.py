@@ -1,12 +1,15 @@
 """llama.cpp beside our engine (`bench spec --llamacpp`): the aggregation and the printed view, the missing
 package's error, the GGUF file llama.cpp reads; with llama-cpp-python installed, real runs on SmolLM2's GGUF
-(skipped without it: it is an optional extra, not in `make setup` or CI).
+(skipped without it: it is an optional extra, not in `make setup` or CI). Those run llama.cpp on one thread:
+torch has loaded OpenMP with its default wait policy by then (`--llamacpp` runs llama.cpp in a process of
+its own: cluster/bench/llamacpp_process.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -162,7 +165,7 @@ def test_llama_cpp_greedy_speculation_on_smollm2(smollm2_dir: Path) -> None:
 
     gguf = gguf_path("smollm2-135m")
     assert gguf.suffix == ".gguf" and gguf.is_file()  # a single-file package: used in place
-    peer = LlamaCppPeer(LlamaCppSettings(model_gguf=gguf, draft_gguf=gguf, threads=2, n_ctx=256, draft_tokens=4,
+    peer = LlamaCppPeer(LlamaCppSettings(model_gguf=gguf, draft_gguf=gguf, threads=1, n_ctx=256, draft_tokens=4,
                                          lookup_tokens=10, lookup=True))  # no EOS: max_tokens stops every run
     assert peer.modes() == ["plain", "draft_model", "prompt_lookup"]
     prompt = peer.plain.tokenize(b"Count from one to twenty: one, two, three, four,")
@@ -182,14 +185,35 @@ def test_bench_spec_quick_with_llamacpp(smollm2_dir: Path, tmp_path: Path, capsy
     pytest.importorskip("llama_cpp")
     out = tmp_path / "spec.json"
     assert main(["bench", "spec", "--quick", "--llamacpp", "--no-hf", "--categories", "qa", "copy-edit",
-                 "--ks", "2", "--max-tokens", "8", "--json-out", str(out)]) == 0
+                 "--ks", "2", "--max-tokens", "8", "--threads", "1", "--json-out", str(out)]) == 0
     result = json.loads(out.read_text())
     section = result["llamacpp"]
     assert [m["mode"] for m in section["modes"]] == ["plain", "prompt_lookup"]  # --quick: n-gram drafts only
     for mode in section["modes"]:
         assert set(mode["by_category"]) == {"qa", "copy-edit"} and mode["tokens_per_second"] > 0
     assert [p["id"] for p in section["prompts"]] == [p["id"] for p in result["prompts"]]
-    assert section["settings"]["model_gguf"].endswith(".gguf") and section["settings"]["threads"] == 2
+    assert section["settings"]["model_gguf"].endswith(".gguf") and section["settings"]["threads"] == 1
     assert 0.0 <= section["modes"][0]["same_tokens_as_our_plain"] <= 1.0
     printed = capsys.readouterr().out
     assert "llama.cpp" in printed and "prompt_lookup =plain" in printed
+
+
+def test_llama_cpp_runs_in_its_own_process_with_passive_openmp(smollm2_dir: Path) -> None:
+    """The child serves the peer's calls and gets OMP_WAIT_POLICY=PASSIVE; this process's environment is left as
+    it was (our engine keeps the default policy: PASSIVE slowed it by ~40%)."""
+    pytest.importorskip("llama_cpp")
+    from cluster.bench.llamacpp import LlamaCppSettings
+    from cluster.bench.llamacpp_process import LlamaCppProcess
+
+    before = os.environ.get("OMP_WAIT_POLICY")
+    gguf = gguf_path("smollm2-135m")
+    peer = LlamaCppProcess(LlamaCppSettings(model_gguf=gguf, draft_gguf=None, threads=1, n_ctx=128, draft_tokens=4,
+                                            lookup_tokens=10, lookup=False))
+    try:
+        assert os.environ.get("OMP_WAIT_POLICY") == before
+        assert peer.modes() == ["plain"]
+        run = peer.run("plain", "p", "qa", [1, 504, 3458, 282], 6)
+        assert len(run.token_ids) == 6 and run.seconds > 0
+        assert peer.report()["settings"]["omp_wait_policy"].startswith("PASSIVE")
+    finally:
+        peer.close()

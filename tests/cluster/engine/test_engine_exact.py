@@ -25,6 +25,9 @@ from tests.verifier_service.test_contracts import chi_square_pvalue
 ALPHA = 1e-3
 VOCAB = 6
 SAMPLES = 12_000
+# The contract's math on a tiny pair, in float32: the power test's sample size was sized for this pair's p and q
+# (bfloat16 moves them; bf16 exactness on real models: tests/cluster/check, test_engine_precision.py).
+DTYPE = "float32"
 PROMPT = [3, 1, 4, 1, 5]
 
 
@@ -38,7 +41,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def two_token_distribution(checkpoint: Path, prompt: list[int] = PROMPT) -> torch.Tensor:
-    model = load_target(checkpoint)
+    model = load_target(checkpoint, DTYPE)
     probs = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     alloc = LocalAllocator(16, 4)
     kv = model.allocate_kv(16, 4)
@@ -54,7 +57,8 @@ def two_token_distribution(checkpoint: Path, prompt: list[int] = PROMPT) -> torc
 def sample_pairs(target: Path, draft: Path, draft_kind: str = "model", prompt: list[int] = PROMPT,
                  samples: int = SAMPLES) -> torch.Tensor:
     engine = local_engine(target, draft if draft_kind == "model" else draft_kind, tokenizer=None,
-                          max_batch=256, queue_capacity=samples, block_size=4, kv_blocks=1200)
+                          max_batch=256, queue_capacity=samples, block_size=4, kv_blocks=1200, dtype=DTYPE,
+                          draft_dtype=DTYPE)
     for i in range(samples):
         engine.submit(request(f"s{i}", prompt, max_tokens=3, k=2, draft=draft_kind, contract="exact",
                               temperature=1.0, seed=1000 + i, ignore_eos=True))
