@@ -6,6 +6,10 @@ SmolLM2's tokenizer, drafting for itself (so TP=2 scores k+1 tokens per round, a
 greedy, output identical either way). Two Serve applications run side by side: "specserve" with
 TP=1 and "tp2" with TP=2 (the replica + 2 rank bundles in one placement group), each ingress with
 its own gRPC server on its own port (a client naming the other application gets NOT_FOUND).
+In float32: TP splits the o and down projections' sums over the ranks and adds the partials in an all-reduce,
+so in bfloat16 (each partial rounded to 8 bits of mantissa before the sum) TP=2 and TP=1 are different
+computations whose greedy tokens part ways (measured: this test's prompts diverge); greedy output equals
+plain decoding of the same dtype *and* TP size (docs/ARCHITECTURE.md §9).
 Run inside the loopback-only namespace: scripts/in-netns.sh .venv/bin/python -m pytest -q tests/cluster
 """
 
@@ -50,6 +54,7 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> P
 def app_config(model: Path, tensor_parallel_size: int) -> ClusterConfig:
     return load_config(
         model=str(model), draft=str(model), tensor_parallel_size=tensor_parallel_size, worker_threads=1, kv_blocks=64,
+        dtype="float32", draft_dtype="float32",
         block_size=16, queue_capacity=16, max_batch=8, max_context=MAX_CONTEXT,
         grpc_port=GRPC_PORT + tensor_parallel_size - 1,
         http_port=HTTP_PORT, health_check_period_s=1.0, health_check_timeout_s=10.0,
@@ -84,7 +89,8 @@ def reference(tiny_qwen2: Path) -> dict[tuple[str, int | None, str], list[int]]:
     """The in-process engine (TP=1), one request at a time."""
     from tests.cluster.engine.engine_helpers import local_engine
 
-    engine = local_engine(tiny_qwen2, tiny_qwen2, max_batch=1, max_context=MAX_CONTEXT)
+    engine = local_engine(tiny_qwen2, tiny_qwen2, max_batch=1, max_context=MAX_CONTEXT, dtype="float32",
+                          draft_dtype="float32")
     out = {}
     for index, (prompt, k, draft) in enumerate(JOBS):
         ids = tuple(engine.tokenizer(prompt)["input_ids"])
