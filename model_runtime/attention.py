@@ -42,10 +42,11 @@ class WidthGroup:
     rows: torch.Tensor  # [seqs, rows] long: rows of the flat batch (padding repeats a real row)
     visible: torch.Tensor  # [seqs, rows, width] bool
     real: torch.Tensor  # [seqs * rows] bool: which entries are real rows (the rest is padding)
+    real_rows: torch.Tensor  # rows.flatten()[real]: where the real entries' outputs go
 
     def to(self, device: torch.device) -> WidthGroup:
         return WidthGroup(self.width, self.slots.to(device), self.rows.to(device), self.visible.to(device),
-                          self.real.to(device))
+                          self.real.to(device), self.real_rows.to(device))
 
 
 def _seq_rows_by_width(offset: int, kv_slots: torch.Tensor, mask: torch.Tensor
@@ -80,7 +81,8 @@ def plan_attention(seqs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[
         rows_t = torch.stack([torch.cat([r, r[:1].expand(most - r.shape[0])]) for _, r, _ in members])
         visible = torch.stack([torch.cat([v, v[:1].expand(most - v.shape[0], -1)]) for _, _, v in members])
         real = torch.stack([torch.arange(most) < r.shape[0] for _, r, _ in members]).flatten()
-        groups.append(WidthGroup(width, torch.stack([s for s, _, _ in members]), rows_t, visible, real))
+        groups.append(WidthGroup(width, torch.stack([s for s, _, _ in members]), rows_t, visible, real,
+                                 rows_t.flatten()[real]))
     return tuple(groups)
 
 
@@ -95,8 +97,9 @@ def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
     scale = d ** -0.5
     for g in groups:
         seqs, rows = g.rows.shape
-        keys = k_flat.index_select(0, g.slots.flatten()).view(seqs, g.width, kv_heads, d)
-        values = v_flat.index_select(0, g.slots.flatten()).view(seqs, g.width, kv_heads, d)
+        slots = g.slots.flatten()
+        keys = k_flat.index_select(0, slots).view(seqs, g.width, kv_heads, d)
+        values = v_flat.index_select(0, slots).view(seqs, g.width, kv_heads, d)
         qg = (q.index_select(0, g.rows.flatten()).float() * scale).view(seqs, rows, kv_heads, group, d)
         qg = qg.permute(0, 2, 1, 3, 4).reshape(seqs, kv_heads, rows * group, d)
         kg = keys.float().permute(0, 2, 3, 1)  # [seqs, kv_heads, d, width]
@@ -106,5 +109,5 @@ def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
         probs = torch.softmax(scores, dim=-1).view(seqs, kv_heads, rows * group, g.width)
         og = torch.matmul(probs, vg).view(seqs, kv_heads, rows, group, d).permute(0, 2, 1, 3, 4)
         og = og.reshape(seqs * rows, heads, d)[g.real]
-        out.index_copy_(0, g.rows.flatten()[g.real], og.to(q.dtype))
+        out.index_copy_(0, g.real_rows, og.to(q.dtype))
     return out

@@ -6,7 +6,7 @@ Each round makes one `reserve` and one `commit` call for the whole batch (docs/A
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from kv_manager.errors import KVError, UnknownRequest
@@ -81,24 +81,19 @@ class LocalKV:
         return self.ledger.can_admit({i.namespace: len(i.prompt_token_ids) + lookahead for i in items})
 
     def admit(self, items: Sequence[AdmitItem]) -> list[Admission]:
-        """All or nothing across namespaces: a refusal rolls back the admissions already made."""
-        done: list[Admission] = []
-        try:
-            for item in items:
-                done.append(self.ledger.add_request(item.namespace, item.request_id, item.prompt_token_ids,
-                                                    item.holder))
-        except KVError:
-            for adm in done:
-                self.ledger.release(adm.namespace, adm.request_id)
-            raise
-        return done
+        return self._all_or_nothing(self.ledger.add_request(i.namespace, i.request_id, i.prompt_token_ids, i.holder)
+                                    for i in items)
 
     def fork(self, items: Sequence[ForkItem]) -> list[Admission]:
-        """All or nothing: a refusal releases the children already forked."""
+        return self._all_or_nothing(self.ledger.fork(*item) for item in items)
+
+    def _all_or_nothing(self, entries: Iterator[Admission]) -> list[Admission]:
+        """Make every entry (`entries` makes them as it is iterated), or none: a refusal releases the entries
+        already made and raises."""
         done: list[Admission] = []
         try:
-            for namespace, parent_id, child_id in items:
-                done.append(self.ledger.fork(namespace, parent_id, child_id))
+            for entry in entries:
+                done.append(entry)
         except KVError:
             for adm in done:
                 self.ledger.release(adm.namespace, adm.request_id)

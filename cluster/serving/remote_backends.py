@@ -120,19 +120,14 @@ class RemoteKV:
         return self._call("can_admit", {i.namespace: len(i.prompt_token_ids) + lookahead for i in items})
 
     def admit(self, items: Sequence[AdmitItem]) -> list[Admission]:
-        """All or nothing: a refusal releases the admissions the same call made."""
-        outcomes = self._mutating("add_requests", list(items))
-        refusals = [o for o in outcomes if isinstance(o, KVError)]
-        if refusals:
-            done = [(o.namespace, o.request_id) for o in outcomes if not isinstance(o, KVError)]
-            if done:
-                self._mutating("release", done)
-            raise refusals[0]
-        return outcomes
+        return self._all_or_nothing("add_requests", list(items))
 
     def fork(self, items: Sequence[tuple[str, str, str]]) -> list[Admission]:
-        """All or nothing: a refusal releases the children the same call forked."""
-        outcomes = self._mutating("forks", list(items))
+        return self._all_or_nothing("forks", list(items))
+
+    def _all_or_nothing(self, method: str, items: list[Any]) -> list[Admission]:
+        """One actor call making an entry per item; a refusal releases the entries the same call made."""
+        outcomes = self._mutating(method, items)
         refusals = [o for o in outcomes if isinstance(o, KVError)]
         if refusals:
             done = [(o.namespace, o.request_id) for o in outcomes if not isinstance(o, KVError)]
