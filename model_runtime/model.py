@@ -13,10 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from model_runtime.amx_kernel import kernel as amx_kernel
+from model_runtime.amx_kernel import status as amx_status
 from model_runtime.attention import paged_attention
 from model_runtime.batch import ForwardBatch, SeqInput
 from model_runtime.config import ModelConfig
 from model_runtime.kv_pool import KVPool
+from model_runtime.packed_weight import PackedBF16, pack_weights
 from model_runtime.small_matmul import calibrate_all, linear
 from model_runtime.weights import LayerWeights, ModelWeights, load_weights
 
@@ -49,7 +52,15 @@ class CausalLM:
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
+        if weights.embed.dtype == torch.bfloat16 and weights.embed.device.type == "cpu" and amx_kernel():
+            weights = pack_weights(weights)
         self.weights = weights
+        # which kernel runs the linears: "amx" (model_runtime/amx_kernel.py), "onednn" or the device's own
+        self.linear_kernel = ("amx" if isinstance(weights.lm_head, PackedBF16) else
+                              "onednn" if weights.embed.dtype == torch.bfloat16 and weights.embed.device.type == "cpu"
+                              else "torch")
+        if self.linear_kernel == "onednn":
+            self.linear_kernel += f" (AMX kernel {amx_status()})"
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.group = group
@@ -102,6 +113,8 @@ class CausalLM:
         if self.tp_rank != 0 or batch.logits_rows.numel() == 0:
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32)
         h = rms_norm(h[batch.logits_rows], self.weights.final_norm, cfg.rms_norm_eps)
+        if isinstance(self.weights.lm_head, PackedBF16):
+            return self.weights.lm_head(h, out_fp32=True)  # float32 logits straight from the accumulators
         return linear(h, self.weights.lm_head).float()
 
     def _attention(

@@ -36,6 +36,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from model_runtime.packed_weight import PackedBF16
+
 SMALL_ROWS = 8  # above this many rows F.linear's kernels are efficient enough
 _CANDIDATES = (1, 2, 3, 4)
 Plan = tuple[tuple[int, ...], ...]  # [rows - 1] -> block widths, e.g. 5 rows -> (3, 2)
@@ -75,9 +77,9 @@ def calibrate(weight: torch.Tensor, repeats: int = 5) -> Plan:
 
 
 @torch.inference_mode()
-def calibrate_all(weights: list[torch.Tensor]) -> dict[tuple[int, int], Plan]:
+def calibrate_all(weights: list[torch.Tensor | PackedBF16]) -> dict[tuple[int, int], Plan]:
     return {tuple(w.shape): calibrate(w) for w in weights  # type: ignore[misc]
-            if w.device.type == "cpu" and w.dtype != torch.bfloat16}
+            if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dtype != torch.bfloat16}
 
 
 INVARIANT_ROWS = 32  # bf16: every piece of 2..INVARIANT_ROWS rows gives a row the same bits
@@ -94,7 +96,9 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.cat([bf16_linear(piece, weight, bias) for piece in pieces])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedBF16, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, PackedBF16):
+        return weight(x, bias)  # the AMX kernel: batch-invariant for any row count (amx_kernel.py)
     rows = x.shape[0]
     if x.device.type != "cpu" or rows == 0:
         return F.linear(x, weight, bias)

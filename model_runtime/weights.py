@@ -20,17 +20,18 @@ import torch
 from safetensors import safe_open
 
 from model_runtime.config import ModelConfig
+from model_runtime.packed_weight import PackedBF16
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: torch.Tensor | PackedBF16  # packed for the AMX kernel where it runs (model_runtime/packed_weight.py)
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: torch.Tensor | PackedBF16
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | PackedBF16
+    down: torch.Tensor | PackedBF16
 
 
 @dataclass
@@ -38,7 +39,7 @@ class ModelWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: torch.Tensor | PackedBF16
 
 
 class _TensorSource:

@@ -61,7 +61,8 @@ def run_precision_bench(model_name: str, dtypes: list[str], decode_steps: int = 
         nll = -logprobs.gather(1, targets[:, None]).mean().item()
         argmax[dtype_name(dtype)] = logits[:-1].argmax(-1)
         progress(f"precision: {model_name} in {dtype_name(dtype)}: timing {decode_steps} decode steps")
-        rows[dtype_name(dtype)] = {"perplexity": math.exp(nll), "decode_ms": _decode_ms(model, ids, decode_steps)}
+        rows[dtype_name(dtype)] = {"perplexity": math.exp(nll), "decode_ms": _decode_ms(model, ids, decode_steps),
+                                   "linear_kernel": model.linear_kernel}
         del model
     reference = argmax.get("float32")
     for name, row in rows.items():
@@ -75,10 +76,10 @@ def run_precision_bench(model_name: str, dtypes: list[str], decode_steps: int = 
 def format_precision(result: dict[str, Any]) -> str:
     lines = [f"bench precision: {result['model']}, {result['tokens']} tokens of {result['text']}, "
              f"{result['threads']} threads",
-             f"{'dtype':<10} {'perplexity':>10} {'top-1 vs fp32':>14} {'decode ms':>10} {'speedup':>8}"]
+             f"{'dtype':<10} {'perplexity':>10} {'top-1 vs fp32':>14} {'decode ms':>10} {'speedup':>8}  kernel"]
     for name, row in result["dtypes"].items():
         agree = row.get("top1_agreement_vs_float32")
         speed = row.get("decode_speedup_vs_float32")
         lines.append(f"{name:<10} {row['perplexity']:>10.3f} {'' if agree is None else f'{agree:.4f}':>14} "
-                     f"{row['decode_ms']:>10.1f} {'' if speed is None else f'{speed:.2f}x':>8}")
+                     f"{row['decode_ms']:>10.1f} {'' if speed is None else f'{speed:.2f}x':>8}  {row.get('linear_kernel', '')}")
     return "\n".join(lines)

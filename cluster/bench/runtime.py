@@ -35,6 +35,7 @@ import torch
 
 from model_runtime.local_alloc import LocalAllocator, LocalSequence
 from model_runtime.model import CausalLM
+from model_runtime.packed_weight import PackedBF16, as_tensor
 from model_runtime.precision import target_dtype
 
 BLOCK_SIZE = 16
@@ -82,7 +83,8 @@ def hf_model_sharing_weights(ours: CausalLM, checkpoint_dir: str | Path) -> torc
     """A transformers CausalLM whose parameters are views of `ours`' tensors (no second copy).
 
     Our fused tensors are row-stacked (qkv = [q; k; v], gate_up = [gate; up]), so each of
-    transformers' projections is a contiguous row slice of ours. Built on the meta device, then
+    transformers' projections is a contiguous row slice of ours. Weights packed for the AMX kernel
+    (model_runtime/packed_weight.py) are unpacked into copies: in bf16 on such a CPU the second copy exists. Built on the meta device, then
     every parameter is replaced; rotary buffers are rebuilt on the real device.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -92,18 +94,19 @@ def hf_model_sharing_weights(ours: CausalLM, checkpoint_dir: str | Path) -> torc
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=ours.dtype)
     w, cfg = ours.weights, ours.config
+    lm_head = w.embed if cfg.tie_word_embeddings else as_tensor(w.lm_head)
     q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shared: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm, "lm_head.weight": w.lm_head}
+        "model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm, "lm_head.weight": lm_head}
     for i, lw in enumerate(w.layers):
         p = f"model.layers.{i}."
-        q, k, v = lw.qkv.split([q_rows, kv_rows, kv_rows])
-        gate, up = lw.gate_up.chunk(2)
+        q, k, v = as_tensor(lw.qkv).split([q_rows, kv_rows, kv_rows])
+        gate, up = as_tensor(lw.gate_up).chunk(2)
         shared.update({
             p + "input_layernorm.weight": lw.input_norm, p + "post_attention_layernorm.weight": lw.post_norm,
             p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": lw.o, p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": lw.down,
+            p + "self_attn.o_proj.weight": as_tensor(lw.o), p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": as_tensor(lw.down),
         })
         if lw.qkv_bias is not None:
             qb, kb, vb = lw.qkv_bias.split([q_rows, kv_rows, kv_rows])
@@ -222,12 +225,13 @@ def bench_model(name: str, s: RuntimeSettings) -> dict[str, Any]:
         progress(f"runtime: {name} context {context}: decode {c['decode_ms']:.1f} ms"
                  + (f", transformers {c['hf_decode_ms']:.1f} ms" if "hf_decode_ms" in c else ""))
     return {"model": name, "checkpoint": str(checkpoint), "parameters": params, "dtype": str(ours.dtype),
+            "linear_kernel": ours.linear_kernel,
             "load_seconds": load_s, "contexts": contexts}
 
 
-def _weight_tensors(model: CausalLM) -> list[torch.Tensor]:
+def _weight_tensors(model: CausalLM) -> list[torch.Tensor | PackedBF16]:
     w = model.weights
-    out = [w.embed, w.final_norm, w.lm_head]
+    out = [w.embed, w.final_norm] + ([] if model.config.tie_word_embeddings else [w.lm_head])
     for lw in w.layers:
         out += [t for t in (lw.input_norm, lw.qkv, lw.qkv_bias, lw.o, lw.post_norm, lw.gate_up, lw.down) if t is not None]
     return out

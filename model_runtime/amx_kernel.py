@@ -1,0 +1,90 @@
+"""The AMX bfloat16 linear kernel (model_runtime/kernels/amx_bf16.cpp): built once per machine, loaded once per
+process, or absent with a stated reason.
+
+Why our own kernel: on this project's 2-core Sapphire Rapids CPU, oneDNN's bf16 F.linear streams Qwen-1.5B's
+[8960, 1536] weight at ~15-19 GB/s and gives one row different bits than 2..32 rows, while this kernel streams
+it at ~27-29 GB/s (fp32 MKL's rate) for 1..16 rows alike and gives a row the same bits for any row count
+(`python -m model_runtime.amx_kernel` builds it and prints its status; figures in docs/ARCHITECTURE.md §9).
+
+The build uses torch's C++ extension loader (a C++ compiler and ninja; the ninja wheel is a dependency) into
+`$SPECSERVE_CACHE/kernels` (default ~/.cache/specserve/kernels); torch's lock lets concurrent processes wait for
+one build. `SPECSERVE_CPU_KERNEL=onednn` turns it off (bf16 then goes through oneDNN in invariant pieces,
+model_runtime/small_matmul.py). Without AMX (`amx_bf16` and `amx_tile` in /proc/cpuinfo), a compiler, or the
+kernel's permission from Linux, `kernel()` returns None and `status()` says why.
+
+Owner of `_STATE`: this module; set once per process by the first `kernel()` call, then only read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "amx_bf16.cpp"
+CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-fopenmp"]
+_STATE: dict[str, object] = {}
+
+
+def _cpu_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags and "amx_tile" in flags
+
+
+def _build_dir() -> Path:
+    configured = os.environ.get("SPECSERVE_CACHE")
+    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "specserve"
+    import torch
+
+    path = root / "kernels" / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    if os.environ.get("SPECSERVE_CPU_KERNEL", "auto") == "onednn":
+        return None, "off: SPECSERVE_CPU_KERNEL=onednn"
+    if not _cpu_has_amx_bf16():
+        return None, "off: this CPU has no AMX (amx_bf16, amx_tile)"
+    try:
+        import ninja  # type: ignore[import-untyped]
+        from torch.utils.cpp_extension import load
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        start = time.perf_counter()
+        log.info("loading the AMX bf16 kernel (the first build on a machine takes about a minute)")
+        module = load(name="specserve_amx_bf16", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                      build_directory=str(_build_dir()), verbose=False)
+    except Exception as exc:  # a missing compiler or a failed build: fall back, and say so
+        return None, f"off: the kernel did not build ({type(exc).__name__}: {str(exc).strip()[:200]})"
+    if not module.amx_enable():
+        return None, "off: Linux refused this process the AMX tile state (arch_prctl)"
+    log.info("AMX bf16 kernel ready in %.1f s", time.perf_counter() - start)
+    return module, "amx"
+
+
+def kernel() -> ModuleType | None:
+    """The loaded extension (amx_linear, amx_enable), or None where it cannot run here."""
+    if "module" not in _STATE:
+        _STATE["module"], _STATE["status"] = _load()
+    return _STATE["module"]  # type: ignore[return-value]
+
+
+def status() -> str:
+    """"amx" when the kernel runs here, else "off: <why>"."""
+    kernel()
+    return str(_STATE["status"])
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"AMX bf16 kernel: {status()}")

@@ -1,0 +1,100 @@
+// bfloat16 linear layers on Intel AMX, batch-invariant by construction (model_runtime/amx_kernel.py).
+//
+// y[r, n] = sum_k x[r, k] * W[n, k] (+ bias[n]), x and W in bfloat16, accumulated in float32 tiles.
+// W is packed once at load (model_runtime/packed_weight.py) into AMX's B-operand layout:
+//   wp[nb, kb, i, 2 * j + p] = W[16 * nb + j, 32 * kb + 2 * i + p]    (16 x 32 bf16 = one 1 KB tile)
+// so each block of 16 outputs streams from memory as one contiguous run. x is zero-padded to 16-row
+// tiles. Each output element accumulates its 32-wide k-blocks in order into one tile element, whatever
+// rows share the tile or the call: a row's bits do not depend on how many rows are in the product, and
+// one row costs what 16 cost (the weights are streamed once either way).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstring>
+#include <algorithm>
+
+
+namespace {
+struct alignas(64) TileConfig {
+  uint8_t palette_id; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16];
+};
+
+void configure() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 5; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+}
+
+inline uint16_t to_bf16(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+}  // namespace
+
+bool amx_enable() {
+  return syscall(SYS_arch_prctl, 0x1023 /*ARCH_REQ_XCOMP_PERM*/, 18 /*XFEATURE_XTILEDATA*/) == 0;
+}
+
+// x [R, K] bf16; wp [NB, KB, 16, 32] bf16 (NB even); returns [R, n_out] in bf16 or fp32.
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::optional<torch::Tensor> bias, bool out_fp32) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && wp.scalar_type() == torch::kBFloat16);
+  const int64_t R = x.size(0), K = x.size(1), NBk = wp.size(0), KB = wp.size(1);
+  const int64_t Kp = KB * 32, Mp = (R + 15) / 16 * 16;
+  TORCH_CHECK(K <= Kp && Kp - K < 32 && NBk % 2 == 0 && n_out <= NBk * 16);
+  torch::Tensor xpad;
+  if (Mp == R && Kp == K && x.is_contiguous()) xpad = x;
+  else { xpad = torch::zeros({Mp, Kp}, x.options()); xpad.narrow(0, 0, R).narrow(1, 0, K).copy_(x); }
+  auto out = torch::empty({R, n_out}, x.options().dtype(out_fp32 ? torch::kFloat32 : torch::kBFloat16));
+  torch::Tensor b32;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) { b32 = bias->to(torch::kFloat32).contiguous(); bp = b32.data_ptr<float>(); }
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xpad.data_ptr());
+  const uint16_t* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr());
+  float* of = out_fp32 ? out.data_ptr<float>() : nullptr;
+  uint16_t* ob = out_fp32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, NBk / 2, 1, [&](int64_t p0, int64_t p1) {
+    configure();
+    alignas(64) float c[2][16][16];
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* b0 = wpp + (2 * p) * KB * 512;
+      const uint16_t* b1 = b0 + KB * 512;
+      for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+        _tile_zero(0); _tile_zero(1);
+        const uint16_t* a = xp + m0 * Kp;
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          _tile_loadd(2, a + kb * 32, Kp * 2);
+          _tile_loadd(3, b0 + kb * 512, 64);
+          _tile_loadd(4, b1 + kb * 512, 64);
+          _tile_dpbf16ps(0, 2, 3);
+          _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        const int64_t rows = std::min<int64_t>(16, R - m0);
+        for (int h = 0; h < 2; ++h) {
+          const int64_t nbase = (2 * p + h) * 16;
+          const int64_t cols = std::min<int64_t>(16, n_out - nbase);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < cols; ++j) {
+              const float v = c[h][r][j] + (bp ? bp[nbase + j] : 0.f);
+              if (of) of[(m0 + r) * n_out + nbase + j] = v;
+              else ob[(m0 + r) * n_out + nbase + j] = to_bf16(v);
+            }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("amx_enable", &amx_enable);
+  m.def("amx_linear", &amx_linear, py::arg("x"), py::arg("wp"), py::arg("n_out"), py::arg("bias") = py::none(), py::arg("out_fp32") = false);
+}

@@ -1,0 +1,71 @@
+"""bfloat16 weights packed once for the AMX kernel (model_runtime/amx_kernel.py), and the model's weights
+swapped for them at load.
+
+A packed weight holds the same values as its [N, K] tensor, zero-padded to multiples of 32 and permuted into
+AMX's B-operand tiles: packed[nb, kb, i, 2 * j + p] = W[16 * nb + j, 32 * kb + 2 * i + p]. It replaces the
+tensor (the model keeps one copy); `unpack()` rebuilds the [N, K] tensor for the few callers that need it
+(bench runtime's transformers model). The embedding stays a tensor: with tied embeddings the lm_head is packed
+as a second copy (Qwen-1.5B: 467 MB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from model_runtime.weights import ModelWeights
+
+
+def _pad_to(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+class PackedBF16:
+    """One linear layer's weight [out_features, in_features] in AMX tiles. Immutable after construction."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        assert weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.device.type == "cpu"
+        n, k = weight.shape
+        np_, kp = _pad_to(n, 32), _pad_to(k, 32)
+        padded = weight if (np_, kp) == (n, k) else torch.zeros(np_, kp, dtype=weight.dtype)
+        if padded is not weight:
+            padded[:n, :k] = weight
+        self.packed = padded.view(np_ // 16, 16, kp // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+        self.shape = torch.Size((n, k))
+        self.dtype = torch.bfloat16
+        self.device = weight.device
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def unpack(self) -> torch.Tensor:
+        nb, kb = self.packed.shape[:2]
+        full = self.packed.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)
+        return full[: self.shape[0], : self.shape[1]].contiguous()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_fp32: bool = False) -> torch.Tensor:
+        from model_runtime.amx_kernel import kernel
+
+        module = kernel()
+        assert module is not None, "a PackedBF16 exists only where the AMX kernel runs"
+        return module.amx_linear(x.contiguous(), self.packed, self.shape[0], bias, out_fp32)
+
+
+def as_tensor(weight: torch.Tensor | PackedBF16) -> torch.Tensor:
+    """The [N, K] tensor (a copy for a packed weight)."""
+    return weight.unpack() if isinstance(weight, PackedBF16) else weight
+
+
+def pack_weights(weights: ModelWeights) -> ModelWeights:
+    """The same weights with every linear layer packed (one layer at a time, so peak memory grows by one
+    layer's weights); norms, biases and the embedding stay tensors."""
+    layers = []
+    for i, lw in enumerate(weights.layers):
+        layers.append(dataclasses.replace(
+            lw, qkv=PackedBF16(lw.qkv), o=PackedBF16(lw.o), gate_up=PackedBF16(lw.gate_up),
+            down=PackedBF16(lw.down)))
+        weights.layers[i] = layers[-1]  # drop the unpacked tensors now
+    return dataclasses.replace(weights, layers=layers, lm_head=PackedBF16(weights.lm_head))

@@ -1,0 +1,75 @@
+"""The AMX bf16 kernel through packed weights: batch invariance, accuracy, padding, round trip.
+
+Skipped (with the kernel's own reason) where it cannot run: no AMX, no compiler, SPECSERVE_CPU_KERNEL=onednn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_runtime.amx_kernel import kernel, status
+from model_runtime.packed_weight import PackedBF16, as_tensor
+from model_runtime.small_matmul import linear
+
+pytestmark = pytest.mark.skipif(kernel() is None, reason=f"AMX bf16 kernel {status()}")
+
+# Qwen-1.5B's down, gate_up, qkv and lm_head-like width; SmolLM2's down and qkv; odd shapes (padding)
+SHAPES = [(1536, 8960), (17920, 1536), (2048, 1536), (576, 1536), (960, 576), (100, 70), (33, 31)]
+
+
+def _weight(shape: tuple[int, int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(*shape, generator=gen) * 0.02).bfloat16()
+    bias = torch.randn(shape[0], generator=gen).bfloat16()
+    x = torch.randn(80, shape[1], generator=gen).bfloat16()
+    return weight, bias, x
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_row_has_the_same_bits_for_any_row_count(shape: tuple[int, int]) -> None:
+    """A row alone (plain decoding) and the same row among 1..80 others, at any position, give the same bits."""
+    weight, bias, x = _weight(shape)
+    packed = PackedBF16(weight)
+    alone = torch.cat([linear(x[i:i + 1], packed, bias) for i in range(80)])
+    gen = torch.Generator().manual_seed(2)
+    for rows in (2, 3, 5, 8, 9, 15, 16, 17, 31, 32, 33, 47, 64, 65, 80):
+        perm = torch.randperm(80, generator=gen)[:rows]
+        assert torch.equal(linear(x[perm], packed, bias), alone[perm]), rows
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_a_float32_product_within_bf16_rounding(shape: tuple[int, int]) -> None:
+    """Error against the fp32 product of the same bf16 values: at most one bf16 rounding of the output
+    (2^-8 relative) plus fp32 accumulation; oneDNN's bf16 F.linear is held to the same bound."""
+    weight, bias, x = _weight(shape)
+    packed = PackedBF16(weight)
+    exact = F.linear(x.float(), weight.float(), bias.float())
+    ours = linear(x, packed, bias).float()
+    bound = exact.abs() * 2.0 ** -8 + 1e-4 * exact.abs().max()
+    assert ((ours - exact).abs() <= bound).all()
+    onednn = F.linear(x, weight, bias).float()
+    assert ((onednn - exact).abs() <= bound).all()
+    fp32_out = packed(x, bias, out_fp32=True)
+    assert fp32_out.dtype == torch.float32
+    assert (fp32_out - exact).abs().max().item() <= 1e-4 * exact.abs().max().item()
+    assert torch.equal(fp32_out.bfloat16(), linear(x, packed, bias))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_unpack_gives_back_the_weight(shape: tuple[int, int]) -> None:
+    weight, _, _ = _weight(shape)
+    packed = PackedBF16(weight)
+    assert packed.shape == weight.shape and packed.numel() == weight.numel()
+    assert torch.equal(as_tensor(packed), weight)
+    assert as_tensor(weight) is weight
+
+
+def test_no_bias_and_non_contiguous_input() -> None:
+    weight, _, x = _weight((64, 96))
+    packed = PackedBF16(weight)
+    strided = x.T.contiguous().T  # same values, column-major
+    assert not strided.is_contiguous()
+    assert torch.equal(linear(strided, packed), linear(x, packed))
+    assert linear(x[:0], packed).shape == (0, 64)
