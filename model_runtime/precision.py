@@ -5,7 +5,8 @@
 
 Why: decoding streams every weight once per step, so its speed is memory bandwidth over bytes per weight.
 Measured on this project's CPU (2 cores, avx512_bf16 + AMX, torch 2.13), one Qwen2.5-1.5B MLP weight
-[8960 x 1536]: bf16 F.linear 0.87 ms for 1 row, 0.95 ms for 8; fp32 2.6 ms for 1 row, 4.3-4.5 ms for 8. On a
+[8960 x 1536]: bf16 F.linear 0.87 ms for 1 row, 0.95 ms for 8; fp32 2.6 ms for 1 row, 4.3-4.5 ms for 8 (on a
+slower day: oneDNN bf16 1.5-2.1 ms, our AMX kernel 1.0 ms for 1..16 rows, model_runtime/amx_kernel.py). On a
 CPU without bf16 instructions bf16 products are emulated and slower than fp32, hence the float32 fallback.
 The weights are converted once at load (model_runtime/weights.py). Greedy outputs are exact per dtype (equal
 to plain greedy decoding of the same dtype); fp32 and bf16 outputs differ from each other (README, Precision).

@@ -19,7 +19,9 @@ test_engine_models.py). Removing the difference (no width-1 kernel, blocks up to
 single-row forwards on SmolLM2 (33 -> 60 ms) and still left attention rows differing (they no longer do:
 model_runtime/attention.py), so for float32 it is bounded instead.
 
-bfloat16 is different, and batch-invariant by construction (`bf16_linear`): oneDNN's bf16 products give a
+bfloat16 is different, and batch-invariant by construction. Where the AMX kernel runs, weights come packed
+(model_runtime/packed_weight.py) and `linear` hands them to it (model_runtime/amx_kernel.py: any row count,
+same bits, ~1.5-2x oneDNN's speed). Elsewhere `bf16_linear`: oneDNN's bf16 products give a
 row the same bits for any 2..32 rows in the call, but not for 1 row (Qwen-1.5B's down projection, K = 8960)
 nor above 32 (another kernel). So bf16 rows go through F.linear in pieces of 2..32 rows (one row is padded
 to two, which costs nothing measurable: the weight is streamed either way), and a row's result never depends

@@ -43,7 +43,7 @@ from cluster.engine.predraft import PreDrafter, predraft_slots, void_draft_grant
 from cluster.engine.request_state import RequestState, new_request_state
 from cluster.engine.round_plan import RoundPlan, propose_item, verify_item
 from cluster.engine.shared_prompts import SharedPrompts, group_states
-from cluster.engine.spec_policy import CostModel
+from cluster.engine.spec_policy import CostModel, nominal_costs
 from cluster.engine.stats import add_round_times, engine_stats
 from cluster.engine.step_record import EngineObserver, Rollback, RoundRecord, StepRecord, new_step_record
 from cluster.engine.worker_health import WorkerHealth
@@ -294,7 +294,8 @@ class SpecEngine:
             free_fraction=self.kv.free_fraction(TARGET_NAMESPACE) if any(  # read by auto only
                 s.request.spec.k is None and s.request.spec.draft != "none" for s in states) else 1.0,
             drafter_usable=any(s.request.spec.draft == "model" for s in states) and self.health.drafter_usable(),
-            engine_acceptance=self.acceptance, cost=self.cost, batch=len(states))
+            engine_acceptance=self.acceptance, cost=self.cost, batch=len(states),
+            nominal=nominal_costs(self.dtypes.get("target", "float32")))
         def plan_one(state: RequestState) -> RoundPlan:
             return self.shared.prefill_plan(state, context.drafter_usable) or plan_request(state, context)
 
@@ -306,7 +307,7 @@ class SpecEngine:
             elif plan.uses_model_drafter:
                 plan.draft_pending = plan.state.token_ids[plan.state.draft_cached:plan.prefill_to]
         if self.predraft is not None:  # fresh model-drafted plans reserve their pre-draft's slots too
-            self.predraft.budget(plans, cfg.k_max, cfg.probe_every)
+            self.predraft.budget(plans, cfg.k_max, cfg.probe_every, context.nominal)
         return plans
 
     def _admit_draft(self, state: RequestState) -> bool:

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 from cluster.engine.request_state import RequestState
 from cluster.engine.round_plan import RoundPlan
-from cluster.engine.spec_policy import AutoInputs, CostModel, SeededInputs, choose_k, choose_k_seeded
+from cluster.engine.spec_policy import (
+    FLOAT32_COSTS,
+    AutoInputs,
+    CostModel,
+    NominalCosts,
+    SeededInputs,
+    choose_k,
+    choose_k_seeded,
+)
 from drafter_service.ngram import propose_ngram
 from verifier_service.acceptance_stats import AcceptanceStats
 
@@ -31,6 +39,7 @@ class PlanContext:
     engine_acceptance: AcceptanceStats
     cost: CostModel
     batch: int  # requests verified together (the group's size under overlap)
+    nominal: NominalCosts = FLOAT32_COSTS  # seeded requests' costs: by the target's dtype (spec_policy.py)
 
 
 def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
@@ -49,7 +58,7 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
     elif sampling.seed is not None and not sampling.is_greedy:
         # its own history only, so the seed reproduces its tokens whatever the batch and timing
         decision = choose_k_seeded(SeededInputs.of(state.acceptance, k_cap, state.rounds_at_zero, ctx.probe_every,
-                                                   model_draft=spec.draft == "model"))
+                                                   model_draft=spec.draft == "model", costs=ctx.nominal))
         k, reason = decision.k, decision.reason
     else:
         decision = choose_k(AutoInputs(

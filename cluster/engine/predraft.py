@@ -45,7 +45,7 @@ from cluster.engine.held_commit import HeldCommitKV
 from cluster.engine.overlap import PREDRAFT, DraftPipeline
 from cluster.engine.request_state import RequestState
 from cluster.engine.round_plan import PreDraft, RoundPlan, penalty_history
-from cluster.engine.spec_policy import SeededInputs, choose_k_seeded
+from cluster.engine.spec_policy import FLOAT32_COSTS, NominalCosts, SeededInputs, choose_k_seeded
 from cluster.engine.worker_health import WorkerHealth
 from kv_manager.schema import Holder, Reservation
 from specserve_types.round_messages import ProposeBatch, ProposeItem
@@ -63,7 +63,7 @@ class KeptPreDraft:
     draft_cached: int  # the request's draft_cached when it was kept (nothing committed since)
 
 
-def next_k(plan: RoundPlan, k_max: int, probe_every: int) -> int:
+def next_k(plan: RoundPlan, k_max: int, probe_every: int, costs: NominalCosts = FLOAT32_COSTS) -> int:
     """k' of round r + 1 after a fully accepted round r (0: nothing to pre-draft): what `plan_request` would
     choose then, for fixed k and seeded requests; round r's k for auto."""
     s, spec, sampling = plan.state, plan.state.request.spec, plan.state.request.sampling
@@ -75,7 +75,7 @@ def next_k(plan: RoundPlan, k_max: int, probe_every: int) -> int:
         after = AcceptanceStats()
         after.record(plan.k, plan.k, spec.contract)
         return choose_k_seeded(SeededInputs.of(s.acceptance.merge(after), cap, 0, probe_every,
-                                               model_draft=True)).k
+                                               model_draft=True, costs=costs)).k
     return min(plan.k, cap)
 
 
@@ -169,11 +169,12 @@ class PreDrafter:
         return (state.draft_admitted and entry.holder == self.health.drafter_holder
                 and entry.draft_cached == state.draft_cached and state.finish_reason is None)
 
-    def budget(self, plans: Sequence[RoundPlan], k_max: int, probe_every: int) -> None:
+    def budget(self, plans: Sequence[RoundPlan], k_max: int, probe_every: int,
+               costs: NominalCosts = FLOAT32_COSTS) -> None:
         """Fresh model-drafted plans get k' (their reservation then holds the pre-draft's slots too)."""
         for plan in plans:
             if plan.uses_model_drafter and plan.k > 0 and not plan.predrafted and plan.prefill_to is None:
-                plan.predraft_k = next_k(plan, k_max, probe_every)
+                plan.predraft_k = next_k(plan, k_max, probe_every, costs)
 
     def forget(self) -> None:
         """Every draft cache restarted (its epoch expired): no kept pre-draft is usable."""

@@ -34,11 +34,35 @@ PRIOR_ROUNDS = 4  # weight of the prior, in rounds
 MAX_ROWS = 128  # verify times are kept per rows scored by the whole batch, up to this many
 PREFER_SMALLER = 1.02  # a larger k must beat the best smaller one by 2%
 
-# Nominal costs of seeded requests, in units of one verify of one token: README "Benchmarks" (Qwen2.5-Coder-1.5B
-# on CPU, batch 1): scoring 2/3/4 tokens 0.94-1.01x / 1.13-1.30x / 1.16-1.42x one token, 5-8 tokens ~2x; a
-# float16 0.5B draft step 28 ms against a ~200 ms verify. Past 8 rows, rows / 4 (2.0 at 8 rows).
-NOMINAL_VERIFY = (1.0, 1.0, 1.2, 1.3, 2.0, 2.0, 2.0, 2.0)  # index: scored rows - 1
-NOMINAL_DRAFT_TOKEN = 0.14  # one draft-model step; n-gram drafting costs 0
+
+
+@dataclass(frozen=True)
+class NominalCosts:
+    """Fixed costs of seeded requests, in units of one verify of one token: a function of the command (the
+    target's dtype), never of timing, so a seed reproduces its tokens. Past the table, `rows / rows_per_unit`."""
+
+    name: str
+    verify: tuple[float, ...]  # index: scored rows - 1
+    rows_per_unit: int
+    draft_token: float  # one draft-model step; n-gram drafting costs 0
+
+    def verify_cost(self, rows: int) -> float:
+        assert rows >= 1, rows
+        return self.verify[rows - 1] if rows <= len(self.verify) else rows / self.rows_per_unit
+
+
+# float32 target, float16 draft (README "Benchmarks", Qwen2.5-Coder-1.5B on CPU, batch 1): scoring 2/3/4 tokens
+# 0.94-1.01x / 1.13-1.30x / 1.16-1.42x one token, 5-8 tokens ~2x; a float16 0.5B draft step 28 ms against a
+# ~200 ms verify.
+FLOAT32_COSTS = NominalCosts("float32", (1.0, 1.0, 1.2, 1.3, 2.0, 2.0, 2.0, 2.0), 4, 0.14)
+# bfloat16 target and draft (the AMX kernel, or oneDNN in pieces; `bench runtime --dtype bfloat16`): scoring
+# 2..16 tokens 1.0-1.18x one token; the 0.5B draft's step 0.43x the 1.5B target's (75 vs 174 ms).
+BFLOAT16_COSTS = NominalCosts("bfloat16", (1.0,) * 8 + (1.1,) * 8, 14, 0.45)
+
+
+def nominal_costs(target_dtype: str) -> NominalCosts:
+    """The seeded requests' cost table for an engine whose target runs in `target_dtype`."""
+    return BFLOAT16_COSTS if target_dtype == "bfloat16" else FLOAT32_COSTS
 
 
 @dataclass
@@ -166,12 +190,6 @@ def _plain_or_probe(rates: list[float], rounds_at_zero: int, probe_every: int, p
                            f"speculative {max(rates[1:], default=0):.2f})")
 
 
-def nominal_verify_cost(rows: int) -> float:
-    """Nominal time to score `rows` tokens of one request, in single-token verifies."""
-    assert rows >= 1, rows
-    return NOMINAL_VERIFY[rows - 1] if rows <= len(NOMINAL_VERIFY) else rows / 4
-
-
 @dataclass(frozen=True)
 class SeededInputs:
     """Everything a seeded request's k depends on: its own acceptance so far and its own limits.
@@ -188,25 +206,27 @@ class SeededInputs:
     rounds_at_zero: int  # its consecutive plain-decoding rounds
     probe_every: int  # the engine setting (the same command gives the same value)
     model_draft: bool  # False: n-gram, drafting costs nothing
+    costs: NominalCosts = FLOAT32_COSTS  # the engine's table (its target dtype: the same command, the same table)
 
     @classmethod
     def of(cls, own: AcceptanceStats, k_max: int, rounds_at_zero: int, probe_every: int,
-           model_draft: bool) -> SeededInputs:
+           model_draft: bool, costs: NominalCosts = FLOAT32_COSTS) -> SeededInputs:
         return cls(own.accepted, own.rejections, tuple(own.reached), tuple(own.survived), k_max, rounds_at_zero,
-                   probe_every, model_draft)
+                   probe_every, model_draft, costs)
 
 
 def choose_k_seeded(inputs: SeededInputs) -> AutoDecision:
     """k for a seeded request: argmax E[Y](k) / t_nominal(k), with t_nominal(k) = k * draft step +
-    verify of 1 + k tokens (NOMINAL_VERIFY), probing again after `probe_every` plain rounds. Reasons start
+    verify of 1 + k tokens (the engine's NominalCosts), probing again after `probe_every` plain rounds. Reasons start
     with "seeded: "."""
     if inputs.k_max == 0:
         return AutoDecision(0, "seeded: no drafter")
     own = AcceptanceStats(accepted=inputs.accepted, rejections=inputs.rejections, reached=list(inputs.reached),
                           survived=list(inputs.survived))
     survival = blended_survival(own, AcceptanceStats(), inputs.k_max)  # no engine-wide rate: the prior
-    draft = NOMINAL_DRAFT_TOKEN if inputs.model_draft else 0.0
-    rates = [(1.0 + sum(survival[:k])) / (k * draft + nominal_verify_cost(1 + k)) for k in range(inputs.k_max + 1)]
+    draft = inputs.costs.draft_token if inputs.model_draft else 0.0
+    rates = [(1.0 + sum(survival[:k])) / (k * draft + inputs.costs.verify_cost(1 + k))
+             for k in range(inputs.k_max + 1)]
     best_k = _best_k(rates)
     if best_k == 0:
         return _plain_or_probe(rates, inputs.rounds_at_zero, inputs.probe_every, "seeded: ")

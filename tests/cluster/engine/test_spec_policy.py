@@ -6,12 +6,16 @@ from __future__ import annotations
 from dataclasses import fields
 
 from cluster.engine.spec_policy import (
+    BFLOAT16_COSTS,
+    FLOAT32_COSTS,
     AutoInputs,
     CostModel,
+    NominalCosts,
     SeededInputs,
     blended_survival,
     choose_k,
     choose_k_seeded,
+    nominal_costs,
 )
 from verifier_service.acceptance_stats import AcceptanceStats
 
@@ -128,7 +132,8 @@ def test_seeded_k_is_a_function_of_the_requests_own_history_only() -> None:
     """Across engine-wide acceptance, measured costs, batch sizes and free fractions that move the unseeded
     decision for this history, the seeded decision is one k: its inputs hold nothing of those."""
     assert {f.name for f in fields(SeededInputs)} == {
-        "accepted", "rejections", "reached", "survived", "k_max", "rounds_at_zero", "probe_every", "model_draft"}
+        "accepted", "rejections", "reached", "survived", "k_max", "rounds_at_zero", "probe_every", "model_draft",
+        "costs"}  # costs: the engine's table, by its target dtype (the command), never by timing
     own = stats_with([1, 2], proposed=2, rounds=20)  # s_1 = 1.0, s_2 = 0.5
     worlds = [(engine, c, batch, free)
               for engine in (AcceptanceStats(), stats_with([0], proposed=4, rounds=200))
@@ -166,3 +171,17 @@ def test_seeded_ngram_drafts_cost_nothing() -> None:
     """Half of the first drafts survive: with a draft model's nominal step cost k stays small, n-gram goes deeper."""
     own = stats_with([0, 1, 2, 3], proposed=4, rounds=20)
     assert seeded_k(own, model_draft=False)[0] > seeded_k(own, model_draft=True)[0]
+
+
+def test_seeded_costs_follow_the_target_dtype() -> None:
+    """bfloat16 scores up to 16 tokens for about one token's cost but its draft step is dearer (0.45 vs 0.14):
+    free n-gram drafts go deeper than under float32's table, model drafts stay shallower."""
+    assert nominal_costs("bfloat16") is BFLOAT16_COSTS and nominal_costs("float32") is FLOAT32_COSTS
+    assert BFLOAT16_COSTS.verify_cost(9) == 1.1 and FLOAT32_COSTS.verify_cost(9) == 9 / 4
+
+    def k(history: list[int], model_draft: bool, costs: NominalCosts) -> int:
+        own = stats_with(history, proposed=4, rounds=30)
+        return choose_k_seeded(SeededInputs.of(own, 8, 0, 16, model_draft=model_draft, costs=costs)).k
+
+    assert k([2, 3, 4], False, BFLOAT16_COSTS) > k([2, 3, 4], False, FLOAT32_COSTS)
+    assert k([2, 3, 4], True, BFLOAT16_COSTS) < k([2, 3, 4], True, FLOAT32_COSTS)
