@@ -1,5 +1,7 @@
-"""The AMX bfloat16 linear kernel (model_runtime/kernels/amx_bf16.cpp): built once per machine, loaded once per
-process, or absent with a stated reason.
+"""The AMX linear kernels (model_runtime/kernels/amx_linear.cpp): built once per machine, loaded once per
+process, or absent with a stated reason. `amx_linear`: bfloat16, batch-invariant (the target); `amx_linear_i8`:
+int8 weights x per-row int8 activations at twice bf16's speed (the draft, `--draft-dtype int8`: a draft's
+precision changes only how often its tokens are accepted, never the output).
 
 Why our own kernel: on this project's 2-core Sapphire Rapids CPU, oneDNN's bf16 F.linear streams Qwen-1.5B's
 [8960, 1536] weight at ~15-19 GB/s and gives one row different bits than 2..32 rows, while this kernel streams
@@ -9,7 +11,7 @@ it at ~27-29 GB/s (fp32 MKL's rate) for 1..16 rows alike and gives a row the sam
 The build uses torch's C++ extension loader (a C++ compiler and ninja; the ninja wheel is a dependency) into
 `$SPECSERVE_CACHE/kernels` (default ~/.cache/specserve/kernels); torch's lock lets concurrent processes wait for
 one build. `SPECSERVE_CPU_KERNEL=onednn` turns it off (bf16 then goes through oneDNN in invariant pieces,
-model_runtime/small_matmul.py). Without AMX (`amx_bf16` and `amx_tile` in /proc/cpuinfo), a compiler, or the
+model_runtime/small_matmul.py). Without AMX (`amx_bf16`, `amx_int8`, `amx_tile` in /proc/cpuinfo), a compiler, or the
 kernel's permission from Linux, `kernel()` returns None and `status()` says why.
 
 Owner of `_STATE`: this module; set once per process by the first `kernel()` call, then only read.
@@ -26,18 +28,18 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "amx_bf16.cpp"
-CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-fopenmp"]
+SOURCE = Path(__file__).parent / "kernels" / "amx_linear.cpp"
+CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw", "-fopenmp"]
 _STATE: dict[str, object] = {}
 
 
-def _cpu_has_amx_bf16() -> bool:
+def _cpu_has_amx() -> bool:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             flags = f.read()
     except OSError:
         return False
-    return "amx_bf16" in flags and "amx_tile" in flags
+    return all(flag in flags for flag in ("amx_bf16", "amx_int8", "amx_tile"))
 
 
 def _build_dir() -> Path:
@@ -53,27 +55,27 @@ def _build_dir() -> Path:
 def _load() -> tuple[ModuleType | None, str]:
     if os.environ.get("SPECSERVE_CPU_KERNEL", "auto") == "onednn":
         return None, "off: SPECSERVE_CPU_KERNEL=onednn"
-    if not _cpu_has_amx_bf16():
-        return None, "off: this CPU has no AMX (amx_bf16, amx_tile)"
+    if not _cpu_has_amx():
+        return None, "off: this CPU has no AMX (amx_bf16, amx_int8, amx_tile)"
     try:
         import ninja  # type: ignore[import-untyped]
         from torch.utils.cpp_extension import load
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         start = time.perf_counter()
-        log.info("loading the AMX bf16 kernel (the first build on a machine takes about a minute)")
-        module = load(name="specserve_amx_bf16", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        log.info("loading the AMX kernels (the first build on a machine takes about a minute)")
+        module = load(name="specserve_amx", sources=[str(SOURCE)], extra_cflags=CFLAGS,
                       build_directory=str(_build_dir()), verbose=False)
     except Exception as exc:  # a missing compiler or a failed build: fall back, and say so
         return None, f"off: the kernel did not build ({type(exc).__name__}: {str(exc).strip()[:200]})"
     if not module.amx_enable():
         return None, "off: Linux refused this process the AMX tile state (arch_prctl)"
-    log.info("AMX bf16 kernel ready in %.1f s", time.perf_counter() - start)
+    log.info("AMX kernels ready in %.1f s", time.perf_counter() - start)
     return module, "amx"
 
 
 def kernel() -> ModuleType | None:
-    """The loaded extension (amx_linear, amx_enable), or None where it cannot run here."""
+    """The loaded extension (amx_linear, amx_linear_i8, amx_enable), or None where it cannot run here."""
     if "module" not in _STATE:
         _STATE["module"], _STATE["status"] = _load()
     return _STATE["module"]  # type: ignore[return-value]
@@ -87,4 +89,4 @@ def status() -> str:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(f"AMX bf16 kernel: {status()}")
+    print(f"AMX kernels: {status()}")

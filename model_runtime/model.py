@@ -7,6 +7,7 @@ asks for, and only on rank 0 (other ranks return an empty tensor).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -19,9 +20,11 @@ from model_runtime.attention import paged_attention
 from model_runtime.batch import ForwardBatch, SeqInput
 from model_runtime.config import ModelConfig
 from model_runtime.kv_pool import KVPool
-from model_runtime.packed_weight import PackedBF16, pack_weights
+from model_runtime.packed_weight import PackedBF16, PackedInt8, pack_weights
 from model_runtime.small_matmul import calibrate_all, linear
 from model_runtime.weights import LayerWeights, ModelWeights, load_weights
+
+log = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,32 +47,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def _packed_for_cpu(weights: ModelWeights, int8: bool) -> tuple[ModelWeights, str]:
+    """The weights as the linears will run them, and the kernel's name: "amx" (bf16, model_runtime/amx_kernel.py),
+    "amx-int8", "onednn" (bf16 without the kernel, with the reason) or "torch" (float32, CUDA)."""
+    on_cpu_bf16 = weights.embed.dtype == torch.bfloat16 and weights.embed.device.type == "cpu"
+    if not on_cpu_bf16:
+        return weights, "torch"
+    if amx_kernel() is None:
+        if int8:
+            log.warning("int8 linears need the AMX kernel (%s): running bfloat16", amx_status())
+        return weights, f"onednn (AMX kernel {amx_status()})"
+    if int8:
+        return pack_weights(weights, PackedInt8), "amx-int8"
+    return pack_weights(weights), "amx"
+
+
 class CausalLM:
     """Stateless over requests: all per-sequence state (past length, blocks, slots) comes in the batch."""
 
     def __init__(
         self, config: ModelConfig, weights: ModelWeights, tp_rank: int = 0, tp_size: int = 1,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | None = None, int8: bool = False,
     ) -> None:
         self.config = config
-        if weights.embed.dtype == torch.bfloat16 and weights.embed.device.type == "cpu" and amx_kernel():
-            weights = pack_weights(weights)
-        self.weights = weights
-        # which kernel runs the linears: "amx" (model_runtime/amx_kernel.py), "onednn" or the device's own
-        self.linear_kernel = ("amx" if isinstance(weights.lm_head, PackedBF16) else
-                              "onednn" if weights.embed.dtype == torch.bfloat16 and weights.embed.device.type == "cpu"
-                              else "torch")
-        if self.linear_kernel == "onednn":
-            self.linear_kernel += f" (AMX kernel {amx_status()})"
+        self.weights, self.linear_kernel = _packed_for_cpu(weights, int8)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.group = group
         self.num_heads = config.num_heads // tp_size
         self.num_kv_heads = config.num_kv_heads // tp_size
-        self.dtype = weights.embed.dtype
-        self.device = weights.embed.device
-        first = weights.layers[0]
-        self.matmul_widths = calibrate_all([first.qkv, first.o, first.gate_up, first.down, weights.lm_head])
+        self.dtype = self.weights.embed.dtype  # the activations' and the KV cache's
+        self.device = self.weights.embed.device
+        first = self.weights.layers[0]
+        self.matmul_widths = calibrate_all([first.qkv, first.o, first.gate_up, first.down, self.weights.lm_head])
 
     @classmethod
     def load(
@@ -77,9 +87,13 @@ class CausalLM:
         group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> CausalLM:
+        """`dtype` torch.int8: int8 linears (W8A8, per-row activations) on the AMX kernel, bfloat16 elsewhere in the
+        model; a draft's precision (`--draft-dtype int8`). Where the kernel cannot run, plain bfloat16."""
         config = ModelConfig.from_dir(checkpoint_dir)
-        weights = load_weights(checkpoint_dir, config, tp_rank, tp_size, dtype=dtype, device=device)
-        return cls(config, weights, tp_rank, tp_size, group)
+        int8 = dtype == torch.int8
+        weights = load_weights(checkpoint_dir, config, tp_rank, tp_size, dtype=torch.bfloat16 if int8 else dtype,
+                               device=device)
+        return cls(config, weights, tp_rank, tp_size, group, int8=int8)
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> KVPool:
         return KVPool.allocate(self.config, num_blocks, block_size, self.tp_size, self.dtype, self.device)
@@ -113,8 +127,8 @@ class CausalLM:
         if self.tp_rank != 0 or batch.logits_rows.numel() == 0:
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32)
         h = rms_norm(h[batch.logits_rows], self.weights.final_norm, cfg.rms_norm_eps)
-        if isinstance(self.weights.lm_head, PackedBF16):
-            return self.weights.lm_head(h, out_fp32=True)  # float32 logits straight from the accumulators
+        if isinstance(self.weights.lm_head, PackedBF16 | PackedInt8):
+            return self.weights.lm_head(h, out_fp32=True)  # float32 logits (bf16's straight from the accumulators)
         return linear(h, self.weights.lm_head).float()
 
     def _attention(

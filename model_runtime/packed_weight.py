@@ -1,5 +1,6 @@
-"""bfloat16 weights packed once for the AMX kernel (model_runtime/amx_kernel.py), and the model's weights
-swapped for them at load.
+"""Weights packed once for the AMX kernels (model_runtime/amx_kernel.py), and the model's weights swapped for
+them at load: bfloat16 (`PackedBF16`, the target) or int8 per output channel (`PackedInt8`, a draft run with
+`--draft-dtype int8`).
 
 A packed weight holds the same values as its [N, K] tensor, zero-padded to multiples of 32 and permuted into
 AMX's B-operand tiles: packed[nb, kb, i, 2 * j + p] = W[16 * nb + j, 32 * kb + 2 * i + p]. It replaces the
@@ -54,18 +55,56 @@ class PackedBF16:
         return module.amx_linear(x.contiguous(), self.packed, self.shape[0], bias, out_fp32)
 
 
-def as_tensor(weight: torch.Tensor | PackedBF16) -> torch.Tensor:
-    """The [N, K] tensor (a copy for a packed weight)."""
-    return weight.unpack() if isinstance(weight, PackedBF16) else weight
+class PackedInt8:
+    """One linear layer's weight quantized to int8 per output channel (symmetric, scale = max|w| / 127) and packed
+    into AMX's int8 tiles: packed[nb, kb, i, 4 * j + p] = Wq[16 * nb + j, 64 * kb + 4 * i + p]. Activations are
+    quantized per row in the kernel. Outputs are bfloat16. Immutable after construction."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        assert weight.dim() == 2 and weight.device.type == "cpu"
+        n, k = weight.shape
+        np_, kp = _pad_to(n, 32), _pad_to(k, 64)
+        padded = torch.zeros(np_, kp, dtype=torch.float32)
+        padded[:n, :k] = weight.float()
+        self.scale = (padded.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).contiguous()
+        quantized = torch.round(padded / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.packed = quantized.view(np_ // 16, 16, kp // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous()
+        self.shape = torch.Size((n, k))
+        self.dtype = torch.int8
+        self.device = weight.device
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def unpack(self) -> torch.Tensor:
+        """The dequantized [N, K] weight (bfloat16)."""
+        nb, kb = self.packed.shape[:2]
+        full = self.packed.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 64).float() * self.scale[:, None]
+        return full[: self.shape[0], : self.shape[1]].bfloat16().contiguous()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_fp32: bool = False) -> torch.Tensor:
+        from model_runtime.amx_kernel import kernel
+
+        module = kernel()
+        assert module is not None, "a PackedInt8 exists only where the AMX kernel runs"
+        out = module.amx_linear_i8(x.bfloat16(), self.packed, self.scale, self.shape[0], bias)
+        return out.float() if out_fp32 else out
 
 
-def pack_weights(weights: ModelWeights) -> ModelWeights:
+Packed = PackedBF16 | PackedInt8
+
+
+def as_tensor(weight: torch.Tensor | Packed) -> torch.Tensor:
+    """The [N, K] tensor (a copy for a packed weight, dequantized for int8)."""
+    return weight if isinstance(weight, torch.Tensor) else weight.unpack()
+
+
+def pack_weights(weights: ModelWeights, kind: type[PackedBF16] | type[PackedInt8] = PackedBF16) -> ModelWeights:
     """The same weights with every linear layer packed (one layer at a time, so peak memory grows by one
     layer's weights); norms, biases and the embedding stay tensors."""
     layers = []
     for i, lw in enumerate(weights.layers):
         layers.append(dataclasses.replace(
-            lw, qkv=PackedBF16(lw.qkv), o=PackedBF16(lw.o), gate_up=PackedBF16(lw.gate_up),
-            down=PackedBF16(lw.down)))
+            lw, qkv=kind(lw.qkv), o=kind(lw.o), gate_up=kind(lw.gate_up), down=kind(lw.down)))
         weights.layers[i] = layers[-1]  # drop the unpacked tensors now
-    return dataclasses.replace(weights, layers=layers, lm_head=PackedBF16(weights.lm_head))
+    return dataclasses.replace(weights, layers=layers, lm_head=kind(weights.lm_head))

@@ -18,9 +18,10 @@ import functools
 
 import torch
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# int8 (drafts only): int8 linears on the AMX kernel, bfloat16 around them (model_runtime/model.py)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 TARGET_DTYPES = ("auto", "float32", "bfloat16")
-DRAFT_DTYPES = ("auto", "float32", "float16", "bfloat16")
+DRAFT_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 
 @functools.cache

@@ -38,7 +38,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from model_runtime.packed_weight import PackedBF16
+from model_runtime.packed_weight import PackedBF16, PackedInt8
 
 SMALL_ROWS = 8  # above this many rows F.linear's kernels are efficient enough
 _CANDIDATES = (1, 2, 3, 4)
@@ -79,7 +79,7 @@ def calibrate(weight: torch.Tensor, repeats: int = 5) -> Plan:
 
 
 @torch.inference_mode()
-def calibrate_all(weights: list[torch.Tensor | PackedBF16]) -> dict[tuple[int, int], Plan]:
+def calibrate_all(weights: list[torch.Tensor | PackedBF16 | PackedInt8]) -> dict[tuple[int, int], Plan]:
     return {tuple(w.shape): calibrate(w) for w in weights  # type: ignore[misc]
             if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dtype != torch.bfloat16}
 
@@ -98,9 +98,10 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.cat([bf16_linear(piece, weight, bias) for piece in pieces])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedBF16, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, PackedBF16):
-        return weight(x, bias)  # the AMX kernel: batch-invariant for any row count (amx_kernel.py)
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedBF16 | PackedInt8,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, PackedBF16 | PackedInt8):
+        return weight(x, bias)  # the AMX kernels: bf16 batch-invariant for any row count (amx_kernel.py)
     rows = x.shape[0]
     if x.device.type != "cpu" or rows == 0:
         return F.linear(x, weight, bias)

@@ -20,18 +20,18 @@ import torch
 from safetensors import safe_open
 
 from model_runtime.config import ModelConfig
-from model_runtime.packed_weight import PackedBF16
+from model_runtime.packed_weight import Packed
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor | PackedBF16  # packed for the AMX kernel where it runs (model_runtime/packed_weight.py)
+    qkv: torch.Tensor | Packed  # packed for the AMX kernel where it runs (model_runtime/packed_weight.py)
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor | PackedBF16
+    o: torch.Tensor | Packed
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | PackedBF16
-    down: torch.Tensor | PackedBF16
+    gate_up: torch.Tensor | Packed
+    down: torch.Tensor | Packed
 
 
 @dataclass
@@ -39,7 +39,7 @@ class ModelWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor | PackedBF16
+    lm_head: torch.Tensor | Packed
 
 
 class _TensorSource:

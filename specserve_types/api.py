@@ -17,7 +17,7 @@ from typing import Literal
 
 Contract = Literal["exact", "greedy", "typical"]
 CONTRACTS: tuple[str, ...] = ("exact", "greedy", "typical")
-DRAFT_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")  # see model_runtime.precision
+DRAFT_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16", "int8")  # see model_runtime.precision
 TARGET_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")  # see model_runtime.precision.target_dtype
 FinishReason = Literal["stop", "length", "eos", "abort", "error"]
 MAX_TOKENS_LIMIT = 8192

@@ -1,4 +1,5 @@
-// bfloat16 linear layers on Intel AMX, batch-invariant by construction (model_runtime/amx_kernel.py).
+// Linear layers on Intel AMX (model_runtime/amx_kernel.py): bfloat16, batch-invariant by construction (the
+// target), and int8 weights x int8 activations quantized per row (the draft: only its speed matters).
 //
 // y[r, n] = sum_k x[r, k] * W[n, k] (+ bias[n]), x and W in bfloat16, accumulated in float32 tiles.
 // W is packed once at load (model_runtime/packed_weight.py) into AMX's B-operand layout:
@@ -12,6 +13,7 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <cmath>
 #include <cstring>
 #include <algorithm>
 
@@ -29,6 +31,13 @@ void configure() {
   cfg.palette_id = 1;
   for (int t = 0; t < 5; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
+}
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 
 inline uint16_t to_bf16(float f) {
@@ -101,7 +110,77 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::
   return out;
 }
 
+// int8: wq[nb, kb, i, 4 * j + p] = Wq[16 * nb + j, 64 * kb + 4 * i + p] (one 1 KB tile of 16 x 64 int8), with
+// W ~ Wq * wscale[n] (per output, symmetric). Each row of x is quantized to int8 with its own scale
+// max|x| / 127 (round to nearest even); y = (int32 dot) * xscale[r] * wscale[n] + bias[n], in bfloat16.
+torch::Tensor amx_linear_i8(torch::Tensor x, torch::Tensor wq, torch::Tensor wscale, int64_t n_out,
+                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && wq.scalar_type() == torch::kInt8
+              && wscale.scalar_type() == torch::kFloat32);
+  x = x.contiguous();
+  const int64_t R = x.size(0), K = x.size(1), NBk = wq.size(0), KB = wq.size(1);
+  const int64_t Kp = KB * 64, Mp = (R + 15) / 16 * 16;
+  TORCH_CHECK(K <= Kp && Kp - K < 64 && NBk % 2 == 0 && n_out <= NBk * 16 && wscale.numel() >= n_out);
+  auto xq = torch::zeros({Mp, Kp}, x.options().dtype(torch::kInt8));
+  auto xs = torch::empty({std::max<int64_t>(R, 1)}, x.options().dtype(torch::kFloat32));
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  int8_t* xqp = xq.data_ptr<int8_t>();
+  float* xsp = xs.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(bf16_to_float(xb[r * K + k])));
+    const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+    xsp[r] = scale;
+    for (int64_t k = 0; k < K; ++k)
+      xqp[r * Kp + k] = static_cast<int8_t>(std::nearbyint(bf16_to_float(xb[r * K + k]) * inv));
+  }
+  auto out = torch::empty({R, n_out}, x.options());
+  torch::Tensor b32;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) { b32 = bias->to(torch::kFloat32).contiguous(); bp = b32.data_ptr<float>(); }
+  const int8_t* wp = wq.data_ptr<int8_t>();
+  const float* ws = wscale.data_ptr<float>();
+  uint16_t* ob = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, NBk / 2, 1, [&](int64_t p0, int64_t p1) {
+    configure();
+    alignas(64) int32_t c[2][16][16];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int8_t* b0 = wp + (2 * p) * KB * 1024;
+      const int8_t* b1 = b0 + KB * 1024;
+      for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+        _tile_zero(0); _tile_zero(1);
+        const int8_t* a = xqp + m0 * Kp;
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          const char* pa = reinterpret_cast<const char*>(b0 + (kb + PREFETCH_TILES) * 1024);
+          const char* pb = reinterpret_cast<const char*>(b1 + (kb + PREFETCH_TILES) * 1024);
+          for (int l = 0; l < 1024; l += 64) { _mm_prefetch(pa + l, _MM_HINT_T0); _mm_prefetch(pb + l, _MM_HINT_T0); }
+          _tile_loadd(2, a + kb * 64, Kp);
+          _tile_loadd(3, b0 + kb * 1024, 64);
+          _tile_loadd(4, b1 + kb * 1024, 64);
+          _tile_dpbssd(0, 2, 3);
+          _tile_dpbssd(1, 2, 4);
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        const int64_t rows = std::min<int64_t>(16, R - m0);
+        for (int h = 0; h < 2; ++h) {
+          const int64_t nbase = (2 * p + h) * 16;
+          const int64_t cols = std::min<int64_t>(16, n_out - nbase);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < cols; ++j)
+              ob[(m0 + r) * n_out + nbase + j] = to_bf16(
+                  static_cast<float>(c[h][r][j]) * xsp[m0 + r] * ws[nbase + j] + (bp ? bp[nbase + j] : 0.f));
+        }
+      }
+    }
+    _tile_release();
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_enable", &amx_enable);
   m.def("amx_linear", &amx_linear, py::arg("x"), py::arg("wp"), py::arg("n_out"), py::arg("bias") = py::none(), py::arg("out_fp32") = false);
+  m.def("amx_linear_i8", &amx_linear_i8, py::arg("x"), py::arg("wq"), py::arg("wscale"), py::arg("n_out"),
+        py::arg("bias") = py::none());
 }
