@@ -61,7 +61,7 @@ class ClusterConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="target model precision (auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or AMX, "
                             "float32 elsewhere); greedy output equals plain greedy decoding of the same dtype")
-    draft_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+    draft_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = Field(
         "auto", description="draft model precision (auto: bfloat16 where the target's auto is bfloat16, float16 on "
                             "other CPUs); changes acceptance, never the output")
 

@@ -8,13 +8,16 @@ from pathlib import Path
 import pytest
 
 from model_runtime import precision
+from model_runtime.amx_kernel import kernel as amx_kernel
+from model_runtime.amx_kernel import status as amx_status
 from tests.cluster.engine.engine_helpers import local_engine, plain_greedy, request, run
 from tests.cluster.engine.test_engine_models import EIGHT_PROMPTS
 
 
-def check_equals_plain(smollm2_dir: Path, dtype: str, k: int, batch: int, draft: str = "model") -> None:
+def check_equals_plain(smollm2_dir: Path, dtype: str, k: int, batch: int, draft: str = "model",
+                       draft_dtype: str = "auto") -> None:
     engine = local_engine(smollm2_dir, smollm2_dir if draft == "model" else draft, max_batch=batch,
-                          block_size=16, kv_blocks=256, dtype=dtype)
+                          block_size=16, kv_blocks=256, dtype=dtype, draft_dtype=draft_dtype)
     prompts = [engine.tokenizer(t)["input_ids"] for t in EIGHT_PROMPTS]
     reqs = [request(f"r{i}", p, max_tokens=20, k=k, draft=draft) for i, p in enumerate(prompts)]
     got = run(engine, reqs)
@@ -34,6 +37,14 @@ def test_bf16_greedy_equals_plain_bf16(smollm2_dir: Path, k: int, batch: int) ->
     """SmolLM2 drafting for itself: every draft is accepted, so each verify scores k+1 rows per request (72 at
     batch 8, k=8) against plain decoding's one; bf16 rows are bitwise batch-invariant, so the tokens match."""
     check_equals_plain(smollm2_dir, "bfloat16", k, batch)
+
+
+@pytest.mark.model
+@pytest.mark.skipif(amx_kernel() is None, reason=f"AMX kernel {amx_status()}")
+def test_int8_draft_changes_acceptance_never_the_output(smollm2_dir: Path) -> None:
+    """An int8 draft (W8A8 on AMX) proposes other tokens than its bf16 self now and then; the output is still
+    plain bf16 decoding, token by token, at batch 8."""
+    check_equals_plain(smollm2_dir, "bfloat16", 4, 8, draft_dtype="int8")
 
 
 @pytest.mark.model
