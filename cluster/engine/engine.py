@@ -295,7 +295,7 @@ class SpecEngine:
                 s.request.spec.k is None and s.request.spec.draft != "none" for s in states) else 1.0,
             drafter_usable=any(s.request.spec.draft == "model" for s in states) and self.health.drafter_usable(),
             engine_acceptance=self.acceptance, cost=self.cost, batch=len(states),
-            nominal=nominal_costs(self.dtypes.get("target", "float32")))
+            nominal=nominal_costs(self.dtypes.get("target", "float32"), self.dtypes.get("draft")))
         def plan_one(state: RequestState) -> RoundPlan:
             return self.shared.prefill_plan(state, context.drafter_usable) or plan_request(state, context)
 

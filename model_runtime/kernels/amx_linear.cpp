@@ -5,7 +5,8 @@
 // W is packed once at load (model_runtime/packed_weight.py) into AMX's B-operand layout:
 //   wp[nb, kb, i, 2 * j + p] = W[16 * nb + j, 32 * kb + 2 * i + p]    (16 x 32 bf16 = one 1 KB tile)
 // so each block of 16 outputs streams from memory as one contiguous run. x is zero-padded to 16-row
-// tiles. Each output element accumulates its 32-wide k-blocks in order into one tile element, whatever
+// tiles; up to 16 rows go through 4 output blocks at a time, 17..32 rows as 2 x 2 tiles, more rows one
+// 16-row block after another. Each output element accumulates its 32-wide k-blocks in order into one tile element, whatever
 // rows share the tile or the call: a row's bits do not depend on how many rows are in the product, and
 // one row costs what 16 cost (the weights are streamed once either way).
 #include <torch/extension.h>
@@ -29,7 +30,7 @@ void configure() {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
-  for (int t = 0; t < 5; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
 }
 
@@ -56,7 +57,8 @@ bool amx_enable() {
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::optional<torch::Tensor> bias, bool out_fp32) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && wp.scalar_type() == torch::kBFloat16);
   const int64_t R = x.size(0), K = x.size(1), NBk = wp.size(0), KB = wp.size(1);
-  const int64_t Kp = KB * 32, Mp = (R + 15) / 16 * 16;
+  // rows padded to one 16-row tile, to two up to 32 rows, to a multiple of 16 above
+  const int64_t Kp = KB * 32, Mp = R <= 16 ? 16 : R <= 32 ? 32 : (R + 15) / 16 * 16;
   TORCH_CHECK(K <= Kp && Kp - K < 32 && NBk % 2 == 0 && n_out <= NBk * 16);
   torch::Tensor xpad;
   if (Mp == R && Kp == K && x.is_contiguous()) xpad = x;
@@ -69,44 +71,133 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::
   const uint16_t* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   float* of = out_fp32 ? out.data_ptr<float>() : nullptr;
   uint16_t* ob = out_fp32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, NBk / 2, 1, [&](int64_t p0, int64_t p1) {
-    configure();
-    alignas(64) float c[2][16][16];
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint16_t* b0 = wpp + (2 * p) * KB * 512;
-      const uint16_t* b1 = b0 + KB * 512;
-      for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
-        _tile_zero(0); _tile_zero(1);
-        const uint16_t* a = xp + m0 * Kp;
-        for (int64_t kb = 0; kb < KB; ++kb) {
-          // software prefetch PREFETCH_TILES tiles ahead on both weight streams: +15-20% GB/s measured here
-          // (a prefetch past the end of the buffer is harmless: it never faults)
-          const char* pa = reinterpret_cast<const char*>(b0 + (kb + PREFETCH_TILES) * 512);
-          const char* pb = reinterpret_cast<const char*>(b1 + (kb + PREFETCH_TILES) * 512);
-          for (int l = 0; l < 1024; l += 64) { _mm_prefetch(pa + l, _MM_HINT_T0); _mm_prefetch(pb + l, _MM_HINT_T0); }
-          _tile_loadd(2, a + kb * 32, Kp * 2);
-          _tile_loadd(3, b0 + kb * 512, 64);
-          _tile_loadd(4, b1 + kb * 512, 64);
-          _tile_dpbf16ps(0, 2, 3);
-          _tile_dpbf16ps(1, 2, 4);
+  // write one 16 x 16 accumulator tile: rows m0.., outputs 16 * nb..
+  auto emit = [&](const float (*c)[16], int64_t m0, int64_t nb) {
+    const int64_t rows = std::min<int64_t>(16, R - m0), cols = std::min<int64_t>(16, n_out - nb * 16);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) {
+        const float v = c[r][j] + (bp ? bp[nb * 16 + j] : 0.f);
+        if (of) of[(m0 + r) * n_out + nb * 16 + j] = v;
+        else ob[(m0 + r) * n_out + nb * 16 + j] = to_bf16(v);
+      }
+  };
+  // software prefetch PREFETCH_TILES tiles ahead on each weight stream: +15-20% GB/s measured here
+  // (a prefetch past the end of the buffer is harmless: it never faults)
+  auto prefetch = [](const uint16_t* b, int64_t kb) {
+    const char* p = reinterpret_cast<const char*>(b + (kb + PREFETCH_TILES) * 512);
+    for (int l = 0; l < 1024; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+  };
+  if (Mp == 16) {
+    // up to 16 rows (decode, a verify): 4 output blocks per pass, 4 independent accumulation chains
+    // (tiles: C 0-3, A 4, B 5-7)
+    at::parallel_for(0, (NBk + 3) / 4, 1, [&](int64_t q0, int64_t q1) {
+      configure();
+      alignas(64) float c[4][16][16];
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t nb0 = 4 * q, count = std::min<int64_t>(4, NBk - nb0);  // 4, or 2 at the end
+        const uint16_t* b0 = wpp + nb0 * KB * 512;
+        const uint16_t* b1 = b0 + KB * 512;
+        if (count == 4) {
+          const uint16_t* b2 = b1 + KB * 512;
+          const uint16_t* b3 = b2 + KB * 512;
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            prefetch(b0, kb); prefetch(b1, kb); prefetch(b2, kb); prefetch(b3, kb);
+            _tile_loadd(4, xp + kb * 32, Kp * 2);
+            _tile_loadd(5, b0 + kb * 512, 64);
+            _tile_loadd(6, b1 + kb * 512, 64);
+            _tile_loadd(7, b2 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, b3 + kb * 512, 64);
+            _tile_dpbf16ps(3, 4, 5);
+          }
+          _tile_stored(2, c[2], 64);
+          _tile_stored(3, c[3], 64);
+        } else {
+          _tile_zero(0); _tile_zero(1);
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            prefetch(b0, kb); prefetch(b1, kb);
+            _tile_loadd(4, xp + kb * 32, Kp * 2);
+            _tile_loadd(5, b0 + kb * 512, 64);
+            _tile_loadd(6, b1 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+          }
         }
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
-        const int64_t rows = std::min<int64_t>(16, R - m0);
-        for (int h = 0; h < 2; ++h) {
-          const int64_t nbase = (2 * p + h) * 16;
-          const int64_t cols = std::min<int64_t>(16, n_out - nbase);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < cols; ++j) {
-              const float v = c[h][r][j] + (bp ? bp[nbase + j] : 0.f);
-              if (of) of[(m0 + r) * n_out + nbase + j] = v;
-              else ob[(m0 + r) * n_out + nbase + j] = to_bf16(v);
-            }
+        for (int64_t j = 0; j < count; ++j) emit(c[j], 0, nb0 + j);
+      }
+      _tile_release();
+    });
+  } else if (Mp == 32) {
+    // 17..32 rows (a batch's verify): 2 row blocks x 2 output blocks per pass, so the weights of a pass are
+    // read from memory once for 32 rows (tiles: C 0-3, A 4-5, B 6-7)
+    at::parallel_for(0, NBk / 2, 1, [&](int64_t p0, int64_t p1) {
+      configure();
+      alignas(64) float c[4][16][16];
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint16_t* b0 = wpp + (2 * p) * KB * 512;
+        const uint16_t* b1 = b0 + KB * 512;
+        {
+          const int64_t m0 = 0;
+          const uint16_t* a0 = xp;
+          const uint16_t* a1 = a0 + 16 * Kp;
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            prefetch(b0, kb); prefetch(b1, kb);
+            _tile_loadd(4, a0 + kb * 32, Kp * 2);
+            _tile_loadd(5, a1 + kb * 32, Kp * 2);
+            _tile_loadd(6, b0 + kb * 512, 64);
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          _tile_stored(0, c[0], 64);
+          _tile_stored(1, c[1], 64);
+          _tile_stored(2, c[2], 64);
+          _tile_stored(3, c[3], 64);
+          emit(c[0], m0, 2 * p);
+          emit(c[1], m0, 2 * p + 1);
+          emit(c[2], m0 + 16, 2 * p);
+          emit(c[3], m0 + 16, 2 * p + 1);
         }
       }
-    }
-    _tile_release();
-  });
+      _tile_release();
+    });
+  } else {
+    // more rows (large batches, prefill): row blocks one after another for each pair of output blocks, the
+    // pair's weights re-read from L2 (measured faster above 32 rows than passes over pairs of row blocks)
+    at::parallel_for(0, NBk / 2, 1, [&](int64_t p0, int64_t p1) {
+      configure();
+      alignas(64) float c[2][16][16];
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint16_t* b0 = wpp + (2 * p) * KB * 512;
+        const uint16_t* b1 = b0 + KB * 512;
+        for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+          const uint16_t* a = xp + m0 * Kp;
+          _tile_zero(0); _tile_zero(1);
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            prefetch(b0, kb); prefetch(b1, kb);
+            _tile_loadd(2, a + kb * 32, Kp * 2);
+            _tile_loadd(3, b0 + kb * 512, 64);
+            _tile_loadd(4, b1 + kb * 512, 64);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+          }
+          _tile_stored(0, c[0], 64);
+          _tile_stored(1, c[1], 64);
+          emit(c[0], m0, 2 * p);
+          emit(c[1], m0, 2 * p + 1);
+        }
+      }
+      _tile_release();
+    });
+  }
   return out;
 }
 
