@@ -5,7 +5,8 @@ position in one forward (teacher forcing):
 
     perplexity     exp(mean NLL of the text's next tokens)          per dtype
     top-1 agree    share of positions whose argmax equals float32's
-    decode ms      median one-token decode step after the text (the plain-decoding cost), and its ratio
+    decode ms      median one-token decode step after the text (the plain-decoding cost), and its ratio; the
+                   dtypes' steps interleaved (the machine is shared: a slow spell hits both)
 """
 
 from __future__ import annotations
@@ -26,18 +27,25 @@ from model_runtime.precision import dtype_name, target_dtype
 TEXT = Path(__file__).parent / "prompts" / "quality_text.txt"
 
 
-def _decode_ms(model: CausalLM, prompt: list[int], steps: int) -> float:
+def _interleaved_decode_ms(models: dict[str, CausalLM], prompt: list[int], steps: int) -> dict[str, float]:
+    """Median one-token decode step per model after `prompt`, the models' steps interleaved (one step of each in
+    turn), so a slower or faster spell of the shared machine falls on every dtype alike."""
     blocks = -(-(len(prompt) + steps + 1) // 16) + 1
-    alloc, kv = LocalAllocator(blocks, 16), model.allocate_kv(blocks, 16)
-    seq = LocalSequence()
-    (logits,) = model.forward_seqs([alloc.extend(seq, prompt, logits="last")], kv)
-    times = []
+    state = {}
+    for name, model in models.items():
+        alloc, kv, seq = LocalAllocator(blocks, 16), model.allocate_kv(blocks, 16), LocalSequence()
+        (logits,) = model.forward_seqs([alloc.extend(seq, prompt, logits="last")], kv)
+        state[name] = (alloc, kv, seq, logits)
+    times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(steps):
-        token = int(logits[-1].argmax())
-        start = time.perf_counter()
-        (logits,) = model.forward_seqs([alloc.extend(seq, [token])], kv)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for name, model in models.items():
+            alloc, kv, seq, logits = state[name]
+            token = int(logits[-1].argmax())
+            start = time.perf_counter()
+            (logits,) = model.forward_seqs([alloc.extend(seq, [token])], kv)
+            times[name].append(time.perf_counter() - start)
+            state[name] = (alloc, kv, seq, logits)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def run_precision_bench(model_name: str, dtypes: list[str], decode_steps: int = 16,
@@ -50,6 +58,7 @@ def run_precision_bench(model_name: str, dtypes: list[str], decode_steps: int = 
     targets = torch.tensor(ids[1:])
     rows: dict[str, dict[str, Any]] = {}
     argmax: dict[str, torch.Tensor] = {}
+    models: dict[str, CausalLM] = {}
     for name in dtypes:
         dtype = target_dtype(name, "cpu")
         progress(f"precision: {model_name} in {dtype_name(dtype)}: scoring {len(ids)} tokens")
@@ -60,10 +69,11 @@ def run_precision_bench(model_name: str, dtypes: list[str], decode_steps: int = 
         logprobs = logits[:-1].double().log_softmax(-1)
         nll = -logprobs.gather(1, targets[:, None]).mean().item()
         argmax[dtype_name(dtype)] = logits[:-1].argmax(-1)
-        progress(f"precision: {model_name} in {dtype_name(dtype)}: timing {decode_steps} decode steps")
-        rows[dtype_name(dtype)] = {"perplexity": math.exp(nll), "decode_ms": _decode_ms(model, ids, decode_steps),
-                                   "linear_kernel": model.linear_kernel}
-        del model
+        rows[dtype_name(dtype)] = {"perplexity": math.exp(nll), "linear_kernel": model.linear_kernel}
+        models[dtype_name(dtype)] = model
+    progress(f"precision: {model_name}: timing {decode_steps} decode steps of each dtype, interleaved")
+    for name, ms in _interleaved_decode_ms(models, ids, decode_steps).items():
+        rows[name]["decode_ms"] = ms
     reference = argmax.get("float32")
     for name, row in rows.items():
         if reference is not None:
