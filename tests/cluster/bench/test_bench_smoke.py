@@ -72,3 +72,17 @@ def test_bench_spec_quick_json(smollm2_dir: Path, tmp_path: Path, capsys: pytest
     assert {h["mode"] for h in result["hf"]} == {"plain", "prompt_lookup"}
     assert all(h["output_tokens"] > 0 and positive(h["tokens_per_second"]) for h in result["hf"])
     assert "vs hf peer" in capsys.readouterr().out
+
+
+def test_bench_precision(smollm2_dir: Path) -> None:
+    """Both dtypes score the shipped text and time interleaved decode steps; bf16's perplexity stays near fp32's."""
+    from cluster.bench.precision import format_precision, run_precision_bench
+
+    result = run_precision_bench("smollm2-135m", ["float32", "bfloat16"], decode_steps=3)
+    rows = result["dtypes"]
+    assert set(rows) == {"float32", "bfloat16"} and result["tokens"] > 300
+    assert rows["float32"]["top1_agreement_vs_float32"] == 1.0 and rows["bfloat16"]["top1_agreement_vs_float32"] > 0.9
+    assert abs(rows["bfloat16"]["perplexity"] / rows["float32"]["perplexity"] - 1) < 0.02
+    assert all(positive(r["decode_ms"]) and positive(r["decode_speedup_vs_float32"]) for r in rows.values())
+    assert rows["float32"]["linear_kernel"] == "torch" and rows["bfloat16"]["linear_kernel"]
+    assert "bfloat16" in format_precision(result)
