@@ -29,7 +29,8 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "amx_linear.cpp"
-CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw", "-fopenmp"]
+CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
+          "-fopenmp"]
 _STATE: dict[str, object] = {}
 
 
@@ -39,7 +40,7 @@ def _cpu_has_amx() -> bool:
             flags = f.read()
     except OSError:
         return False
-    return all(flag in flags for flag in ("amx_bf16", "amx_int8", "amx_tile"))
+    return all(flag in flags for flag in ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16"))
 
 
 def _build_dir() -> Path:
