@@ -20,9 +20,9 @@ from model_runtime.attention import paged_attention
 from model_runtime.batch import ForwardBatch, SeqInput
 from model_runtime.config import ModelConfig
 from model_runtime.kv_pool import KVPool
-from model_runtime.packed_weight import PackedBF16, PackedInt8, pack_weights
+from model_runtime.packed_weight import PackedBF16, PackedInt8
 from model_runtime.small_matmul import calibrate_all, linear
-from model_runtime.weights import LayerWeights, ModelWeights, load_weights
+from model_runtime.weights import LayerWeights, ModelWeights, load_weights, pack_weights
 
 log = logging.getLogger(__name__)
 

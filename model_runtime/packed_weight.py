@@ -11,13 +11,7 @@ as a second copy (Qwen-1.5B: 467 MB).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from model_runtime.weights import ModelWeights
 
 
 def _pad_to(n: int, multiple: int) -> int:
@@ -97,14 +91,3 @@ Packed = PackedBF16 | PackedInt8
 def as_tensor(weight: torch.Tensor | Packed) -> torch.Tensor:
     """The [N, K] tensor (a copy for a packed weight, dequantized for int8)."""
     return weight if isinstance(weight, torch.Tensor) else weight.unpack()
-
-
-def pack_weights(weights: ModelWeights, kind: type[PackedBF16] | type[PackedInt8] = PackedBF16) -> ModelWeights:
-    """The same weights with every linear layer packed (one layer at a time, so peak memory grows by one
-    layer's weights); norms, biases and the embedding stay tensors."""
-    layers = []
-    for i, lw in enumerate(weights.layers):
-        layers.append(dataclasses.replace(
-            lw, qkv=kind(lw.qkv), o=kind(lw.o), gate_up=kind(lw.gate_up), down=kind(lw.down)))
-        weights.layers[i] = layers[-1]  # drop the unpacked tensors now
-    return dataclasses.replace(weights, layers=layers, lm_head=kind(weights.lm_head))

@@ -12,6 +12,7 @@ Embedding, norms and lm_head are replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from model_runtime.config import ModelConfig
-from model_runtime.packed_weight import Packed
+from model_runtime.packed_weight import Packed, PackedBF16, PackedInt8
 
 
 @dataclass
@@ -117,3 +118,14 @@ def load_weights(
     embed = cast(src.rows("model.embed_tokens.weight"))
     lm_head = cast(src.rows("lm_head.weight")) if src.has("lm_head.weight") else embed
     return ModelWeights(embed=embed, layers=layers, final_norm=cast(src.rows("model.norm.weight")), lm_head=lm_head)
+
+
+def pack_weights(weights: ModelWeights, kind: type[PackedBF16] | type[PackedInt8] = PackedBF16) -> ModelWeights:
+    """The same weights with every linear layer packed (one layer at a time, so peak memory grows by one
+    layer's weights); norms, biases and the embedding stay tensors."""
+    layers = []
+    for i, lw in enumerate(weights.layers):
+        layers.append(dataclasses.replace(
+            lw, qkv=kind(lw.qkv), o=kind(lw.o), gate_up=kind(lw.gate_up), down=kind(lw.down)))
+        weights.layers[i] = layers[-1]  # drop the unpacked tensors now
+    return dataclasses.replace(weights, layers=layers, lm_head=kind(weights.lm_head))
