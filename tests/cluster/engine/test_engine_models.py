@@ -52,7 +52,10 @@ def test_smollm2_batch_8_k_4_equals_each_request_alone(smollm2_dir: Path) -> Non
     prompts = [engine.tokenizer(t)["input_ids"] for t in EIGHT_PROMPTS]
     reqs = [request(f"r{i}", p, max_tokens=16, k=4, draft="model") for i, p in enumerate(prompts)]
     got = run(engine, reqs)
-    assert 8 * (4 + 1) in engine.stats()["cost_model"]["verify_seconds_by_tokens"]  # a 40-row verify ran
+    # a wide verify ran: 5 rows for each request still running after the first round (one that met EOS within
+    # its first 5 tokens has left; which ones do depends on the kernels' rounding, not on the batch)
+    running = sum(len(got[r.request_id]) > 4 + 1 for r in reqs)
+    assert running >= 6 and running * (4 + 1) in engine.stats()["cost_model"]["verify_seconds_by_tokens"]
     eos = set(engine.eos_token_ids)
     for r, p in zip(reqs, prompts, strict=True):
         assert got[r.request_id] == plain_greedy(smollm2_dir, p, r.sampling.max_tokens, eos), r.request_id
