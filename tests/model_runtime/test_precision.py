@@ -28,8 +28,11 @@ def test_auto_follows_the_device_and_the_cpu(monkeypatch: pytest.MonkeyPatch) ->
     assert target_dtype("float32", "cuda:0") == torch.float32
     with pytest.raises(ValueError, match="float16"):
         target_dtype("float16", "cpu")  # the target runs float32 or bfloat16 only
+    assert draft_dtype("int8", "cpu") == torch.int8  # a draft may run int8 linears (AMX), never the target
     with pytest.raises(ValueError, match="unknown dtype"):
-        draft_dtype("int8", "cpu")
+        target_dtype("int8", "cpu")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        draft_dtype("int4", "cpu")
 
 
 def incremental_logits(model: CausalLM) -> torch.Tensor:
