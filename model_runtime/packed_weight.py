@@ -18,23 +18,39 @@ def _pad_to(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-class PackedBF16:
-    """One linear layer's weight [out_features, in_features] in AMX tiles. Immutable after construction."""
+class _PackedLinear:
+    """What both packings share: the [N, K] shape, the kernel module (resolved once, off the hot path)."""
+
+    dtype: torch.dtype
 
     def __init__(self, weight: torch.Tensor) -> None:
-        assert weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.device.type == "cpu"
+        from model_runtime.amx_kernel import kernel
+
+        assert weight.dim() == 2 and weight.device.type == "cpu"
+        module = kernel()
+        assert module is not None, f"a {type(self).__name__} exists only where the AMX kernel runs"
+        self._module = module
+        self.shape = torch.Size(weight.shape)
+        self.device = weight.device
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+class PackedBF16(_PackedLinear):
+    """One linear layer's weight [out_features, in_features] in AMX tiles. Immutable after construction."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        assert weight.dtype == torch.bfloat16
+        super().__init__(weight)
         n, k = weight.shape
         np_, kp = _pad_to(n, 32), _pad_to(k, 32)
         padded = weight if (np_, kp) == (n, k) else torch.zeros(np_, kp, dtype=weight.dtype)
         if padded is not weight:
             padded[:n, :k] = weight
         self.packed = padded.view(np_ // 16, 16, kp // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-        self.shape = torch.Size((n, k))
-        self.dtype = torch.bfloat16
-        self.device = weight.device
-
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
 
     def unpack(self) -> torch.Tensor:
         nb, kb = self.packed.shape[:2]
@@ -42,20 +58,18 @@ class PackedBF16:
         return full[: self.shape[0], : self.shape[1]].contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_fp32: bool = False) -> torch.Tensor:
-        from model_runtime.amx_kernel import kernel
-
-        module = kernel()
-        assert module is not None, "a PackedBF16 exists only where the AMX kernel runs"
-        return module.amx_linear(x.contiguous(), self.packed, self.shape[0], bias, out_fp32)
+        return self._module.amx_linear(x, self.packed, self.shape[0], bias, out_fp32)
 
 
-class PackedInt8:
+class PackedInt8(_PackedLinear):
     """One linear layer's weight quantized to int8 per output channel (symmetric, scale = max|w| / 127) and packed
     into AMX's int8 tiles: packed[nb, kb, i, 4 * j + p] = Wq[16 * nb + j, 64 * kb + 4 * i + p]. Activations are
     quantized per row in the kernel. Outputs are bfloat16. Immutable after construction."""
 
+    dtype = torch.int8
+
     def __init__(self, weight: torch.Tensor) -> None:
-        assert weight.dim() == 2 and weight.device.type == "cpu"
+        super().__init__(weight)
         n, k = weight.shape
         np_, kp = _pad_to(n, 32), _pad_to(k, 64)
         padded = torch.zeros(np_, kp, dtype=torch.float32)
@@ -63,12 +77,6 @@ class PackedInt8:
         self.scale = (padded.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).contiguous()
         quantized = torch.round(padded / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
         self.packed = quantized.view(np_ // 16, 16, kp // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous()
-        self.shape = torch.Size((n, k))
-        self.dtype = torch.int8
-        self.device = weight.device
-
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
 
     def unpack(self) -> torch.Tensor:
         """The dequantized [N, K] weight (bfloat16)."""
@@ -77,11 +85,7 @@ class PackedInt8:
         return full[: self.shape[0], : self.shape[1]].bfloat16().contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_fp32: bool = False) -> torch.Tensor:
-        from model_runtime.amx_kernel import kernel
-
-        module = kernel()
-        assert module is not None, "a PackedInt8 exists only where the AMX kernel runs"
-        out = module.amx_linear_i8(x.bfloat16(), self.packed, self.scale, self.shape[0], bias)
+        out = self._module.amx_linear_i8(x.bfloat16(), self.packed, self.scale, self.shape[0], bias)
         return out.float() if out_fp32 else out
 
 
