@@ -34,13 +34,17 @@ CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx51
 _STATE: dict[str, object] = {}
 
 
-def _cpu_has_amx() -> bool:
+def cpu_has_amx() -> bool:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             flags = f.read()
     except OSError:
         return False
     return all(flag in flags for flag in ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16"))
+
+
+def turned_off() -> bool:
+    return os.environ.get("SPECSERVE_CPU_KERNEL", "auto") == "onednn"
 
 
 def _build_dir() -> Path:
@@ -54,9 +58,9 @@ def _build_dir() -> Path:
 
 
 def _load() -> tuple[ModuleType | None, str]:
-    if os.environ.get("SPECSERVE_CPU_KERNEL", "auto") == "onednn":
+    if turned_off():
         return None, "off: SPECSERVE_CPU_KERNEL=onednn"
-    if not _cpu_has_amx():
+    if not cpu_has_amx():
         return None, "off: this CPU has no AMX (amx_bf16, amx_int8, amx_tile)"
     try:
         import ninja  # type: ignore[import-untyped]

@@ -21,7 +21,11 @@ needs_bf16 = pytest.mark.skipif(not precision.cpu_has_bf16(), reason="no bf16 in
 
 def test_auto_follows_the_device_and_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)
-    assert target_dtype("auto", "cpu") == torch.bfloat16 and draft_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(precision, "cpu_runs_amx", lambda: True)
+    assert target_dtype("auto", "cpu") == torch.bfloat16 and draft_dtype("auto", "cpu") == torch.int8
+    assert draft_dtype("auto", "cuda:0") == torch.bfloat16
+    monkeypatch.setattr(precision, "cpu_runs_amx", lambda: False)
+    assert draft_dtype("auto", "cpu") == torch.bfloat16
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)
     assert target_dtype("auto", "cpu") == torch.float32 and draft_dtype("auto", "cpu") == torch.float16
     assert target_dtype("auto", "cuda:0") == torch.bfloat16
@@ -33,6 +37,12 @@ def test_auto_follows_the_device_and_the_cpu(monkeypatch: pytest.MonkeyPatch) ->
         target_dtype("int8", "cpu")
     with pytest.raises(ValueError, match="unknown dtype"):
         draft_dtype("int4", "cpu")
+
+
+def test_the_kernel_switch_turns_int8_drafts_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSERVE_CPU_KERNEL", "onednn")
+    assert not precision.cpu_runs_amx()
+    assert draft_dtype("auto", "cpu") in (torch.bfloat16, torch.float16)
 
 
 def incremental_logits(model: CausalLM) -> torch.Tensor:
