@@ -19,6 +19,8 @@ Contract = Literal["exact", "greedy", "typical"]
 CONTRACTS: tuple[str, ...] = ("exact", "greedy", "typical")
 DRAFT_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16", "int8")  # see model_runtime.precision
 TARGET_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")  # see model_runtime.precision.target_dtype
+DRAFT_AUTO = ("int8 on CPUs with AMX, bfloat16 on CUDA and other CPUs with bf16 instructions, float16 on the "
+              "rest")  # what model_runtime.precision.draft_dtype("auto", ...) picks, for the CLI's and config's help
 FinishReason = Literal["stop", "length", "eos", "abort", "error"]
 MAX_TOKENS_LIMIT = 8192
 MIN_TEMPERATURE = 1e-3  # below it, logits / temperature overflows float32: 0 (greedy) or at least this

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.cli.generate import parse_k
-from specserve_types.api import DRAFT_DTYPES, TARGET_DTYPES
+from specserve_types.api import DRAFT_AUTO, DRAFT_DTYPES, TARGET_DTYPES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -64,8 +64,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     help="target model precision (default auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or "
                          "AMX, float32 elsewhere)")
     sp.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
-                    help="draft model precision (default auto: bfloat16 where the target's auto is, float16 on "
-                         "other CPUs)")
+                    help=f"draft model precision (default auto: {DRAFT_AUTO})")
     sp.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     sp.add_argument("--tracing-overhead", action="store_true",
                     help="also run every config traced (every span sampled and exported to a file) and print "

@@ -23,6 +23,7 @@ from cluster.engine.round_spans import RoundSpans
 from cluster.serving.config import NGRAM_DRAFT, ClusterConfig, ConfigError, make_config
 from specserve_types.api import (
     CONTRACTS,
+    DRAFT_AUTO,
     DRAFT_DTYPES,
     TARGET_DTYPES,
     GenerationRequest,
@@ -55,8 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="target model precision (auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or AMX, "
                         "float32 elsewhere); greedy output equals plain greedy decoding of the same dtype")
     p.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
-                   help="draft model precision (auto: bfloat16 where the target's auto is, float16 on other CPUs); "
-                        "changes acceptance, never the output")
+                   help=f"draft model precision (auto: {DRAFT_AUTO}); changes acceptance, never the output")
     p.add_argument("--no-warm-up", action="store_true",
                    help="skip measuring verify/draft costs before generating (auto then learns them in the first "
                         "rounds)")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.serving.cpu_quota import available_cpus
+from specserve_types.api import DRAFT_AUTO
 from specserve_types.tracing import ENV_OTLP_ENDPOINT, OTEL_ENDPOINT_VARS, TracingSettings
 
 if TYPE_CHECKING:
@@ -62,8 +63,7 @@ class ClusterConfig(BaseModel):
         "auto", description="target model precision (auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or AMX, "
                             "float32 elsewhere); greedy output equals plain greedy decoding of the same dtype")
     draft_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = Field(
-        "auto", description="draft model precision (auto: bfloat16 where the target's auto is bfloat16, float16 on "
-                            "other CPUs); changes acceptance, never the output")
+        "auto", description=f"draft model precision (auto: {DRAFT_AUTO}); changes acceptance, never the output")
 
     # deployments
     ingress_replicas: int = Field(1, ge=1, le=64)
