@@ -40,13 +40,15 @@ class WidthGroup:
     width: int
     slots: torch.Tensor  # [seqs, width] long: each sequence's key slots, padded with its first slot
     rows: torch.Tensor  # [seqs, rows] long: rows of the flat batch (padding repeats a real row)
-    visible: torch.Tensor  # [seqs, rows, width] bool
+    hidden: torch.Tensor  # [seqs, rows, width] bool: the keys a row may not see (masked out)
     real: torch.Tensor  # [seqs * rows] bool: which entries are real rows (the rest is padding)
     real_rows: torch.Tensor  # rows.flatten()[real]: where the real entries' outputs go
+    all_real: bool = False  # no padding entries (every sequence has as many rows in this group)
+    in_order: bool = False  # all_real and the rows are 0..T-1 in order: the group's output is the forward's
 
     def to(self, device: torch.device) -> WidthGroup:
-        return WidthGroup(self.width, self.slots.to(device), self.rows.to(device), self.visible.to(device),
-                          self.real.to(device), self.real_rows.to(device))
+        return WidthGroup(self.width, self.slots.to(device), self.rows.to(device), self.hidden.to(device),
+                          self.real.to(device), self.real_rows.to(device), self.all_real, self.in_order)
 
 
 def _seq_rows_by_width(offset: int, kv_slots: torch.Tensor, mask: torch.Tensor
@@ -81,8 +83,11 @@ def plan_attention(seqs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[
         rows_t = torch.stack([torch.cat([r, r[:1].expand(most - r.shape[0])]) for _, r, _ in members])
         visible = torch.stack([torch.cat([v, v[:1].expand(most - v.shape[0], -1)]) for _, _, v in members])
         real = torch.stack([torch.arange(most) < r.shape[0] for _, r, _ in members]).flatten()
-        groups.append(WidthGroup(width, torch.stack([s for s, _, _ in members]), rows_t, visible, real,
-                                 rows_t.flatten()[real]))
+        flat = rows_t.flatten()
+        all_real = bool(real.all())
+        in_order = all_real and bool((flat == torch.arange(flat.numel())).all())
+        groups.append(WidthGroup(width, torch.stack([s for s, _, _ in members]), rows_t, ~visible, real,
+                                 flat[real], all_real, in_order))
     return tuple(groups)
 
 
@@ -105,9 +110,11 @@ def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
         kg = keys.float().permute(0, 2, 3, 1)  # [seqs, kv_heads, d, width]
         vg = values.float().permute(0, 2, 1, 3)  # [seqs, kv_heads, width, d]
         scores = torch.matmul(qg, kg).view(seqs, kv_heads, rows, group, g.width)
-        scores.masked_fill_(~g.visible[:, None, :, None, :], float("-inf"))
+        scores.masked_fill_(g.hidden[:, None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(seqs, kv_heads, rows * group, g.width)
         og = torch.matmul(probs, vg).view(seqs, kv_heads, rows, group, d).permute(0, 2, 1, 3, 4)
-        og = og.reshape(seqs * rows, heads, d)[g.real]
-        out.index_copy_(0, g.real_rows, og.to(q.dtype))
+        og = og.reshape(seqs * rows, heads, d)
+        if g.in_order and len(groups) == 1:
+            return og.to(q.dtype)  # one group, every row in order: no scatter
+        out.index_copy_(0, g.real_rows, (og if g.all_real else og[g.real]).to(q.dtype))
     return out

@@ -34,17 +34,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, D] of each position; sin's first half negated, so that `apply_rope` rotates with one roll
+    (x * cos + roll(x) * sin == transformers' x * cos + rotate_half(x) * sin, bitwise: (-a) * b == a * (-b))."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim))
     freqs = positions[:, None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    half = head_dim // 2
+    sin = emb.sin().to(dtype)
+    sin[:, :half].neg_()
+    return emb.cos().to(dtype), sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """x: [T, heads, D]; cos/sin: [T, D] from `rope_cos_sin` (sin's first half negated)."""
+    return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, dims=-1) * sin[:, None, :]
 
 
 def _packed_for_cpu(weights: ModelWeights, int8: bool) -> tuple[ModelWeights, str]:
@@ -137,9 +140,8 @@ class CausalLM:
     ) -> torch.Tensor:
         d, hq, hkv = self.config.head_dim, self.num_heads, self.num_kv_heads
         tokens = x.shape[0]
-        q, k, v = linear(x, lw.qkv, lw.qkv_bias).split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = apply_rope(q.view(tokens, hq, d), cos, sin)
-        k = apply_rope(k.view(tokens, hkv, d), cos, sin)
+        qk, v = linear(x, lw.qkv, lw.qkv_bias).split([(hq + hkv) * d, hkv * d], dim=-1)
+        q, k = apply_rope(qk.reshape(tokens, hq + hkv, d), cos, sin).split([hq, hkv], dim=1)  # q and k in one
         v = v.view(tokens, hkv, d)
         k_flat, v_flat = kv.k[layer_idx].view(-1, hkv, d), kv.v[layer_idx].view(-1, hkv, d)
         k_flat.index_copy_(0, batch.slot_mapping, k)
