@@ -44,7 +44,7 @@ class WidthGroup:
     real: torch.Tensor  # [seqs * rows] bool: which entries are real rows (the rest is padding)
     real_rows: torch.Tensor  # rows.flatten()[real]: where the real entries' outputs go
     all_real: bool = False  # no padding entries (every sequence has as many rows in this group)
-    in_order: bool = False  # all_real and the rows are 0..T-1 in order: the group's output is the forward's
+    in_order: bool = False  # all_real and the rows are 0..n-1 in order (with n the forward's rows: the whole output)
 
     def to(self, device: torch.device) -> WidthGroup:
         return WidthGroup(self.width, self.slots.to(device), self.rows.to(device), self.hidden.to(device),
@@ -105,7 +105,9 @@ def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
         slots = g.slots.flatten()
         keys = k_flat.index_select(0, slots).view(seqs, g.width, kv_heads, d)
         values = v_flat.index_select(0, slots).view(seqs, g.width, kv_heads, d)
-        qg = (q.index_select(0, g.rows.flatten()).float() * scale).view(seqs, rows, kv_heads, group, d)
+        whole = g.in_order and seqs * rows == tokens  # this group is every row of the forward, in order
+        mine = q if whole else q.index_select(0, g.rows.flatten())
+        qg = (mine.float() * scale).view(seqs, rows, kv_heads, group, d)
         qg = qg.permute(0, 2, 1, 3, 4).reshape(seqs, kv_heads, rows * group, d)
         kg = keys.float().permute(0, 2, 3, 1)  # [seqs, kv_heads, d, width]
         vg = values.float().permute(0, 2, 1, 3)  # [seqs, kv_heads, width, d]
@@ -114,7 +116,7 @@ def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
         probs = torch.softmax(scores, dim=-1).view(seqs, kv_heads, rows * group, g.width)
         og = torch.matmul(probs, vg).view(seqs, kv_heads, rows, group, d).permute(0, 2, 1, 3, 4)
         og = og.reshape(seqs * rows, heads, d)
-        if g.in_order and len(groups) == 1:
-            return og.to(q.dtype)  # one group, every row in order: no scatter
+        if whole:
+            return og.to(q.dtype)  # no scatter
         out.index_copy_(0, g.real_rows, (og if g.all_real else og[g.real]).to(q.dtype))
     return out
