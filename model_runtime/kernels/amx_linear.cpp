@@ -34,19 +34,6 @@ void configure() {
   _tile_loadconfig(&cfg);
 }
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t to_bf16(float f) {
-  uint32_t u; std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
 }  // namespace
 
 bool amx_enable() {
@@ -221,14 +208,29 @@ torch::Tensor amx_linear_i8(torch::Tensor x, torch::Tensor wq, torch::Tensor wsc
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
   int8_t* xqp = xq.data_ptr<int8_t>();
   float* xsp = xs.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) {
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(bf16_to_float(xb[r * K + k])));
-    const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
-    xsp[r] = scale;
-    for (int64_t k = 0; k < K; ++k)
-      xqp[r * Kp + k] = static_cast<int8_t>(std::nearbyint(bf16_to_float(xb[r * K + k]) * inv));
-  }
+  // per row: amax, then round-to-nearest-even of x / scale (vectorised, 16 at a time; the tail masked)
+  auto widen = [&](const uint16_t* p, __mmask16 m) {  // 16 bf16 -> 16 float32 (exact)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  };
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* row = xb + r * K;
+      __m512 vmax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1u);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(widen(row + k, m)));
+      }
+      const float amax = _mm512_reduce_max_ps(vmax);
+      const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+      xsp[r] = scale;
+      const __m512 inv_v = _mm512_set1_ps(inv);
+      for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1u);
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(widen(row + k, m), inv_v));  // MXCSR: nearest even
+        _mm_mask_storeu_epi8(xqp + r * Kp + k, m, _mm512_cvtsepi32_epi8(q));
+      }
+    }
+  });
   auto out = torch::empty({R, n_out}, x.options());
   torch::Tensor b32;
   const float* bp = nullptr;
@@ -258,13 +260,18 @@ torch::Tensor amx_linear_i8(torch::Tensor x, torch::Tensor wq, torch::Tensor wsc
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
         const int64_t rows = std::min<int64_t>(16, R - m0);
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < 2; ++h) {  // y = (int32 dot) * xscale[r] * wscale[n] + bias[n], 16 outputs at once
           const int64_t nbase = (2 * p + h) * 16;
           const int64_t cols = std::min<int64_t>(16, n_out - nbase);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < cols; ++j)
-              ob[(m0 + r) * n_out + nbase + j] = to_bf16(
-                  static_cast<float>(c[h][r][j]) * xsp[m0 + r] * ws[nbase + j] + (bp ? bp[nbase + j] : 0.f));
+          if (cols <= 0) continue;
+          const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+          const __m512 ws_v = _mm512_maskz_loadu_ps(mask, ws + nbase);
+          const __m512 bias_v = bp ? _mm512_maskz_loadu_ps(mask, bp + nbase) : _mm512_setzero_ps();
+          for (int64_t r = 0; r < rows; ++r) {
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(c[h][r]));
+            const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(xsp[m0 + r])), ws_v), bias_v);
+            _mm256_mask_storeu_epi16(ob + (m0 + r) * n_out + nbase, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+          }
         }
       }
     }

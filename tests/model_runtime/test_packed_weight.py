@@ -93,6 +93,7 @@ def test_int8_stays_within_quantisation_error(shape: tuple[int, int]) -> None:
     assert ((as_tensor(packed).float() - weight.float()).abs() <= step * 0.5 + weight.float().abs() * 2 ** -8).all()
     alone = torch.cat([linear(x[i:i + 1], packed, bias) for i in range(0, 80, 7)])
     assert torch.equal(alone, linear(x[::7], packed, bias))  # per-row scales: a row alone is the same row
+    assert torch.equal(alone, linear(x, packed, bias)[::7])  # among 80 rows (five 16-row blocks) too
 
 
 def test_an_int8_model_agrees_with_its_bf16_self(smollm2_dir: Path) -> None:
