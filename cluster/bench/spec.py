@@ -90,6 +90,7 @@ class SpecSettings:
     llamacpp: bool = False  # also llama.cpp on the same GGUF files, greedy (cluster/bench/llamacpp.py)
     llamacpp_only: bool = False  # llama.cpp alone: neither our engine nor transformers
     llamacpp_draft_tokens: int = 4  # tokens llama.cpp's draft model proposes per round
+    repeats: int = 1  # batch > 1: runs of every config, in rotating order (figures over all runs)
 
     def __post_init__(self) -> None:
         if self.draft == "none" and "model" in self.drafts:
@@ -97,6 +98,7 @@ class SpecSettings:
         assert set(self.drafts) <= {"model", "ngram"}, self.drafts
         assert self.ks and all(k is None or 1 <= k <= 8 for k in self.ks), self.ks
         assert all(b >= 1 for b in self.batches) and self.max_tokens >= 1 and self.per_category >= 1
+        assert self.repeats >= 1, self.repeats
 
 
 QUICK = dict(model="smollm2-135m", draft="none", drafts=["ngram"], categories=["code", "qa", "copy-edit"],
@@ -333,9 +335,18 @@ class SpecBench:
                 if batch == 1:
                     self._interleaved(configs, temperature)
                 else:
-                    for config in configs:
-                        self.run_ours(config, self.prompts)
+                    self._repeated(configs)
         return self.report()
+
+    def _repeated(self, configs: list[Config]) -> None:
+        """Batch > 1: every config runs all prompts at once, `repeats` times, the order rotating each time, so a
+        slow spell of the shared machine falls on every config alike; a config's figures sum its runs."""
+        for r in range(self.s.repeats):
+            if self.s.repeats > 1:
+                progress(f"spec: batch {configs[0].batch}: repeat {r + 1}/{self.s.repeats}")
+            shift = r % len(configs)
+            for config in configs[shift:] + configs[:shift]:
+                self.run_ours(config, self.prompts)
 
     def _interleaved(self, configs: list[Config], temperature: float) -> None:
         jobs: list[Config | str | LlamaCppJob] = [*configs, *self.hf_modes(), *self.llamacpp_jobs(temperature)]

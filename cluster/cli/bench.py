@@ -25,6 +25,13 @@ from cluster.cli.generate import parse_k
 from specserve_types.api import DRAFT_AUTO, DRAFT_DTYPES, TARGET_DTYPES
 
 
+def _at_least_one(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="benchmarks: runtime | spec | serve | kv (figures and JSON)")
     benches = p.add_subparsers(dest="bench", required=True)
@@ -59,6 +66,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sp.add_argument("--temperatures", nargs="+", type=float, default=None, help="default 0 0.7")
     sp.add_argument("--batches", nargs="+", type=int, default=None, help="concurrent requests (default 1 8)")
     sp.add_argument("--max-tokens", type=int, default=None, help="output tokens per prompt (default 64)")
+    sp.add_argument("--repeats", type=_at_least_one, default=None,
+                    help="batches above 1: runs of every config, in rotating order; its figures sum them (default 1)")
     sp.add_argument("--seed", type=int, default=None)
     sp.add_argument("--dtype", choices=TARGET_DTYPES, default=None,
                     help="target model precision (default auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or "
@@ -192,7 +201,8 @@ def _run_spec(args: argparse.Namespace) -> int:
     flags = {"model": args.model, "draft": args.draft, "drafts": args.drafts, "categories": args.categories,
              "per_category": args.per_category, "ks": args.ks, "temperatures": args.temperatures,
              "batches": args.batches, "max_tokens": args.max_tokens, "seed": args.seed,
-             "draft_dtype": args.draft_dtype, "dtype": args.dtype, "llamacpp_draft_tokens": args.llamacpp_draft_tokens}
+             "draft_dtype": args.draft_dtype, "dtype": args.dtype, "llamacpp_draft_tokens": args.llamacpp_draft_tokens,
+             "repeats": args.repeats}
     base.update({key: value for key, value in flags.items() if value is not None})
     if args.model and args.model != "qwen2.5-coder-1.5b" and args.draft is None and not args.quick:
         base.setdefault("draft", "none")

@@ -74,6 +74,25 @@ def test_bench_spec_quick_json(smollm2_dir: Path, tmp_path: Path, capsys: pytest
     assert "vs hf peer" in capsys.readouterr().out
 
 
+def test_bench_spec_repeats_batches_in_rotating_order(smollm2_dir: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """--repeats 2 at batch 2: every config runs its prompts twice, the order rotated, and its figures sum both
+    runs (greedy: the same tokens each time)."""
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--quick", "--categories", "copy-edit", "qa", "--batches", "2", "--ks", "2",
+                 "--max-tokens", "4", "--repeats", "2", "--no-hf", "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["repeats"] == 2
+    rows = {r["label"]: r for r in result["results"]}
+    assert set(rows) == {"plain", "ngram k=2"} and all(r["batch"] == 2 for r in rows.values())
+    assert all(r["output_tokens"] == 2 * 2 * 4 for r in rows.values())  # 2 runs x 2 prompts x 4 tokens
+    assert rows["ngram k=2"]["same_output_as_plain"] == 1.0
+    err = capsys.readouterr().err
+    assert "repeat 1/2" in err and "repeat 2/2" in err
+    runs = [line.split(": ")[2] for line in err.splitlines() if "batch 2 2 prompts:" in line]
+    assert runs == ["plain", "ngram k=2", "ngram k=2", "plain"]  # the second repeat starts one config later
+
+
 def test_bench_precision(smollm2_dir: Path) -> None:
     """Both dtypes score the shipped text and time interleaved decode steps; bf16's perplexity stays near fp32's."""
     from cluster.bench.precision import format_precision, run_precision_bench
