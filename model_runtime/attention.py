@@ -109,8 +109,9 @@ def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
         mine = q if whole else q.index_select(0, g.rows.flatten())
         qg = (mine.float() * scale).view(seqs, rows, kv_heads, group, d)
         qg = qg.permute(0, 2, 1, 3, 4).reshape(seqs, kv_heads, rows * group, d)
-        kg = keys.float().permute(0, 2, 3, 1)  # [seqs, kv_heads, d, width]
-        vg = values.float().permute(0, 2, 1, 3)  # [seqs, kv_heads, width, d]
+        # fp32 and head-major in one copy each; K^T is a transposed view (the products read it as it lies)
+        kg = keys.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format).transpose(2, 3)
+        vg = values.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)  # [seqs, kv, width, d]
         scores = torch.matmul(qg, kg).view(seqs, kv_heads, rows, group, g.width)
         scores.masked_fill_(g.hidden[:, None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(seqs, kv_heads, rows * group, g.width)
