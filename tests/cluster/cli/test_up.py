@@ -37,6 +37,7 @@ def config_text(grpc_port: int = GRPC_PORT, http_port: int = HTTP_PORT, dashboar
     return f"""\
 model: qwen2.5-coder-1.5b   # overridden by --model on the command line
 draft: qwen2.5-coder-0.5b   # overridden by --draft
+draft_dtype: bfloat16       # a model drafting for itself in its own precision: every greedy draft survives
 worker_threads: 1
 kv_blocks: 256
 max_context: 256

@@ -35,6 +35,7 @@ AFTER_TOKENS = 24
 def cluster_config() -> ClusterConfig:
     return load_config(
         model="smollm2-135m", draft="smollm2-135m", worker_threads=1, kv_blocks=128, block_size=16,
+        draft_dtype="bfloat16",  # drafting for itself in its own precision: every greedy draft survives
         queue_capacity=8, max_batch=4, max_context=256, grpc_port=GRPC_PORT, http_port=HTTP_PORT,
         drafter_retry_seconds=1.0, drafter_timeout_s=1.0, health_check_period_s=1.0, health_check_timeout_s=10.0,
         graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=2.0,

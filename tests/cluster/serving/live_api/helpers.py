@@ -24,7 +24,9 @@ def cluster_config(**overrides: object) -> ClusterConfig:
         model="smollm2-135m", draft="smollm2-135m", worker_threads=1, kv_blocks=512, block_size=16,
         queue_capacity=QUEUE_CAPACITY, max_batch=16, max_context=MAX_CONTEXT, grpc_port=GRPC_PORT,
         http_port=HTTP_PORT, health_check_period_s=1.0, health_check_timeout_s=10.0,
-        graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=2.0, **overrides,
+        graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=2.0,
+        # drafting for itself in its own precision: every greedy draft survives (test_serve_cluster.py)
+        **{"draft_dtype": "bfloat16", **overrides},
     )
 
 
