@@ -44,11 +44,11 @@ class WidthGroup:
     real: torch.Tensor  # [seqs * rows] bool: which entries are real rows (the rest is padding)
     real_rows: torch.Tensor  # rows.flatten()[real]: where the real entries' outputs go
     all_real: bool = False  # no padding entries (every sequence has as many rows in this group)
-    in_order: bool = False  # all_real and the rows are 0..n-1 in order (with n the forward's rows: the whole output)
+    whole: bool = False  # the group is every row of the forward, 0..T-1 in order: its output is the forward's
 
     def to(self, device: torch.device) -> WidthGroup:
         return WidthGroup(self.width, self.slots.to(device), self.rows.to(device), self.hidden.to(device),
-                          self.real.to(device), self.real_rows.to(device), self.all_real, self.in_order)
+                          self.real.to(device), self.real_rows.to(device), self.all_real, self.whole)
 
 
 def _seq_rows_by_width(offset: int, kv_slots: torch.Tensor, mask: torch.Tensor
@@ -73,6 +73,7 @@ def plan_attention(seqs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[
     """seqs: per sequence (offset of its first new token in the flat batch, kv_slots [L] of its past then new
     tokens, mask [n, L] bool). Built once per forward; every layer uses it."""
     by_width: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = defaultdict(list)
+    total = sum(mask.shape[0] for _, _, mask in seqs)  # the forward's rows
     for offset, kv_slots, mask in seqs:
         for width, slots, rows, visible in _seq_rows_by_width(offset, kv_slots, mask):
             by_width[width].append((slots, rows, visible))
@@ -85,9 +86,9 @@ def plan_attention(seqs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[
         real = torch.stack([torch.arange(most) < r.shape[0] for _, r, _ in members]).flatten()
         flat = rows_t.flatten()
         all_real = bool(real.all())
-        in_order = all_real and bool((flat == torch.arange(flat.numel())).all())
+        whole = all_real and flat.numel() == total and bool((flat == torch.arange(total)).all())
         groups.append(WidthGroup(width, torch.stack([s for s, _, _ in members]), rows_t, ~visible, real,
-                                 flat[real], all_real, in_order))
+                                 flat[real], all_real, whole))
     return tuple(groups)
 
 
@@ -105,8 +106,7 @@ def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
         slots = g.slots.flatten()
         keys = k_flat.index_select(0, slots).view(seqs, g.width, kv_heads, d)
         values = v_flat.index_select(0, slots).view(seqs, g.width, kv_heads, d)
-        whole = g.in_order and seqs * rows == tokens  # this group is every row of the forward, in order
-        mine = q if whole else q.index_select(0, g.rows.flatten())
+        mine = q if g.whole else q.index_select(0, g.rows.flatten())
         qg = (mine.float() * scale).view(seqs, rows, kv_heads, group, d)
         qg = qg.permute(0, 2, 1, 3, 4).reshape(seqs, kv_heads, rows * group, d)
         # fp32 and head-major in one copy each; K^T is a transposed view (the products read it as it lies)
@@ -117,7 +117,7 @@ def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
         probs = torch.softmax(scores, dim=-1).view(seqs, kv_heads, rows * group, g.width)
         og = torch.matmul(probs, vg).view(seqs, kv_heads, rows, group, d).permute(0, 2, 1, 3, 4)
         og = og.reshape(seqs * rows, heads, d)
-        if whole:
+        if g.whole:
             return og.to(q.dtype)  # no scatter
         out.index_copy_(0, g.real_rows, (og if g.all_real else og[g.real]).to(q.dtype))
     return out
