@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
 
 
 namespace {
@@ -26,12 +27,21 @@ struct alignas(64) TileConfig {
   uint8_t palette_id; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16];
 };
 
-void configure() {
+void configure(int ac_rows = 16, int ac_tiles = 0) {
+  // tiles [0, ac_tiles) (accumulators and activations) hold `ac_rows` rows; the rest (weights) 16
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  for (int t = 0; t < 8; ++t) { cfg.rows[t] = t < ac_tiles ? ac_rows : 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
+}
+
+// 16 bias values from outputs n0.. (bf16 or fp32; masked), widened to fp32 exactly
+__m512 load_bias(const torch::Tensor& bias, int64_t n0, __mmask16 mask) {
+  if (!bias.defined()) return _mm512_setzero_ps();
+  if (bias.scalar_type() == torch::kFloat32) return _mm512_maskz_loadu_ps(mask, bias.data_ptr<float>() + n0);
+  const uint16_t* b = reinterpret_cast<const uint16_t*>(bias.data_ptr()) + n0;
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, b)), 16));
 }
 
 }  // namespace
@@ -44,27 +54,31 @@ bool amx_enable() {
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::optional<torch::Tensor> bias, bool out_fp32) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && wp.scalar_type() == torch::kBFloat16);
   const int64_t R = x.size(0), K = x.size(1), NBk = wp.size(0), KB = wp.size(1);
-  // rows padded to one 16-row tile, to two up to 32 rows, to a multiple of 16 above
+  // rows: up to 16 in one tile of R rows; padded to two 16-row tiles up to 32 rows, to a multiple of 16 above
   const int64_t Kp = KB * 32, Mp = R <= 16 ? 16 : R <= 32 ? 32 : (R + 15) / 16 * 16;
   TORCH_CHECK(K <= Kp && Kp - K < 32 && NBk % 2 == 0 && n_out <= NBk * 16);
+  if (R == 0) return torch::empty({0, n_out}, x.options().dtype(out_fp32 ? torch::kFloat32 : torch::kBFloat16));
+  const int64_t Mx = Mp == 16 ? R : Mp;  // rows of x the tiles read
   torch::Tensor xpad;
-  if (Mp == R && Kp == K && x.is_contiguous()) xpad = x;
-  else { xpad = torch::zeros({Mp, Kp}, x.options()); xpad.narrow(0, 0, R).narrow(1, 0, K).copy_(x); }
+  if (Mx == R && Kp == K && x.is_contiguous()) xpad = x;
+  else { xpad = torch::zeros({Mx, Kp}, x.options()); xpad.narrow(0, 0, R).narrow(1, 0, K).copy_(x); }
   auto out = torch::empty({R, n_out}, x.options().dtype(out_fp32 ? torch::kFloat32 : torch::kBFloat16));
-  torch::Tensor b32;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) { b32 = bias->to(torch::kFloat32).contiguous(); bp = b32.data_ptr<float>(); }
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->scalar_type() == torch::kBFloat16 ? bias->contiguous() : bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(b.numel() >= n_out);
+  }
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xpad.data_ptr());
   const uint16_t* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   float* of = out_fp32 ? out.data_ptr<float>() : nullptr;
   uint16_t* ob = out_fp32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
-  // write one 16 x 16 accumulator tile: rows m0.., outputs 16 * nb..
+  // write one accumulator tile: rows m0.., outputs 16 * nb..
   // (vectorised: 16 outputs a row at once; bf16 rounding by vcvtneps2bf16, round to nearest even)
   auto emit = [&](const float (*c)[16], int64_t m0, int64_t nb) {
     const int64_t rows = std::min<int64_t>(16, R - m0), cols = std::min<int64_t>(16, n_out - nb * 16);
     if (rows <= 0 || cols <= 0) return;
     const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
-    const __m512 bias_v = bp ? _mm512_maskz_loadu_ps(mask, bp + nb * 16) : _mm512_setzero_ps();
+    const __m512 bias_v = load_bias(b, nb * 16, mask);
     for (int64_t r = 0; r < rows; ++r) {
       const __m512 v = _mm512_add_ps(_mm512_load_ps(c[r]), bias_v);
       const int64_t at = (m0 + r) * n_out + nb * 16;
@@ -79,21 +93,38 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::
     for (int l = 0; l < 1024; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
   };
   if (Mp == 16) {
-    // up to 16 rows (decode, a verify): 4 output blocks per pass, 4 independent accumulation chains
-    // (tiles: C 0-3, A 4, B 5-7)
-    at::parallel_for(0, (NBk + 3) / 4, 1, [&](int64_t q0, int64_t q1) {
-      configure();
+    // up to 16 rows (decode, a verify): tiles of R rows (A and C), 4 output blocks per pass, 4 independent
+    // accumulation chains (tiles: C 0-3, A 4, B 5-7). Passes are claimed one at a time from a shared counter
+    // (a thread slowed by the shared machine takes fewer), each thread claiming its next pass one ahead, so
+    // that the last tiles of a pass prefetch the first ones of the next.
+    const int64_t passes = (NBk + 3) / 4;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      configure(static_cast<int>(R), 5);
       alignas(64) float c[4][16][16];
-      for (int64_t q = q0; q < q1; ++q) {
+      int64_t q = next.fetch_add(1);
+      while (q < passes) {
+        const int64_t qn = next.fetch_add(1);
         const int64_t nb0 = 4 * q, count = std::min<int64_t>(4, NBk - nb0);  // 4, or 2 at the end
         const uint16_t* b0 = wpp + nb0 * KB * 512;
         const uint16_t* b1 = b0 + KB * 512;
+        const uint16_t* b2 = b1 + KB * 512;
+        const uint16_t* b3 = b2 + KB * 512;
+        // the next pass's streams (run on from this pass's: prefetching them ahead of its first tiles)
+        const uint16_t* n0 = qn < passes ? wpp + 4 * qn * KB * 512 : b0;
+        const int64_t ncount = qn < passes ? std::min<int64_t>(4, NBk - 4 * qn) : 0;
+        auto prefetch_pass = [&](int64_t kb, int64_t streams) {
+          if (kb + PREFETCH_TILES < KB) {
+            prefetch(b0, kb); prefetch(b1, kb);
+            if (streams == 4) { prefetch(b2, kb); prefetch(b3, kb); }
+          } else {
+            for (int64_t j = 0; j < ncount; ++j) prefetch(n0 + j * KB * 512, kb - KB);
+          }
+        };
         if (count == 4) {
-          const uint16_t* b2 = b1 + KB * 512;
-          const uint16_t* b3 = b2 + KB * 512;
           _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
           for (int64_t kb = 0; kb < KB; ++kb) {
-            prefetch(b0, kb); prefetch(b1, kb); prefetch(b2, kb); prefetch(b3, kb);
+            prefetch_pass(kb, 4);
             _tile_loadd(4, xp + kb * 32, Kp * 2);
             _tile_loadd(5, b0 + kb * 512, 64);
             _tile_loadd(6, b1 + kb * 512, 64);
@@ -109,7 +140,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::
         } else {
           _tile_zero(0); _tile_zero(1);
           for (int64_t kb = 0; kb < KB; ++kb) {
-            prefetch(b0, kb); prefetch(b1, kb);
+            prefetch_pass(kb, 2);
             _tile_loadd(4, xp + kb * 32, Kp * 2);
             _tile_loadd(5, b0 + kb * 512, 64);
             _tile_loadd(6, b1 + kb * 512, 64);
@@ -120,6 +151,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
         for (int64_t j = 0; j < count; ++j) emit(c[j], 0, nb0 + j);
+        q = qn;
       }
       _tile_release();
     });
