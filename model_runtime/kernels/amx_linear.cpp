@@ -235,7 +235,9 @@ torch::Tensor amx_linear_i8(torch::Tensor x, torch::Tensor wq, torch::Tensor wsc
   const int64_t R = x.size(0), K = x.size(1), NBk = wq.size(0), KB = wq.size(1);
   const int64_t Kp = KB * 64, Mp = (R + 15) / 16 * 16;
   TORCH_CHECK(K <= Kp && Kp - K < 64 && NBk % 2 == 0 && n_out <= NBk * 16 && wscale.numel() >= n_out);
-  auto xq = torch::zeros({Mp, Kp}, x.options().dtype(torch::kInt8));
+  if (R == 0) return torch::empty({0, n_out}, x.options());
+  const bool small = R <= 16;  // one tile of R rows, 4 output blocks a pass (as amx_linear's decode path)
+  auto xq = torch::zeros({small ? R : Mp, Kp}, x.options().dtype(torch::kInt8));
   auto xs = torch::empty({std::max<int64_t>(R, 1)}, x.options().dtype(torch::kFloat32));
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
   int8_t* xqp = xq.data_ptr<int8_t>();
@@ -270,6 +272,85 @@ torch::Tensor amx_linear_i8(torch::Tensor x, torch::Tensor wq, torch::Tensor wsc
   const int8_t* wp = wq.data_ptr<int8_t>();
   const float* ws = wscale.data_ptr<float>();
   uint16_t* ob = reinterpret_cast<uint16_t*>(out.data_ptr());
+  // y = (int32 dot) * xscale[r] * wscale[n] + bias[n] for one accumulator tile (rows m0.., outputs 16 * nb..)
+  auto emit = [&](const int32_t (*c)[16], int64_t m0, int64_t nb) {
+    const int64_t rows = std::min<int64_t>(16, R - m0), nbase = nb * 16, cols = std::min<int64_t>(16, n_out - nbase);
+    if (rows <= 0 || cols <= 0) return;
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+    const __m512 ws_v = _mm512_maskz_loadu_ps(mask, ws + nbase);
+    const __m512 bias_v = bp ? _mm512_maskz_loadu_ps(mask, bp + nbase) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(c[r]));
+      const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(xsp[m0 + r])), ws_v), bias_v);
+      _mm256_mask_storeu_epi16(ob + (m0 + r) * n_out + nbase, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    }
+  };
+  auto prefetch = [](const int8_t* b, int64_t kb) {
+    const char* p = reinterpret_cast<const char*>(b + (kb + PREFETCH_TILES) * 1024);
+    for (int l = 0; l < 1024; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+  };
+  if (small) {
+    // up to 16 rows (a draft's decode step): tiles of R rows, 4 output blocks a pass (C 0-3, A 4, B 5-7), passes
+    // claimed from a shared counter one ahead, the next pass's first tiles prefetched (amx_linear's scheme)
+    const int64_t passes = (NBk + 3) / 4;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      configure(static_cast<int>(R), 5);
+      alignas(64) int32_t c[4][16][16];
+      int64_t q = next.fetch_add(1);
+      while (q < passes) {
+        const int64_t qn = next.fetch_add(1);
+        const int64_t nb0 = 4 * q, count = std::min<int64_t>(4, NBk - nb0);
+        const int8_t* b0 = wp + nb0 * KB * 1024;
+        const int8_t* b1 = b0 + KB * 1024;
+        const int8_t* b2 = b1 + KB * 1024;
+        const int8_t* b3 = b2 + KB * 1024;
+        const int8_t* n0 = qn < passes ? wp + 4 * qn * KB * 1024 : b0;
+        const int64_t ncount = qn < passes ? std::min<int64_t>(4, NBk - 4 * qn) : 0;
+        auto prefetch_pass = [&](int64_t kb, int64_t streams) {
+          if (kb + PREFETCH_TILES < KB) {
+            prefetch(b0, kb); prefetch(b1, kb);
+            if (streams == 4) { prefetch(b2, kb); prefetch(b3, kb); }
+          } else {
+            for (int64_t j = 0; j < ncount; ++j) prefetch(n0 + j * KB * 1024, kb - KB);
+          }
+        };
+        if (count == 4) {
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            prefetch_pass(kb, 4);
+            _tile_loadd(4, xqp + kb * 64, Kp);
+            _tile_loadd(5, b0 + kb * 1024, 64);
+            _tile_loadd(6, b1 + kb * 1024, 64);
+            _tile_loadd(7, b2 + kb * 1024, 64);
+            _tile_dpbssd(0, 4, 5);
+            _tile_dpbssd(1, 4, 6);
+            _tile_dpbssd(2, 4, 7);
+            _tile_loadd(5, b3 + kb * 1024, 64);
+            _tile_dpbssd(3, 4, 5);
+          }
+          _tile_stored(2, c[2], 64);
+          _tile_stored(3, c[3], 64);
+        } else {
+          _tile_zero(0); _tile_zero(1);
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            prefetch_pass(kb, 2);
+            _tile_loadd(4, xqp + kb * 64, Kp);
+            _tile_loadd(5, b0 + kb * 1024, 64);
+            _tile_loadd(6, b1 + kb * 1024, 64);
+            _tile_dpbssd(0, 4, 5);
+            _tile_dpbssd(1, 4, 6);
+          }
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        for (int64_t j = 0; j < count; ++j) emit(c[j], 0, nb0 + j);
+        q = qn;
+      }
+      _tile_release();
+    });
+    return out;
+  }
   at::parallel_for(0, NBk / 2, 1, [&](int64_t p0, int64_t p1) {
     configure();
     alignas(64) int32_t c[2][16][16];
@@ -280,9 +361,7 @@ torch::Tensor amx_linear_i8(torch::Tensor x, torch::Tensor wq, torch::Tensor wsc
         _tile_zero(0); _tile_zero(1);
         const int8_t* a = xqp + m0 * Kp;
         for (int64_t kb = 0; kb < KB; ++kb) {
-          const char* pa = reinterpret_cast<const char*>(b0 + (kb + PREFETCH_TILES) * 1024);
-          const char* pb = reinterpret_cast<const char*>(b1 + (kb + PREFETCH_TILES) * 1024);
-          for (int l = 0; l < 1024; l += 64) { _mm_prefetch(pa + l, _MM_HINT_T0); _mm_prefetch(pb + l, _MM_HINT_T0); }
+          prefetch(b0, kb); prefetch(b1, kb);
           _tile_loadd(2, a + kb * 64, Kp);
           _tile_loadd(3, b0 + kb * 1024, 64);
           _tile_loadd(4, b1 + kb * 1024, 64);
@@ -291,20 +370,8 @@ torch::Tensor amx_linear_i8(torch::Tensor x, torch::Tensor wq, torch::Tensor wsc
         }
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
-        const int64_t rows = std::min<int64_t>(16, R - m0);
-        for (int h = 0; h < 2; ++h) {  // y = (int32 dot) * xscale[r] * wscale[n] + bias[n], 16 outputs at once
-          const int64_t nbase = (2 * p + h) * 16;
-          const int64_t cols = std::min<int64_t>(16, n_out - nbase);
-          if (cols <= 0) continue;
-          const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
-          const __m512 ws_v = _mm512_maskz_loadu_ps(mask, ws + nbase);
-          const __m512 bias_v = bp ? _mm512_maskz_loadu_ps(mask, bp + nbase) : _mm512_setzero_ps();
-          for (int64_t r = 0; r < rows; ++r) {
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(c[h][r]));
-            const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(xsp[m0 + r])), ws_v), bias_v);
-            _mm256_mask_storeu_epi16(ob + (m0 + r) * n_out + nbase, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-          }
-        }
+        emit(c[0], m0, 2 * p);
+        emit(c[1], m0, 2 * p + 1);
       }
     }
     _tile_release();
