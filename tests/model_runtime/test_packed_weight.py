@@ -75,6 +75,17 @@ def test_no_bias_and_non_contiguous_input() -> None:
     assert not strided.is_contiguous()
     assert torch.equal(linear(strided, packed), linear(x, packed))
     assert linear(x[:0], packed).shape == (0, 64)
+    int8 = PackedInt8(weight)
+    assert linear(x[:0], int8).shape == (0, 64) and linear(strided, int8).shape == (80, 64)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 40])
+def test_a_float32_bias_adds_the_same_values_as_its_bfloat16_self(rows: int) -> None:
+    """The kernel widens a bf16 bias itself (the model's) and takes a float32 one as it is: same values, same bits."""
+    weight, bias, x = _weight((96, 64))
+    packed = PackedBF16(weight)
+    for out_fp32 in (False, True):
+        assert torch.equal(packed(x[:rows], bias, out_fp32), packed(x[:rows], bias.float(), out_fp32))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -94,6 +105,9 @@ def test_int8_stays_within_quantisation_error(shape: tuple[int, int]) -> None:
     alone = torch.cat([linear(x[i:i + 1], packed, bias) for i in range(0, 80, 7)])
     assert torch.equal(alone, linear(x[::7], packed, bias))  # per-row scales: a row alone is the same row
     assert torch.equal(alone, linear(x, packed, bias)[::7])  # among 80 rows (five 16-row blocks) too
+    among = linear(x, packed, bias)
+    for rows in range(1, 17):  # 1..16 rows (one tile of that many rows) against 80 (16-row tiles)
+        assert torch.equal(linear(x[:rows], packed, bias), among[:rows]), rows
 
 
 def test_an_int8_model_agrees_with_its_bf16_self(smollm2_dir: Path) -> None:
