@@ -4,11 +4,12 @@
 // y[r, n] = sum_k x[r, k] * W[n, k] (+ bias[n]), x and W in bfloat16, accumulated in float32 tiles.
 // W is packed once at load (model_runtime/packed_weight.py) into AMX's B-operand layout:
 //   wp[nb, kb, i, 2 * j + p] = W[16 * nb + j, 32 * kb + 2 * i + p]    (16 x 32 bf16 = one 1 KB tile)
-// so each block of 16 outputs streams from memory as one contiguous run. x is zero-padded to 16-row
-// tiles; up to 16 rows go through 4 output blocks at a time, 17..32 rows as 2 x 2 tiles, more rows one
-// 16-row block after another. Each output element accumulates its 32-wide k-blocks in order into one tile element, whatever
-// rows share the tile or the call: a row's bits do not depend on how many rows are in the product, and
-// one row costs what 16 cost (the weights are streamed once either way).
+// so each block of 16 outputs streams from memory as one contiguous run. Up to 16 rows go through as one
+// tile of exactly those rows, 4 output blocks at a time; 17..32 rows as tiles of 16 and R - 16 rows x 2
+// output blocks; more rows zero-padded to 16-row blocks, one after another. Each output element accumulates
+// its 32-wide k-blocks in order into one tile element, whatever rows share the tile or the call: a row's bits
+// do not depend on how many rows are in the product, and one row costs what 16 cost (the weights are
+// streamed once either way).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <algorithm>
 #include <atomic>
+#include <initializer_list>
 
 
 namespace {
@@ -33,6 +35,15 @@ void configure(int ac_rows = 16, int ac_tiles = 0) {
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
   for (int t = 0; t < 8; ++t) { cfg.rows[t] = t < ac_tiles ? ac_rows : 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+}
+
+void configure_rows(std::initializer_list<int> rows) {  // rows of tiles 0..7 in turn (64 bytes each)
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  int t = 0;
+  for (int r : rows) { cfg.rows[t] = static_cast<uint8_t>(r); cfg.colsb[t] = 64; ++t; }
   _tile_loadconfig(&cfg);
 }
 
@@ -54,11 +65,11 @@ bool amx_enable() {
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::optional<torch::Tensor> bias, bool out_fp32) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && wp.scalar_type() == torch::kBFloat16);
   const int64_t R = x.size(0), K = x.size(1), NBk = wp.size(0), KB = wp.size(1);
-  // rows: up to 16 in one tile of R rows; padded to two 16-row tiles up to 32 rows, to a multiple of 16 above
+  // rows: up to 16 in one tile of R rows, up to 32 in tiles of 16 and R - 16 rows; padded to a multiple of 16 above
   const int64_t Kp = KB * 32, Mp = R <= 16 ? 16 : R <= 32 ? 32 : (R + 15) / 16 * 16;
   TORCH_CHECK(K <= Kp && Kp - K < 32 && NBk % 2 == 0 && n_out <= NBk * 16);
   if (R == 0) return torch::empty({0, n_out}, x.options().dtype(out_fp32 ? torch::kFloat32 : torch::kBFloat16));
-  const int64_t Mx = Mp == 16 ? R : Mp;  // rows of x the tiles read
+  const int64_t Mx = Mp <= 32 ? R : Mp;  // rows of x the tiles read (tiles of R rows up to 32)
   torch::Tensor xpad;
   if (Mx == R && Kp == K && x.is_contiguous()) xpad = x;
   else { xpad = torch::zeros({Mx, Kp}, x.options()); xpad.narrow(0, 0, R).narrow(1, 0, K).copy_(x); }
@@ -156,39 +167,45 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::
       _tile_release();
     });
   } else if (Mp == 32) {
-    // 17..32 rows (a batch's verify): 2 row blocks x 2 output blocks per pass, so the weights of a pass are
-    // read from memory once for 32 rows (tiles: C 0-3, A 4-5, B 6-7)
-    at::parallel_for(0, NBk / 2, 1, [&](int64_t p0, int64_t p1) {
-      configure();
+    // 17..32 rows (a batch's verify): 2 row blocks (16 and R - 16 rows) x 2 output blocks per pass, so the
+    // weights of a pass are read from memory once for all rows (tiles: C 0-1 rows 0..15, C 2-3 rows 16..,
+    // A 4 and 5, B 6-7); passes claimed and prefetched as in the <= 16-row path
+    const int64_t passes = NBk / 2;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      const int tail = static_cast<int>(R - 16);
+      configure_rows({16, 16, tail, tail, 16, tail, 16, 16});
       alignas(64) float c[4][16][16];
-      for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* a0 = xp;
+      const uint16_t* a1 = a0 + 16 * Kp;
+      int64_t p = next.fetch_add(1);
+      while (p < passes) {
+        const int64_t pn = next.fetch_add(1);
         const uint16_t* b0 = wpp + (2 * p) * KB * 512;
         const uint16_t* b1 = b0 + KB * 512;
-        {
-          const int64_t m0 = 0;
-          const uint16_t* a0 = xp;
-          const uint16_t* a1 = a0 + 16 * Kp;
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-          for (int64_t kb = 0; kb < KB; ++kb) {
-            prefetch(b0, kb); prefetch(b1, kb);
-            _tile_loadd(4, a0 + kb * 32, Kp * 2);
-            _tile_loadd(5, a1 + kb * 32, Kp * 2);
-            _tile_loadd(6, b0 + kb * 512, 64);
-            _tile_loadd(7, b1 + kb * 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-          _tile_stored(0, c[0], 64);
-          _tile_stored(1, c[1], 64);
-          _tile_stored(2, c[2], 64);
-          _tile_stored(3, c[3], 64);
-          emit(c[0], m0, 2 * p);
-          emit(c[1], m0, 2 * p + 1);
-          emit(c[2], m0 + 16, 2 * p);
-          emit(c[3], m0 + 16, 2 * p + 1);
+        const uint16_t* n0 = pn < passes ? wpp + (2 * pn) * KB * 512 : nullptr;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          if (kb + PREFETCH_TILES < KB) { prefetch(b0, kb); prefetch(b1, kb); }
+          else if (n0) { prefetch(n0, kb - KB); prefetch(n0 + KB * 512, kb - KB); }
+          _tile_loadd(4, a0 + kb * 32, Kp * 2);
+          _tile_loadd(5, a1 + kb * 32, Kp * 2);
+          _tile_loadd(6, b0 + kb * 512, 64);
+          _tile_loadd(7, b1 + kb * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
         }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+        emit(c[0], 0, 2 * p);
+        emit(c[1], 0, 2 * p + 1);
+        emit(c[2], 16, 2 * p);
+        emit(c[3], 16, 2 * p + 1);
+        p = pn;
       }
       _tile_release();
     });
