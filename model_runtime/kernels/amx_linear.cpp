@@ -211,11 +211,14 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::
     });
   } else {
     // more rows (large batches, prefill): row blocks one after another for each pair of output blocks, the
-    // pair's weights re-read from L2 (measured faster above 32 rows than passes over pairs of row blocks)
-    at::parallel_for(0, NBk / 2, 1, [&](int64_t p0, int64_t p1) {
+    // pair's weights re-read from L2 (measured faster above 32 rows than passes over pairs of row blocks);
+    // pairs claimed from a shared counter
+    const int64_t passes = NBk / 2;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       configure();
       alignas(64) float c[2][16][16];
-      for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t p = next.fetch_add(1); p < passes; p = next.fetch_add(1)) {
         const uint16_t* b0 = wpp + (2 * p) * KB * 512;
         const uint16_t* b1 = b0 + KB * 512;
         for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
