@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -28,9 +29,29 @@ log = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    fused = _fused_kernel(x)
+    if fused is not None:  # the same roundings in one pass (model_runtime/kernels/amx_linear.cpp)
+        return fused.rms_norm(x, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the MLP's fused gate|up output [T, 2I] -> [T, I]."""
+    fused = _fused_kernel(gate_up)
+    if fused is not None:  # bf16: one pass with F.silu's and the product's bf16 roundings
+        return fused.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _fused_kernel(x: torch.Tensor) -> ModuleType | None:
+    """The AMX extension where it runs and `x` is a bf16 CPU tensor of rows (its row-wise norm and activation:
+    ~15x and ~2x faster than torch's ops at one row); None elsewhere (float32, CUDA, no kernel)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2:
+        return None
+    return amx_kernel()
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,8 +146,7 @@ class CausalLM:
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
             h = h + self._attention(layer_idx, lw, x, cos, sin, batch, kv)
             x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-            gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
-            h = h + self._all_reduce(linear(F.silu(gate) * up, lw.down))
+            h = h + self._all_reduce(linear(silu_mul(linear(x, lw.gate_up)), lw.down))
         if self.tp_rank != 0 or batch.logits_rows.numel() == 0:
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32)
         h = rms_norm(h[batch.logits_rows], self.weights.final_norm, cfg.rms_norm_eps)
