@@ -29,13 +29,20 @@ struct alignas(64) TileConfig {
   uint8_t palette_id; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16];
 };
 
+// ldtilecfg through an asm that reads the struct as a memory operand: GCC does not see _tile_loadconfig's builtin
+// read through its pointer, and in an out-of-line copy of configure() it dropped the stores that fill the struct
+// (every tile then had 0 rows, and the first tile instruction raised #UD: "Illegal instruction")
+inline void load_config(const TileConfig& cfg) {
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+}
+
 void configure(int ac_rows = 16, int ac_tiles = 0) {
   // tiles [0, ac_tiles) (accumulators and activations) hold `ac_rows` rows; the rest (weights) 16
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
   for (int t = 0; t < 8; ++t) { cfg.rows[t] = t < ac_tiles ? ac_rows : 16; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
 }
 
 void configure_rows(std::initializer_list<int> rows) {  // rows of tiles 0..7 in turn (64 bytes each)
@@ -44,17 +51,155 @@ void configure_rows(std::initializer_list<int> rows) {  // rows of tiles 0..7 in
   cfg.palette_id = 1;
   int t = 0;
   for (int r : rows) { cfg.rows[t] = static_cast<uint8_t>(r); cfg.colsb[t] = 64; ++t; }
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
+}
+
+inline __m512 widen_bf16(const uint16_t* p, __mmask16 m) {  // 16 bf16 -> 16 float32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void store_bf16(uint16_t* p, __mmask16 m, __m512 v) {  // round to nearest even
+  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
 }
 
 // 16 bias values from outputs n0.. (bf16 or fp32; masked), widened to fp32 exactly
 __m512 load_bias(const torch::Tensor& bias, int64_t n0, __mmask16 mask) {
   if (!bias.defined()) return _mm512_setzero_ps();
   if (bias.scalar_type() == torch::kFloat32) return _mm512_maskz_loadu_ps(mask, bias.data_ptr<float>() + n0);
-  const uint16_t* b = reinterpret_cast<const uint16_t*>(bias.data_ptr()) + n0;
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, b)), 16));
+  return widen_bf16(reinterpret_cast<const uint16_t*>(bias.data_ptr()) + n0, mask);
 }
 
+// software prefetch of the weight tile PREFETCH_TILES ahead of tile kb on a stream of 1 KB tiles: +15-20% GB/s
+// measured here (a prefetch past the end of the buffer is harmless: it never faults)
+inline void prefetch_tile(const char* stream, int64_t kb) {
+  const char* p = stream + (kb + PREFETCH_TILES) * 1024;
+  for (int l = 0; l < 1024; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+}
+
+// Passes over `passes` units of work, claimed from a shared counter by every thread (a thread the shared machine
+// slows takes fewer), each thread claiming its next pass one ahead: body(q, next) with next = passes at the end.
+// `setup` runs once per thread before its passes (tile configuration); tiles are released after.
+template <typename Setup, typename Body>
+void claimed_passes(int64_t passes, Setup setup, Body body) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    setup();
+    int64_t q = next.fetch_add(1);
+    while (q < passes) {
+      const int64_t qn = std::min<int64_t>(next.fetch_add(1), passes);
+      body(q, qn);
+      q = qn;
+    }
+    _tile_release();
+  });
+}
+
+// few_rows' four products C j += A 4 x B (5, 6, 7, 5) (the intrinsics take tile numbers as literals)
+struct DotBF16 {
+  static void d0() { _tile_dpbf16ps(0, 4, 5); }
+  static void d1() { _tile_dpbf16ps(1, 4, 6); }
+  static void d2() { _tile_dpbf16ps(2, 4, 7); }
+  static void d3() { _tile_dpbf16ps(3, 4, 5); }
+  static void m0() { _tile_dpbf16ps(0, 2, 3); }
+  static void m1() { _tile_dpbf16ps(1, 2, 4); }
+};
+struct DotI8 {
+  static void d0() { _tile_dpbssd(0, 4, 5); }
+  static void d1() { _tile_dpbssd(1, 4, 6); }
+  static void d2() { _tile_dpbssd(2, 4, 7); }
+  static void d3() { _tile_dpbssd(3, 4, 5); }
+  static void m0() { _tile_dpbssd(0, 2, 3); }
+  static void m1() { _tile_dpbssd(1, 2, 4); }
+};
+
+// Up to 16 rows (decode, a verify, a draft step): one A tile of the R rows, 4 output blocks a pass (4
+// independent accumulation chains; tiles C 0-3, A 4, B 5-7), passes claimed one ahead so that a pass's last
+// iterations prefetch the next pass's first tiles. Weights: NB blocks of KB 1 KB tiles each; x: R rows of 64-byte
+// k-blocks, a_stride bytes apart. emit(c, nb) writes accumulator tile c (R rows) of output block nb.
+template <typename Dot, typename Acc, typename Emit>
+void few_rows(const char* x, int64_t a_stride, const char* w, int64_t NB, int64_t KB, int64_t R, Emit emit) {
+  const int64_t stream = KB * 1024;
+  claimed_passes((NB + 3) / 4, [&] { configure(static_cast<int>(R), 5); }, [&](int64_t q, int64_t qn) {
+    alignas(64) Acc c[4][16][16];
+    const int64_t nb0 = 4 * q, count = std::min<int64_t>(4, NB - nb0);  // 4, or 2 at the end
+    const char* b0 = w + nb0 * stream;
+    const char* b1 = b0 + stream;
+    const char* b2 = b1 + stream;
+    const char* b3 = b2 + stream;
+    const char* n0 = w + 4 * qn * stream;  // the next pass's streams run on from these
+    const int64_t ncount = std::max<int64_t>(0, std::min<int64_t>(4, NB - 4 * qn));
+    auto prefetch_pass = [&](int64_t kb, int64_t streams) {
+      if (kb + PREFETCH_TILES < KB) {
+        prefetch_tile(b0, kb); prefetch_tile(b1, kb);
+        if (streams == 4) { prefetch_tile(b2, kb); prefetch_tile(b3, kb); }
+      } else {
+        for (int64_t j = 0; j < ncount; ++j) prefetch_tile(n0 + j * stream, kb - KB);
+      }
+    };
+    if (count == 4) {
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        prefetch_pass(kb, 4);
+        _tile_loadd(4, x + kb * 64, a_stride);
+        _tile_loadd(5, b0 + kb * 1024, 64);
+        _tile_loadd(6, b1 + kb * 1024, 64);
+        _tile_loadd(7, b2 + kb * 1024, 64);
+        Dot::d0();
+        Dot::d1();
+        Dot::d2();
+        _tile_loadd(5, b3 + kb * 1024, 64);
+        Dot::d3();
+      }
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+    } else {
+      _tile_zero(0); _tile_zero(1);
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        prefetch_pass(kb, 2);
+        _tile_loadd(4, x + kb * 64, a_stride);
+        _tile_loadd(5, b0 + kb * 1024, 64);
+        _tile_loadd(6, b1 + kb * 1024, 64);
+        Dot::d0();
+        Dot::d1();
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    for (int64_t j = 0; j < count; ++j) emit(c[j], nb0 + j);
+  });
+}
+
+// More rows (large batches, prefill): x zero-padded to Mp (a multiple of 16) rows; for each pair of output blocks
+// (passes claimed from a shared counter), row blocks one after another, the pair's weights re-read from L2
+// (measured faster above 32 rows than passes over pairs of row blocks). Tiles: C 0-1, A 2, B 3-4.
+// emit(c, m0, nb) writes accumulator tile c (rows m0..) of output block nb.
+template <typename Dot, typename Acc, typename Emit>
+void many_rows(const char* x, int64_t a_stride, const char* w, int64_t NB, int64_t KB, int64_t Mp, Emit emit) {
+  const int64_t stream = KB * 1024;
+  claimed_passes(NB / 2, [] { configure(); }, [&](int64_t p, int64_t) {
+    alignas(64) Acc c[2][16][16];
+    const char* b0 = w + 2 * p * stream;
+    const char* b1 = b0 + stream;
+    for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+      const char* a = x + m0 * a_stride;
+      _tile_zero(0); _tile_zero(1);
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        prefetch_tile(b0, kb); prefetch_tile(b1, kb);
+        _tile_loadd(2, a + kb * 64, a_stride);
+        _tile_loadd(3, b0 + kb * 1024, 64);
+        _tile_loadd(4, b1 + kb * 1024, 64);
+        Dot::m0();
+        Dot::m1();
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      emit(c[0], m0, 2 * p);
+      emit(c[1], m0, 2 * p + 1);
+    }
+  });
+}
 }  // namespace
 
 bool amx_enable() {
@@ -97,149 +242,49 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::
       else _mm256_mask_storeu_epi16(ob + at, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
     }
   };
-  // software prefetch PREFETCH_TILES tiles ahead on each weight stream: +15-20% GB/s measured here
-  // (a prefetch past the end of the buffer is harmless: it never faults)
-  auto prefetch = [](const uint16_t* b, int64_t kb) {
-    const char* p = reinterpret_cast<const char*>(b + (kb + PREFETCH_TILES) * 512);
-    for (int l = 0; l < 1024; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
-  };
+  const char* xb = reinterpret_cast<const char*>(xp);
+  const char* wb = reinterpret_cast<const char*>(wpp);
+  const int64_t stream = KB * 1024;  // bytes of one output block's tiles
   if (Mp == 16) {
-    // up to 16 rows (decode, a verify): tiles of R rows (A and C), 4 output blocks per pass, 4 independent
-    // accumulation chains (tiles: C 0-3, A 4, B 5-7). Passes are claimed one at a time from a shared counter
-    // (a thread slowed by the shared machine takes fewer), each thread claiming its next pass one ahead, so
-    // that the last tiles of a pass prefetch the first ones of the next.
-    const int64_t passes = (NBk + 3) / 4;
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      configure(static_cast<int>(R), 5);
-      alignas(64) float c[4][16][16];
-      int64_t q = next.fetch_add(1);
-      while (q < passes) {
-        const int64_t qn = next.fetch_add(1);
-        const int64_t nb0 = 4 * q, count = std::min<int64_t>(4, NBk - nb0);  // 4, or 2 at the end
-        const uint16_t* b0 = wpp + nb0 * KB * 512;
-        const uint16_t* b1 = b0 + KB * 512;
-        const uint16_t* b2 = b1 + KB * 512;
-        const uint16_t* b3 = b2 + KB * 512;
-        // the next pass's streams (run on from this pass's: prefetching them ahead of its first tiles)
-        const uint16_t* n0 = qn < passes ? wpp + 4 * qn * KB * 512 : b0;
-        const int64_t ncount = qn < passes ? std::min<int64_t>(4, NBk - 4 * qn) : 0;
-        auto prefetch_pass = [&](int64_t kb, int64_t streams) {
-          if (kb + PREFETCH_TILES < KB) {
-            prefetch(b0, kb); prefetch(b1, kb);
-            if (streams == 4) { prefetch(b2, kb); prefetch(b3, kb); }
-          } else {
-            for (int64_t j = 0; j < ncount; ++j) prefetch(n0 + j * KB * 512, kb - KB);
-          }
-        };
-        if (count == 4) {
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-          for (int64_t kb = 0; kb < KB; ++kb) {
-            prefetch_pass(kb, 4);
-            _tile_loadd(4, xp + kb * 32, Kp * 2);
-            _tile_loadd(5, b0 + kb * 512, 64);
-            _tile_loadd(6, b1 + kb * 512, 64);
-            _tile_loadd(7, b2 + kb * 512, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_loadd(5, b3 + kb * 512, 64);
-            _tile_dpbf16ps(3, 4, 5);
-          }
-          _tile_stored(2, c[2], 64);
-          _tile_stored(3, c[3], 64);
-        } else {
-          _tile_zero(0); _tile_zero(1);
-          for (int64_t kb = 0; kb < KB; ++kb) {
-            prefetch_pass(kb, 2);
-            _tile_loadd(4, xp + kb * 32, Kp * 2);
-            _tile_loadd(5, b0 + kb * 512, 64);
-            _tile_loadd(6, b1 + kb * 512, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(1, 4, 6);
-          }
-        }
-        _tile_stored(0, c[0], 64);
-        _tile_stored(1, c[1], 64);
-        for (int64_t j = 0; j < count; ++j) emit(c[j], 0, nb0 + j);
-        q = qn;
-      }
-      _tile_release();
-    });
+    few_rows<DotBF16, float>(xb, Kp * 2, wb, NBk, KB, R, [&](const float (*c)[16], int64_t nb) { emit(c, 0, nb); });
   } else if (Mp == 32) {
     // 17..32 rows (a batch's verify): 2 row blocks (16 and R - 16 rows) x 2 output blocks per pass, so the
     // weights of a pass are read from memory once for all rows (tiles: C 0-1 rows 0..15, C 2-3 rows 16..,
     // A 4 and 5, B 6-7); passes claimed and prefetched as in the <= 16-row path
-    const int64_t passes = NBk / 2;
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      const int tail = static_cast<int>(R - 16);
-      configure_rows({16, 16, tail, tail, 16, tail, 16, 16});
+    const int tail = static_cast<int>(R - 16);
+    const char* a0 = xb;
+    const char* a1 = a0 + 16 * Kp * 2;
+    claimed_passes(NBk / 2, [&] { configure_rows({16, 16, tail, tail, 16, tail, 16, 16}); }, [&](int64_t p, int64_t pn) {
       alignas(64) float c[4][16][16];
-      const uint16_t* a0 = xp;
-      const uint16_t* a1 = a0 + 16 * Kp;
-      int64_t p = next.fetch_add(1);
-      while (p < passes) {
-        const int64_t pn = next.fetch_add(1);
-        const uint16_t* b0 = wpp + (2 * p) * KB * 512;
-        const uint16_t* b1 = b0 + KB * 512;
-        const uint16_t* n0 = pn < passes ? wpp + (2 * pn) * KB * 512 : nullptr;
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t kb = 0; kb < KB; ++kb) {
-          if (kb + PREFETCH_TILES < KB) { prefetch(b0, kb); prefetch(b1, kb); }
-          else if (n0) { prefetch(n0, kb - KB); prefetch(n0 + KB * 512, kb - KB); }
-          _tile_loadd(4, a0 + kb * 32, Kp * 2);
-          _tile_loadd(5, a1 + kb * 32, Kp * 2);
-          _tile_loadd(6, b0 + kb * 512, 64);
-          _tile_loadd(7, b1 + kb * 512, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, c[0], 64);
-        _tile_stored(1, c[1], 64);
-        _tile_stored(2, c[2], 64);
-        _tile_stored(3, c[3], 64);
-        emit(c[0], 0, 2 * p);
-        emit(c[1], 0, 2 * p + 1);
-        emit(c[2], 16, 2 * p);
-        emit(c[3], 16, 2 * p + 1);
-        p = pn;
+      const char* b0 = wb + 2 * p * stream;
+      const char* b1 = b0 + stream;
+      const char* n0 = wb + 2 * pn * stream;
+      const bool more = pn < NBk / 2;
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        if (kb + PREFETCH_TILES < KB) { prefetch_tile(b0, kb); prefetch_tile(b1, kb); }
+        else if (more) { prefetch_tile(n0, kb - KB); prefetch_tile(n0 + stream, kb - KB); }
+        _tile_loadd(4, a0 + kb * 64, Kp * 2);
+        _tile_loadd(5, a1 + kb * 64, Kp * 2);
+        _tile_loadd(6, b0 + kb * 1024, 64);
+        _tile_loadd(7, b1 + kb * 1024, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
       }
-      _tile_release();
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      emit(c[0], 0, 2 * p);
+      emit(c[1], 0, 2 * p + 1);
+      emit(c[2], 16, 2 * p);
+      emit(c[3], 16, 2 * p + 1);
     });
   } else {
-    // more rows (large batches, prefill): row blocks one after another for each pair of output blocks, the
-    // pair's weights re-read from L2 (measured faster above 32 rows than passes over pairs of row blocks);
-    // pairs claimed from a shared counter
-    const int64_t passes = NBk / 2;
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      configure();
-      alignas(64) float c[2][16][16];
-      for (int64_t p = next.fetch_add(1); p < passes; p = next.fetch_add(1)) {
-        const uint16_t* b0 = wpp + (2 * p) * KB * 512;
-        const uint16_t* b1 = b0 + KB * 512;
-        for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
-          const uint16_t* a = xp + m0 * Kp;
-          _tile_zero(0); _tile_zero(1);
-          for (int64_t kb = 0; kb < KB; ++kb) {
-            prefetch(b0, kb); prefetch(b1, kb);
-            _tile_loadd(2, a + kb * 32, Kp * 2);
-            _tile_loadd(3, b0 + kb * 512, 64);
-            _tile_loadd(4, b1 + kb * 512, 64);
-            _tile_dpbf16ps(0, 2, 3);
-            _tile_dpbf16ps(1, 2, 4);
-          }
-          _tile_stored(0, c[0], 64);
-          _tile_stored(1, c[1], 64);
-          emit(c[0], m0, 2 * p);
-          emit(c[1], m0, 2 * p + 1);
-        }
-      }
-      _tile_release();
-    });
+    // more rows (large batches, prefill)
+    many_rows<DotBF16, float>(xb, Kp * 2, wb, NBk, KB, Mp, emit);
   }
   return out;
 }
@@ -263,24 +308,20 @@ torch::Tensor amx_linear_i8(torch::Tensor x, torch::Tensor wq, torch::Tensor wsc
   int8_t* xqp = xq.data_ptr<int8_t>();
   float* xsp = xs.data_ptr<float>();
   // per row: amax, then round-to-nearest-even of x / scale (vectorised, 16 at a time; the tail masked)
-  auto widen = [&](const uint16_t* p, __mmask16 m) {  // 16 bf16 -> 16 float32 (exact)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-  };
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint16_t* row = xb + r * K;
       __m512 vmax = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += 16) {
-        const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1u);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(widen(row + k, m)));
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(widen_bf16(row + k, tail_mask(K - k))));
       }
       const float amax = _mm512_reduce_max_ps(vmax);
       const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
       xsp[r] = scale;
       const __m512 inv_v = _mm512_set1_ps(inv);
       for (int64_t k = 0; k < K; k += 16) {
-        const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1u);
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(widen(row + k, m), inv_v));  // MXCSR: nearest even
+        const __mmask16 m = tail_mask(K - k);
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(widen_bf16(row + k, m), inv_v));  // MXCSR: nearest even
         _mm_mask_storeu_epi8(xqp + r * Kp + k, m, _mm512_cvtsepi32_epi8(q));
       }
     }
@@ -305,97 +346,13 @@ torch::Tensor amx_linear_i8(torch::Tensor x, torch::Tensor wq, torch::Tensor wsc
       _mm256_mask_storeu_epi16(ob + (m0 + r) * n_out + nbase, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
     }
   };
-  auto prefetch = [](const int8_t* b, int64_t kb) {
-    const char* p = reinterpret_cast<const char*>(b + (kb + PREFETCH_TILES) * 1024);
-    for (int l = 0; l < 1024; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
-  };
-  if (small) {
-    // up to 16 rows (a draft's decode step): tiles of R rows, 4 output blocks a pass (C 0-3, A 4, B 5-7), passes
-    // claimed from a shared counter one ahead, the next pass's first tiles prefetched (amx_linear's scheme)
-    const int64_t passes = (NBk + 3) / 4;
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      configure(static_cast<int>(R), 5);
-      alignas(64) int32_t c[4][16][16];
-      int64_t q = next.fetch_add(1);
-      while (q < passes) {
-        const int64_t qn = next.fetch_add(1);
-        const int64_t nb0 = 4 * q, count = std::min<int64_t>(4, NBk - nb0);
-        const int8_t* b0 = wp + nb0 * KB * 1024;
-        const int8_t* b1 = b0 + KB * 1024;
-        const int8_t* b2 = b1 + KB * 1024;
-        const int8_t* b3 = b2 + KB * 1024;
-        const int8_t* n0 = qn < passes ? wp + 4 * qn * KB * 1024 : b0;
-        const int64_t ncount = qn < passes ? std::min<int64_t>(4, NBk - 4 * qn) : 0;
-        auto prefetch_pass = [&](int64_t kb, int64_t streams) {
-          if (kb + PREFETCH_TILES < KB) {
-            prefetch(b0, kb); prefetch(b1, kb);
-            if (streams == 4) { prefetch(b2, kb); prefetch(b3, kb); }
-          } else {
-            for (int64_t j = 0; j < ncount; ++j) prefetch(n0 + j * KB * 1024, kb - KB);
-          }
-        };
-        if (count == 4) {
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-          for (int64_t kb = 0; kb < KB; ++kb) {
-            prefetch_pass(kb, 4);
-            _tile_loadd(4, xqp + kb * 64, Kp);
-            _tile_loadd(5, b0 + kb * 1024, 64);
-            _tile_loadd(6, b1 + kb * 1024, 64);
-            _tile_loadd(7, b2 + kb * 1024, 64);
-            _tile_dpbssd(0, 4, 5);
-            _tile_dpbssd(1, 4, 6);
-            _tile_dpbssd(2, 4, 7);
-            _tile_loadd(5, b3 + kb * 1024, 64);
-            _tile_dpbssd(3, 4, 5);
-          }
-          _tile_stored(2, c[2], 64);
-          _tile_stored(3, c[3], 64);
-        } else {
-          _tile_zero(0); _tile_zero(1);
-          for (int64_t kb = 0; kb < KB; ++kb) {
-            prefetch_pass(kb, 2);
-            _tile_loadd(4, xqp + kb * 64, Kp);
-            _tile_loadd(5, b0 + kb * 1024, 64);
-            _tile_loadd(6, b1 + kb * 1024, 64);
-            _tile_dpbssd(0, 4, 5);
-            _tile_dpbssd(1, 4, 6);
-          }
-        }
-        _tile_stored(0, c[0], 64);
-        _tile_stored(1, c[1], 64);
-        for (int64_t j = 0; j < count; ++j) emit(c[j], 0, nb0 + j);
-        q = qn;
-      }
-      _tile_release();
-    });
+  const char* wb = reinterpret_cast<const char*>(wp);
+  if (small) {  // a draft's decode step: amx_linear's few-rows path on int8 tiles
+    few_rows<DotI8, int32_t>(reinterpret_cast<const char*>(xqp), Kp, wb, NBk, KB, R,
+                             [&](const int32_t (*c)[16], int64_t nb) { emit(c, 0, nb); });
     return out;
   }
-  at::parallel_for(0, NBk / 2, 1, [&](int64_t p0, int64_t p1) {
-    configure();
-    alignas(64) int32_t c[2][16][16];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int8_t* b0 = wp + (2 * p) * KB * 1024;
-      const int8_t* b1 = b0 + KB * 1024;
-      for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
-        _tile_zero(0); _tile_zero(1);
-        const int8_t* a = xqp + m0 * Kp;
-        for (int64_t kb = 0; kb < KB; ++kb) {
-          prefetch(b0, kb); prefetch(b1, kb);
-          _tile_loadd(2, a + kb * 64, Kp);
-          _tile_loadd(3, b0 + kb * 1024, 64);
-          _tile_loadd(4, b1 + kb * 1024, 64);
-          _tile_dpbssd(0, 2, 3);
-          _tile_dpbssd(1, 2, 4);
-        }
-        _tile_stored(0, c[0], 64);
-        _tile_stored(1, c[1], 64);
-        emit(c[0], m0, 2 * p);
-        emit(c[1], m0, 2 * p + 1);
-      }
-    }
-    _tile_release();
-  });
+  many_rows<DotI8, int32_t>(reinterpret_cast<const char*>(xqp), Kp, wb, NBk, KB, Mp, emit);
   return out;
 }
 
@@ -403,15 +360,6 @@ torch::Tensor amx_linear_i8(torch::Tensor x, torch::Tensor wq, torch::Tensor wsc
 // ---- row-wise bf16 helpers beside the linears (the same for a row alone or among others) ----
 
 namespace {
-inline __m512 widen_bf16(const uint16_t* p, __mmask16 m) {  // 16 bf16 -> 16 float32 (exact)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline void store_bf16(uint16_t* p, __mmask16 m, __m512 v) {  // round to nearest even
-  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
-inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
-}
 // exp(x) in float32 (Cephes' expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp); below -87.3 it
 // gives exp(-87.3) (~1e-38), above ~88.7 infinity (as expf: silu(g) of a very negative g is then -0, as torch's)
 inline __m512 exp512(__m512 x) {

@@ -127,3 +127,34 @@ def test_an_int8_model_agrees_with_its_bf16_self(smollm2_dir: Path) -> None:
         argmax[dtype] = logits.argmax(-1)
     agreement = (argmax[torch.bfloat16] == argmax[torch.int8]).double().mean().item()
     assert agreement > 0.85, agreement
+
+
+_ONE_THREAD = """
+import sys, torch
+torch.set_num_threads(1)  # at::parallel_for then runs the kernel's passes inline, on this thread alone
+from model_runtime.packed_weight import PackedBF16, PackedInt8
+gen = torch.Generator().manual_seed(5)
+weight = (torch.randn(96, 64, generator=gen) * 0.02).bfloat16()
+x = torch.randn(40, 64, generator=gen).bfloat16()
+bf16, i8 = PackedBF16(weight), PackedInt8(weight)
+torch.save([bf16(x[:rows]) for rows in (1, 5, 17, 40)] + [i8(x[:rows]) for rows in (1, 5, 17, 40)], sys.argv[1])
+"""
+
+
+def test_one_torch_thread_gives_the_same_bits_as_two(tmp_path: Path) -> None:
+    """With one torch thread the passes run inline on the caller: every path (<= 16, 17..32, > 32 rows, int8)
+    configures its tiles there too (a dropped tile configuration once made this die of SIGILL), with the bits of
+    two threads. In a subprocess, so that a crash fails this test instead of the run."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "one_thread.pt"
+    run = subprocess.run([sys.executable, "-c", _ONE_THREAD, str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(96, 64, generator=gen) * 0.02).bfloat16()
+    x = torch.randn(40, 64, generator=gen).bfloat16()
+    bf16, i8 = PackedBF16(weight), PackedInt8(weight)
+    mine = [bf16(x[:rows]) for rows in (1, 5, 17, 40)] + [i8(x[:rows]) for rows in (1, 5, 17, 40)]
+    for a, b in zip(torch.load(out), mine, strict=True):
+        assert torch.equal(a, b)
