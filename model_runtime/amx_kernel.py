@@ -1,4 +1,5 @@
-"""The AMX linear kernels (model_runtime/kernels/amx_linear.cpp): built once per machine, loaded once per
+"""The AMX linear kernels (model_runtime/kernels/amx_linear.cpp) and the row-wise bf16 ops beside them
+(kernels/row_ops.cpp: RMSNorm, SiLU-and-multiply, paged attention): built once per machine, loaded once per
 process, or absent with a stated reason. `amx_linear`: bfloat16, batch-invariant (the target); `amx_linear_i8`:
 int8 weights x per-row int8 activations at twice bf16's speed (the draft, `--draft-dtype int8`: a draft's
 precision changes only how often its tokens are accepted, never the output).
@@ -19,6 +20,7 @@ Owner of `_STATE`: this module; set once per process by the first `kernel()` cal
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -28,7 +30,9 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "amx_linear.cpp"
+KERNELS = Path(__file__).parent / "kernels"
+SOURCES = [KERNELS / "amx_linear.cpp", KERNELS / "row_ops.cpp"]
+HEADER = KERNELS / "simd.h"  # torch's loader rebuilds when a source or a flag changes: the header's hash is a flag
 CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
           "-fopenmp"]
 _STATE: dict[str, object] = {}
@@ -69,7 +73,9 @@ def _load() -> tuple[ModuleType | None, str]:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         start = time.perf_counter()
         log.info("loading the AMX kernels (the first build on a machine takes about a minute)")
-        module = load(name="specserve_amx", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+        module = load(name="specserve_amx", sources=[str(p) for p in SOURCES],
+                      extra_cflags=[*CFLAGS, f"-DSPECSERVE_SIMD_H={header}"],
                       build_directory=str(_build_dir()), verbose=False)
     except Exception as exc:  # a missing compiler or a failed build: fall back, and say so
         return None, f"off: the kernel did not build ({type(exc).__name__}: {str(exc).strip()[:200]})"

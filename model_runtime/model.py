@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     fused = _fused_kernel(x)
-    if fused is not None:  # the same roundings in one pass (model_runtime/kernels/amx_linear.cpp)
+    if fused is not None:  # the same roundings in one pass (model_runtime/kernels/row_ops.cpp)
         return fused.rms_norm(x, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)

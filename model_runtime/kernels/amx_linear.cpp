@@ -21,6 +21,8 @@
 #include <atomic>
 #include <initializer_list>
 
+#include "simd.h"
+
 
 namespace {
 constexpr int PREFETCH_TILES = 4;
@@ -52,16 +54,6 @@ void configure_rows(std::initializer_list<int> rows) {  // rows of tiles 0..7 in
   int t = 0;
   for (int r : rows) { cfg.rows[t] = static_cast<uint8_t>(r); cfg.colsb[t] = 64; ++t; }
   load_config(cfg);
-}
-
-inline __m512 widen_bf16(const uint16_t* p, __mmask16 m) {  // 16 bf16 -> 16 float32 (exact)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline void store_bf16(uint16_t* p, __mmask16 m, __m512 v) {  // round to nearest even
-  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
-inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
 }
 
 // 16 bias values from outputs n0.. (bf16 or fp32; masked), widened to fp32 exactly
@@ -357,91 +349,11 @@ torch::Tensor amx_linear_i8(torch::Tensor x, torch::Tensor wq, torch::Tensor wsc
 }
 
 
-// ---- row-wise bf16 helpers beside the linears (the same for a row alone or among others) ----
-
-namespace {
-// exp(x) in float32 (Cephes' expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp); below -87.3 it
-// gives exp(-87.3) (~1e-38), above ~88.7 infinity (as expf: silu(g) of a very negative g is then -0, as torch's)
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.0f)), _mm512_set1_ps(-87.3365447504f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-}  // namespace
-
-// MLP activation: gate_up [R, 2I] bf16 (gate | up) -> [R, I] bf16, out = bf16(bf16(silu(gate)) * up): the
-// roundings of `F.silu(gate) * up` in bf16, in one pass (silu(g) = g / (1 + exp(-g)) in float32)
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kBFloat16 && gate_up.size(1) % 2 == 0);
-  gate_up = gate_up.contiguous();
-  const int64_t R = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({R, I}, gate_up.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(I, 1));  // rows per task: ~64K elements
-  at::parallel_for(0, R, grain, [&](int64_t r0, int64_t r1) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint16_t* g = src + r * 2 * I;
-      const uint16_t* u = g + I;
-      for (int64_t i = 0; i < I; i += 16) {
-        const __mmask16 m = tail_mask(I - i);
-        const __m512 gv = widen_bf16(g + i, m);
-        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        const __m512 silu_b = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(silu));  // F.silu's bf16 result
-        store_bf16(dst + r * I + i, m, _mm512_mul_ps(silu_b, widen_bf16(u + i, m)));
-      }
-    }
-  });
-  return out;
-}
-
-// RMSNorm of bf16 rows: out = bf16(w * bf16(x * (1 / sqrt(mean(x^2) + eps)))), sums in float32 (16 lanes in
-// order, then the lanes added); the roundings of the model's torch formula (model_runtime/model.py)
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16);
-  x = x.contiguous();
-  weight = weight.contiguous();
-  const int64_t R = x.size(0), D = x.size(1);
-  TORCH_CHECK(weight.numel() == D);
-  auto out = torch::empty({R, D}, x.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(D, 1));
-  at::parallel_for(0, R, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint16_t* row = src + r * D;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t i = 0; i < D; i += 16) {
-        const __m512 v = widen_bf16(row + i, tail_mask(D - i));
-        acc = _mm512_fmadd_ps(v, v, acc);
-      }
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, acc);
-      float sum = 0.f;
-      for (int l = 0; l < 16; ++l) sum += lanes[l];
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + static_cast<float>(eps));
-      const __m512 inv_v = _mm512_set1_ps(inv);
-      for (int64_t i = 0; i < D; i += 16) {
-        const __mmask16 m = tail_mask(D - i);
-        const __m512 normed = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(widen_bf16(row + i, m), inv_v)));
-        store_bf16(dst + r * D + i, m, _mm512_mul_ps(widen_bf16(w + i, m), normed));
-      }
-    }
-  });
-  return out;
-}
+// row_ops.cpp: the row-wise bf16 ops beside the linears
+torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void paged_attention_group(torch::Tensor q, torch::Tensor k_flat, torch::Tensor v_flat, torch::Tensor slots,
+                           torch::Tensor rows, torch::Tensor hidden, torch::Tensor real, torch::Tensor out, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_enable", &amx_enable);
@@ -450,4 +362,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none());
   m.def("silu_mul", &silu_mul, py::arg("gate_up"));
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("paged_attention_group", &paged_attention_group, py::arg("q"), py::arg("k_flat"), py::arg("v_flat"),
+        py::arg("slots"), py::arg("rows"), py::arg("hidden"), py::arg("real"), py::arg("out"), py::arg("scale"));
 }

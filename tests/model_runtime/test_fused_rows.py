@@ -1,4 +1,4 @@
-"""The kernel's row-wise bf16 helpers (model_runtime/kernels/amx_linear.cpp): RMSNorm and silu(gate) * up in one
+"""The kernel's row-wise bf16 helpers (model_runtime/kernels/row_ops.cpp): RMSNorm and silu(gate) * up in one
 pass each, against the torch formulas they replace (model_runtime/model.py), and a row alone against the same row
 among others (batch invariance). Skipped where the kernel cannot run (the model then uses the torch formulas)."""
 

@@ -1,0 +1,74 @@
+"""The AMX extension's paged attention (kernels/row_ops.cpp, used by model_runtime/attention.py for bf16 on CPU):
+within bf16 rounding of the float32 products it replaces, on decodes, verifies, prefills, batches with padded
+groups and tree masks; masked keys are skipped, so a tree row equals the chain of its ancestors bitwise. (Its rows'
+bitwise invariance is tests/model_runtime/test_attention.py's bf16 cases, which run through it here.)
+
+Skipped (with the kernel's own reason) where it cannot run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import model_runtime.attention as attention
+from model_runtime.amx_kernel import kernel, status
+from model_runtime.attention import paged_attention, plan_attention
+
+pytestmark = pytest.mark.skipif(kernel() is None, reason=f"AMX kernel {status()}")
+
+
+@contextmanager
+def products_path() -> Iterator[None]:
+    """attention.py's torch products (the float32 path, here on bf16 inputs)."""
+    saved = attention._row_kernel
+    attention._row_kernel = lambda q: None
+    try:
+        yield
+    finally:
+        attention._row_kernel = saved
+
+
+def causal(past: int, n: int) -> torch.Tensor:
+    return torch.cat([torch.ones(n, past, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], dim=1)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(12, 2, 128), (14, 2, 64), (9, 3, 64), (4, 4, 32)])
+def test_matches_the_float32_products_within_bf16_rounding(heads: int, kv_heads: int, d: int) -> None:
+    g = torch.Generator().manual_seed(d + heads)
+    shapes = [(0, 1), (40, 1), (100, 5), (10, 9), (0, 70), (63, 1), (700, 9), (62, 3)]
+    total = sum(p + n for p, n in shapes)
+    k = torch.randn(total + 5, kv_heads, d, generator=g).bfloat16()
+    v = torch.randn(total + 5, kv_heads, d, generator=g).bfloat16()
+    slots = torch.randperm(total + 5, generator=g)
+    seqs, start, offset = [], 0, 0
+    for past, n in shapes:
+        seqs.append((offset, slots[start:start + past + n], causal(past, n)))
+        start, offset = start + past + n, offset + n
+    q = torch.randn(offset, heads, d, generator=g).bfloat16()
+    groups = plan_attention(seqs)
+    assert any(not grp.all_real for grp in groups)  # padding entries are skipped, not written
+    ours = paged_attention(q, k, v, groups)
+    with products_path():
+        ref = paged_attention(q, k, v, groups)
+    # both sum in float32 and round once to bf16: at most one bf16 ulp of the output apart (2^-7 relative) plus
+    # the float32 sums' order
+    bound = ref.float().abs() * 2.0 ** -7 + 1e-3
+    assert ((ours.float() - ref.float()).abs() <= bound).all()
+
+
+def test_a_tree_row_equals_the_chain_of_its_ancestors_bitwise() -> None:
+    past, heads, kv_heads, d = 30, 12, 2, 128
+    g = torch.Generator().manual_seed(9)
+    k = torch.randn(past + 3, kv_heads, d, generator=g).bfloat16()
+    v = torch.randn(past + 3, kv_heads, d, generator=g).bfloat16()
+    slots = torch.arange(past + 3)
+    q = torch.randn(3, heads, d, generator=g).bfloat16()
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    out = paged_attention(q, k, v, plan_attention([(0, slots, torch.cat([torch.ones(3, past, dtype=torch.bool),
+                                                                           tree], dim=1))]))
+    chain = torch.cat([slots[:past + 1], slots[past + 2:]])
+    alone = paged_attention(q[2:], k, v, plan_attention([(0, chain, torch.ones(1, past + 2, dtype=torch.bool))]))
+    assert torch.equal(out[2], alone[0])
