@@ -7,11 +7,14 @@ docs/ARCHITECTURE.md §5:
     t_cycle(k) = k * t_draft_token + t_verify(n + k) (online cost model, n = catch-up tokens)
     pick k* = argmax_k E[Y](k) / t_cycle(k)   over k = 0..k_max   (k = 0 is plain decoding)
 
-s_i blends what the request measured at position i with a geometric extrapolation a^i, where a is the
+s_i blends what the request measured at position i with an extrapolation a * c_2 * ... * c_i, where a is the
 request's per-draft acceptance rate accepted / (accepted + rejections), itself shrunk towards the
-engine-wide rate (and that towards PRIOR_SURVIVAL). So a request that ran at k=1 and kept every draft
-expects deeper drafts to survive too and tries them, instead of holding positions it never measured at a
-fixed prior forever.
+engine-wide rate (and that towards PRIOR_SURVIVAL), and c_j the engine-wide ratio s_j / s_{j-1} (shrunk towards
+a; a alone, i.e. geometric a^i, until the engine has reached position j). So a request that ran at k=1 and kept
+every draft expects deeper drafts to survive too and tries them, instead of holding positions it never measured
+at a fixed prior forever; and one that lost many first drafts still expects what the engine measured of deeper
+ones once a first draft survived (in `bench spec`, conditional survival rose with depth: 0.76, 0.78, 0.83),
+which geometric extrapolation at its low rate would not.
 While plain decoding wins, the request re-probes speculation every `probe_every` rounds. Under
 memory pressure (ledger free fraction below `pressure_free_fraction`) k is capped at 1.
 Every change of k is recorded on the request with its reason.
@@ -112,14 +115,34 @@ def _rate(stats: AcceptanceStats, prior: float, weight: float) -> float:
     return (stats.accepted + weight * prior) / (stats.accepted + stats.rejections + weight)
 
 
+def depth_ratios(engine: AcceptanceStats, rate: float, k_max: int) -> list[float]:
+    """c_2..c_kmax: how much of the survival at position i-1 the engine measured surviving position i
+    (s_i / s_{i-1} over every request), each shrunk towards `rate` with PRIOR_ROUNDS pseudo-rounds; `rate` alone
+    where the engine never reached position i (geometric)."""
+    s = engine.survival()
+    out = []
+    for i in range(1, k_max):
+        if i < len(s) and s[i - 1] > 0:
+            ratio = min(1.0, s[i] / s[i - 1])
+            out.append((engine.reached[i] * ratio + PRIOR_ROUNDS * rate) / (engine.reached[i] + PRIOR_ROUNDS))
+        else:
+            out.append(rate)
+    return out
+
+
 def blended_survival(own: AcceptanceStats, engine: AcceptanceStats, k_max: int) -> list[float]:
-    """s_1..s_kmax: the request's per-position survival, shrunk towards its geometric extrapolation."""
+    """s_1..s_kmax: the request's per-position survival, shrunk towards its extrapolation: its own rate at
+    position 1, then the engine's measured depth ratios (deep drafts survive more often than the first,
+    given that the ones before survived: geometric would keep a request that learned only position 1 at k=1)."""
     rate = _rate(own, _rate(engine, PRIOR_SURVIVAL, PRIOR_ROUNDS), PRIOR_ROUNDS)
+    prior = [rate]
+    for ratio in depth_ratios(engine, rate, k_max):
+        prior.append(prior[-1] * ratio)
     out = []
     for i in range(k_max):
         reached = own.reached[i] if i < len(own.reached) else 0
         survived = own.survived[i] if i < len(own.survived) else 0
-        out.append((survived + PRIOR_ROUNDS * rate ** (i + 1)) / (reached + PRIOR_ROUNDS))
+        out.append((survived + PRIOR_ROUNDS * prior[i]) / (reached + PRIOR_ROUNDS))
     for i in range(1, k_max):  # survival cannot grow with depth
         out[i] = min(out[i], out[i - 1])
     return out

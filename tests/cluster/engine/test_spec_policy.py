@@ -15,6 +15,7 @@ from cluster.engine.spec_policy import (
     blended_survival,
     choose_k,
     choose_k_seeded,
+    depth_ratios,
     nominal_costs,
 )
 from verifier_service.acceptance_stats import AcceptanceStats
@@ -186,3 +187,24 @@ def test_seeded_costs_follow_the_target_dtype() -> None:
 
     assert k([2, 3, 4], False, BFLOAT16_COSTS) > k([2, 3, 4], False, FLOAT32_COSTS)
     assert k([2, 3, 4], True, BFLOAT16_COSTS) < k([2, 3, 4], True, FLOAT32_COSTS)
+
+
+def test_deeper_positions_follow_the_engine_measured_depth_ratios() -> None:
+    """A request that measured only position 1, at a low rate: geometric extrapolation (no engine history)
+    says deeper drafts rarely survive; an engine whose requests kept deeper drafts once the first survived
+    (conditional survival 0.9) raises that prior, and with it the k auto picks."""
+    low = stats_with([0, 0, 1], proposed=1, rounds=60)  # s_1 = 1/3
+    engine = stats_with([0] * 100 + [1] * 10 + [2] * 9 + [3] * 9 + [4] * 72, proposed=4, rounds=2)  # 0.5 .45 .4 .36
+    ratios = depth_ratios(engine, 0.4, 4)
+    assert all(r > 0.7 for r in ratios), ratios
+    alone = blended_survival(low, AcceptanceStats(), 4)
+    with_engine = blended_survival(low, engine, 4)
+    assert abs(alone[0] - with_engine[0]) < 0.05  # position 1 is the request's own
+    assert with_engine[2] > 2 * alone[2] and with_engine[3] > 2 * alone[3]
+    assert all(a >= b for a, b in zip(with_engine, with_engine[1:], strict=False))
+    c = cost(0.01, {1: 0.10, 2: 0.10, 3: 0.105, 4: 0.11, 5: 0.115})
+    args = dict(k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16, free_fraction=1.0,
+                pressure_free_fraction=0.1, draft_cost_per_token=0.01)
+    k_alone = choose_k(AutoInputs(low, AcceptanceStats(), c, **args)).k  # type: ignore[arg-type]
+    k_engine = choose_k(AutoInputs(low, engine, c, **args)).k  # type: ignore[arg-type]
+    assert k_engine > k_alone, (k_alone, k_engine)
