@@ -28,6 +28,7 @@ request and however long its rounds took.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from verifier_service.acceptance_stats import AcceptanceStats
@@ -36,6 +37,12 @@ PRIOR_SURVIVAL = 0.6  # assumed s_1 before any measurement; s_i = PRIOR_SURVIVAL
 PRIOR_ROUNDS = 4  # weight of the prior, in rounds
 MAX_ROWS = 128  # verify times are kept per rows scored by the whole batch, up to this many
 PREFER_SMALLER = 1.02  # a larger k must beat the best smaller one by 2%
+# measured costs only: plain decoding must beat every k >= 1 by more than this factor to be chosen. Plain rounds
+# measure no acceptance (the request learns nothing while at k=0), and the costs it compares are timed at other
+# moments of a noisy machine (verify of 1 row during plain rounds, of k+1 during speculative ones): in `bench spec`
+# a warm-up that timed 1 row at 0.14 s and 2 rows at 0.17 s kept a prose request plain for all of its 48 tokens,
+# where fixed k=3 ran it at 1.5x.
+PLAIN_MARGIN = 1.05
 
 
 
@@ -80,16 +87,24 @@ class CostModel:
     alpha: float = 0.2
     draft_token: float | None = None  # one draft step for one batch
     verify_by_tokens: dict[int, float] = field(default_factory=dict)  # rows scored by the batch -> verify time
+    # during the engine's warm-up (cluster/engine/warmup.py): every sample kept, the estimate their median (a few
+    # samples per shape on a noisy machine; the first call of a shape may pay one-time costs)
+    warm_up_samples: dict[int | str, list[float]] | None = None
 
     def observe_draft(self, steps: int, seconds: float) -> None:
         if steps > 0:
-            per = seconds / steps
-            self.draft_token = per if self.draft_token is None else (1 - self.alpha) * self.draft_token + self.alpha * per
+            self.draft_token = self._blend("draft", self.draft_token, seconds / steps)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         bucket = min(rows, MAX_ROWS)
-        old = self.verify_by_tokens.get(bucket)
-        self.verify_by_tokens[bucket] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        self.verify_by_tokens[bucket] = self._blend(bucket, self.verify_by_tokens.get(bucket), seconds)
+
+    def _blend(self, key: int | str, old: float | None, sample: float) -> float:
+        if self.warm_up_samples is not None:
+            kept = self.warm_up_samples.setdefault(key, [])
+            kept.append(sample)
+            return statistics.median(kept)
+        return sample if old is None else (1 - self.alpha) * old + self.alpha * sample
 
     def measured(self, rows: int) -> float | None:
         return self.verify_by_tokens.get(min(rows, MAX_ROWS))
@@ -195,18 +210,20 @@ def choose_k(inputs: AutoInputs) -> AutoDecision:
         t_verify = cost.verify_time(batch * (catch_up + k))
         assert t_verify is not None
         rates.append((1.0 + sum(survival[:k])) / (k * draft_cost_per_token + t_verify))
-    best_k = _best_k(rates)
+    best_k = _best_k(rates, 1 / PLAIN_MARGIN)
     if best_k == 0:
         return _plain_or_probe(rates, rounds_at_zero, probe_every, "")
     reason = "memory pressure: k capped at 1" if cap < k_max and best_k == cap else "cost model"
     return AutoDecision(best_k, reason)
 
 
-def _best_k(rates: list[float]) -> int:
-    """The k of the highest rate, preferring a smaller k unless a larger one is clearly better."""
+def _best_k(rates: list[float], leave_plain: float = PREFER_SMALLER) -> int:
+    """The k of the highest rate, preferring a smaller k unless a larger one is clearly better: a k >= 1 replaces
+    plain decoding (k=0) if its rate exceeds plain's times `leave_plain`, a larger k a smaller one's times
+    PREFER_SMALLER."""
     best_k = 0
-    for k, rate in enumerate(rates):
-        if rate > rates[best_k] * PREFER_SMALLER:
+    for k, rate in enumerate(rates[1:], start=1):
+        if rate > rates[best_k] * (leave_plain if best_k == 0 else PREFER_SMALLER):
             best_k = k
     return best_k
 

@@ -36,8 +36,7 @@ def warm_up(engine: SpecEngine, rounds_per_k: int = 3) -> dict[str, object]:
     pattern = [(1000 + 37 * i) % vocab for i in range(PERIOD)]
     prompt = tuple(pattern * REPEATS)
     draft = "model" if engine.drafter is not None else "ngram"
-    alpha = engine.cost.alpha
-    engine.cost.alpha = 1.0  # the latest sample wins: the first call of a shape may pay one-time costs
+    engine.cost.warm_up_samples = {}  # estimates are the medians of the samples (spec_policy.CostModel)
     try:
         for k in range(engine.config.k_max + 1):
             request = GenerationRequest(
@@ -48,7 +47,7 @@ def warm_up(engine: SpecEngine, rounds_per_k: int = 3) -> dict[str, object]:
             while engine.has_unfinished():
                 engine.step()
     finally:
-        engine.cost.alpha = alpha
+        engine.cost.warm_up_samples = None
     engine.reset_statistics()
     costs = {"draft_token_seconds": engine.cost.draft_token,
              "verify_seconds_by_tokens": dict(sorted(engine.cost.verify_by_tokens.items()))}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import pytest
+
 from cluster.engine.spec_policy import (
     BFLOAT16_COSTS,
     FLOAT32_COSTS,
@@ -117,7 +119,7 @@ def test_verify_cost_is_read_at_the_rows_of_the_whole_batch() -> None:
     """Batch 1: 2-3 rows cost ~1.1x one row, so speculation pays. Batch 8: the library's GEMM is compute
     bound, 16 rows cost 2x 8 rows, so the same acceptance does not pay and auto decodes plainly."""
     c = cost(0.03, {1: 0.20, 2: 0.20, 3: 0.22, 8: 0.50, 16: 1.00, 24: 1.40, 32: 1.80, 40: 2.20})
-    own = stats_with([1, 2], proposed=2, rounds=20)  # s_1 = 1.0, s_2 = 0.5
+    own = stats_with([0, 1, 2, 2, 2], proposed=2, rounds=20)  # s_1 = 0.8, s_2 = 0.6
     args = dict(k_max=4, catch_up=1, rounds_at_zero=0, probe_every=16, free_fraction=1.0,
                 pressure_free_fraction=0.1, draft_cost_per_token=0.03)
     assert choose_k(AutoInputs(own, AcceptanceStats(), c, batch=1, **args)).k >= 1  # type: ignore[arg-type]
@@ -135,7 +137,7 @@ def test_seeded_k_is_a_function_of_the_requests_own_history_only() -> None:
     assert {f.name for f in fields(SeededInputs)} == {
         "accepted", "rejections", "reached", "survived", "k_max", "rounds_at_zero", "probe_every", "model_draft",
         "costs"}  # costs: the engine's table, by its target dtype (the command), never by timing
-    own = stats_with([1, 2], proposed=2, rounds=20)  # s_1 = 1.0, s_2 = 0.5
+    own = stats_with([0, 1, 2, 2, 2], proposed=2, rounds=20)  # s_1 = 0.8, s_2 = 0.6
     worlds = [(engine, c, batch, free)
               for engine in (AcceptanceStats(), stats_with([0], proposed=4, rounds=200))
               for c in (cost(0.01, {1: 0.2, 128: 0.3}), cost(0.03, {1: 0.20, 2: 0.20, 3: 0.22, 8: 0.50, 16: 1.00,
@@ -208,3 +210,30 @@ def test_deeper_positions_follow_the_engine_measured_depth_ratios() -> None:
     k_alone = choose_k(AutoInputs(low, AcceptanceStats(), c, **args)).k  # type: ignore[arg-type]
     k_engine = choose_k(AutoInputs(low, engine, c, **args)).k  # type: ignore[arg-type]
     assert k_engine > k_alone, (k_alone, k_engine)
+
+
+def test_plain_decoding_must_win_by_the_margin() -> None:
+    """Measured costs: k=1 modelled 3% slower than plain keeps speculating (plain rounds learn no acceptance, and
+    the costs compared were timed at other moments); 15% slower falls back to plain."""
+    args = dict(k_max=1, catch_up=1, rounds_at_zero=0, probe_every=16, free_fraction=1.0,
+                pressure_free_fraction=0.1, draft_cost_per_token=0.02)
+    own = stats_with([0, 1], proposed=1, rounds=50)  # s_1 = 0.5
+    close = cost(0.02, {1: 0.100, 2: 0.135})  # plain 10.0 tokens/s, k=1 1.5 / 0.155 = 9.7
+    assert choose_k(AutoInputs(own, AcceptanceStats(), close, **args)).k == 1  # type: ignore[arg-type]
+    clear = cost(0.02, {1: 0.100, 2: 0.155})  # k=1 1.5 / 0.175 = 8.6
+    assert choose_k(AutoInputs(own, AcceptanceStats(), clear, **args)).k == 0  # type: ignore[arg-type]
+    seeded = SeededInputs(25, 25, (50,), (25,), 1, 0, 16, True, NominalCosts("t", (1.0, 1.35), 1, 0.2))
+    assert choose_k_seeded(seeded).k == 0  # seeded requests keep the plain 2% rule (fixed costs, no noise)
+
+
+def test_warm_up_estimates_are_medians_then_moving_averages() -> None:
+    c = CostModel()
+    c.warm_up_samples = {}
+    for seconds in (0.50, 0.14, 0.18, 0.17):  # a first call paying one-time costs, then noise
+        c.observe_verify(2, seconds)
+    for seconds in (0.09, 0.04, 0.05):
+        c.observe_draft(1, seconds)
+    assert c.verify_by_tokens[2] == pytest.approx(0.175) and c.draft_token == pytest.approx(0.05)
+    c.warm_up_samples = None
+    c.observe_verify(2, 0.275)
+    assert c.verify_by_tokens[2] == pytest.approx(0.8 * 0.175 + 0.2 * 0.275)
