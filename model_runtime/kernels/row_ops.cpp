@@ -74,13 +74,32 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 
+namespace {
+// lane i of the result = the sum of acc[i]'s 16 lanes, by the same tree for every i (pairs within 128-bit chunks,
+// then chunks), so a key's score does not depend on which keys share its block
+inline __m512 sum_lanes16(const __m512* acc) {
+  __m512 t[8], u[4], x[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]), _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+}  // namespace
+
 // Attention of one width group (model_runtime/attention.py's WidthGroup) over the paged KV pool, bf16 in and out,
 // float32 inside. q [T, H, d] (rows of the forward; heads d apart), k_flat / v_flat [slots, KVH, d] (contiguous),
 // slots [seqs, W] (each sequence's key slots), rows [seqs, n] (rows of q), hidden [seqs, n, W] (keys a row may not
 // see), real [seqs * n] (false: a padding entry, skipped); out [T, H, d] gets the real rows.
 // Per (row, query head): s_j = (q * scale) . k_j over the row's visible keys j in slot order, p_j = exp(s_j - max),
-// out = (sum_j p_j v_j) / sum_j p_j. Each (row, head) runs the same instructions over the same keys whatever else
-// is in the call (no blocking across rows), so a row's bits do not depend on how many rows share the call.
+// out = (sum_j p_j v_j) / sum_j p_j. Rows are taken in blocks that share their keys and values widened to float32
+// once (exact), and each (row, head) then runs the same instructions over its own keys whatever else is in the
+// call, so a row's bits do not depend on how many rows share the call.
 void paged_attention_group(torch::Tensor q, torch::Tensor k_flat, torch::Tensor v_flat, torch::Tensor slots,
                            torch::Tensor rows, torch::Tensor hidden, torch::Tensor real, torch::Tensor out, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kBFloat16 && q.stride(2) == 1 && q.stride(1) == q.size(2));
@@ -104,57 +123,122 @@ void paged_attention_group(torch::Tensor q, torch::Tensor k_flat, torch::Tensor 
   const bool* hid_p = hidden.data_ptr<bool>();
   const bool* real_p = real.data_ptr<bool>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, seqs * n * KVH, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<int64_t> keys;
-    std::vector<float> scores;
+  // work items: (sequence, kv head, block of up to ROWS rows); a block widens its sequence's W keys and values
+  // of that head to float32 once (shared by its rows' query heads), then each (row, head) runs on its own
+  const int64_t ROWS = 16, blocks = (n + ROWS - 1) / ROWS;
+  at::parallel_for(0, seqs * KVH * blocks, 1, [&](int64_t i0, int64_t i1) {
+    // per-thread buffers, grown and kept across calls (no allocation or zeroing per call)
+    static thread_local std::vector<float> kf, vf, scores, accs;
+    static thread_local std::vector<int64_t> keys, starts;  // each row's visible positions (of the W), concatenated
+    if (static_cast<int64_t>(kf.size()) < W * d) { kf.resize(W * d); vf.resize(W * d); }
+    const int64_t W16 = (W + 15) / 16 * 16;
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t entry = item / KVH, h = item % KVH, s = entry / n;  // entry = s * n + r
-      if (!real_p[entry]) continue;
-      const int64_t t = row_p[entry];
-      const bool* hid = hid_p + entry * W;
-      keys.clear();
-      for (int64_t j = 0; j < W; ++j) if (!hid[j]) keys.push_back(slot_p[s * W + j]);
-      const int64_t nk = static_cast<int64_t>(keys.size());
-      const int64_t nk16 = (nk + 15) / 16 * 16;
-      scores.assign(G * nk16, -INFINITY);
-      __m512 qv[16 * 8];  // up to 8 query heads of the group x d / 16 lanes, scaled, in float32
-      for (int64_t g0 = 0; g0 < G; g0 += 8) {
-        const int64_t gn = std::min<int64_t>(8, G - g0);
-        for (int64_t g = 0; g < gn; ++g) {
-          const uint16_t* qrow = qp + t * q_stride + (h * G + g0 + g) * d;
-          for (int64_t c = 0; c < D16; ++c) qv[g * 16 + c] = _mm512_mul_ps(widen_bf16(qrow + 16 * c, 0xffff), _mm512_set1_ps(sc));
+      const int64_t b = item % blocks, h = (item / blocks) % KVH, s = item / (blocks * KVH);
+      const int64_t r0 = b * ROWS, r1 = std::min<int64_t>(n, r0 + ROWS), nr = r1 - r0;
+      bool any = false;
+      for (int64_t r = r0; r < r1; ++r) any = any || real_p[s * n + r];
+      if (!any) continue;
+      for (int64_t j = 0; j < W; ++j) {  // exact: bf16 -> float32
+        const int64_t at = (slot_p[s * W + j] * KVH + h) * d;
+        for (int64_t c = 0; c < D16; ++c) {
+          _mm512_storeu_ps(&kf[j * d + 16 * c], widen_bf16(kp + at + 16 * c, 0xffff));
+          _mm512_storeu_ps(&vf[j * d + 16 * c], widen_bf16(vp + at + 16 * c, 0xffff));
         }
-        for (int64_t j = 0; j < nk; ++j) {
-          const uint16_t* krow = kp + (keys[j] * KVH + h) * d;
-          for (int64_t g = 0; g < gn; ++g) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t c = 0; c < D16; ++c) acc = _mm512_fmadd_ps(qv[g * 16 + c], widen_bf16(krow + 16 * c, 0xffff), acc);
-            scores[(g0 + g) * nk16 + j] = _mm512_reduce_add_ps(acc);
+      }
+      keys.clear();
+      starts.assign(nr + 1, 0);
+      for (int64_t ri = 0; ri < nr; ++ri) {
+        const bool* hid = hid_p + (s * n + r0 + ri) * W;
+        if (real_p[s * n + r0 + ri]) for (int64_t j = 0; j < W; ++j) if (!hid[j]) keys.push_back(j);
+        starts[ri + 1] = static_cast<int64_t>(keys.size());
+      }
+      const int64_t nq = nr * G;  // query vectors: (row, head)
+      if (static_cast<int64_t>(scores.size()) < nq * W16) scores.resize(nq * W16);
+      if (static_cast<int64_t>(accs.size()) < nq * d) accs.resize(nq * d);
+      std::fill(scores.begin(), scores.begin() + nq * W16, -INFINITY);
+      std::fill(accs.begin(), accs.begin() + nq * d, 0.0f);
+      // keys in chunks of CHUNK positions (their float32 K and V stay in L1 across the block's queries); a row's
+      // scores and sums still go over its own keys in order, each score and sum computed alone
+      constexpr int64_t CHUNK = 32;
+      std::vector<int64_t> at(nr);  // per row: first of its keys not yet scored
+      for (int64_t ri = 0; ri < nr; ++ri) at[ri] = starts[ri];
+      for (int64_t p0 = 0; p0 < W; p0 += CHUNK) {
+        for (int64_t ri = 0; ri < nr; ++ri) {
+          const int64_t a = at[ri];
+          int64_t e = a;
+          while (e < starts[ri + 1] && keys[e] < p0 + CHUNK) ++e;
+          at[ri] = e;
+          if (e == a) continue;
+          const int64_t t = row_p[s * n + r0 + ri];
+          for (int64_t g = 0; g < G; ++g) {
+            const uint16_t* qrow = qp + t * q_stride + (h * G + g) * d;
+            __m512 qv[16];  // the query head, scaled, in float32
+            for (int64_t c = 0; c < D16; ++c) qv[c] = _mm512_mul_ps(widen_bf16(qrow + 16 * c, 0xffff), _mm512_set1_ps(sc));
+            float* sg = scores.data() + (ri * G + g) * W16 - starts[ri];  // indexed by the row's key index
+            for (int64_t i0 = a; i0 < e; i0 += 16) {  // up to 16 keys' dot products, reduced together
+              const int64_t count = std::min<int64_t>(16, e - i0);
+              __m512 acc[16];
+              for (int64_t i = 0; i < 16; ++i) {
+                acc[i] = _mm512_setzero_ps();
+                if (i >= count) continue;
+                const float* krow = &kf[keys[i0 + i] * d];
+                for (int64_t c = 0; c < D16; ++c) acc[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(krow + 16 * c), acc[i]);
+              }
+              _mm512_mask_storeu_ps(sg + i0, tail_mask(count), sum_lanes16(acc));
+            }
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * nk16;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < nk16; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + j));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < nk16; j += 16) {
-          const __mmask16 live = tail_mask(nk - j);
-          const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + j), m)));
-          _mm512_storeu_ps(sg + j, p);
-          sum = _mm512_add_ps(sum, p);
+      std::vector<float> inv(nq);
+      for (int64_t ri = 0; ri < nr; ++ri) {  // softmax numerators in place, and 1 / their sum
+        const int64_t nk = starts[ri + 1] - starts[ri], nk16 = (nk + 15) / 16 * 16;
+        if (nk == 0) continue;
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + (ri * G + g) * W16;
+          __m512 mx = _mm512_set1_ps(-INFINITY);
+          for (int64_t i = 0; i < nk16; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + i));
+          const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t i = 0; i < nk16; i += 16) {
+            const __mmask16 live = tail_mask(nk - i);
+            const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + i), m)));
+            _mm512_storeu_ps(sg + i, p);
+            sum = _mm512_add_ps(sum, p);
+          }
+          inv[ri * G + g] = 1.0f / _mm512_reduce_add_ps(sum);
         }
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-        __m512 acc[16];
-        for (int64_t c = 0; c < D16; ++c) acc[c] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < nk; ++j) {
-          const uint16_t* vrow = vp + (keys[j] * KVH + h) * d;
-          const __m512 pj = _mm512_set1_ps(sg[j]);
-          for (int64_t c = 0; c < D16; ++c) acc[c] = _mm512_fmadd_ps(pj, widen_bf16(vrow + 16 * c, 0xffff), acc[c]);
+      }
+      for (int64_t ri = 0; ri < nr; ++ri) at[ri] = starts[ri];
+      for (int64_t p0 = 0; p0 < W; p0 += CHUNK) {  // sum_i p_i v_i, keys in order, the sums kept in float32
+        for (int64_t ri = 0; ri < nr; ++ri) {
+          const int64_t a = at[ri];
+          int64_t e = a;
+          while (e < starts[ri + 1] && keys[e] < p0 + CHUNK) ++e;
+          at[ri] = e;
+          if (e == a) continue;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* sg = scores.data() + (ri * G + g) * W16 - starts[ri];
+            float* ab = &accs[(ri * G + g) * d];
+            __m512 acc[16];
+            for (int64_t c = 0; c < D16; ++c) acc[c] = _mm512_loadu_ps(ab + 16 * c);
+            for (int64_t i = a; i < e; ++i) {
+              const float* vrow = &vf[keys[i] * d];
+              const __m512 pi = _mm512_set1_ps(sg[i]);
+              for (int64_t c = 0; c < D16; ++c) acc[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(vrow + 16 * c), acc[c]);
+            }
+            for (int64_t c = 0; c < D16; ++c) _mm512_storeu_ps(ab + 16 * c, acc[c]);
+          }
         }
-        uint16_t* orow = op + (t * H + h * G + g) * d;
-        for (int64_t c = 0; c < D16; ++c) store_bf16(orow + 16 * c, 0xffff, _mm512_mul_ps(acc[c], inv));
+      }
+      for (int64_t ri = 0; ri < nr; ++ri) {
+        if (!real_p[s * n + r0 + ri]) continue;
+        const int64_t t = row_p[s * n + r0 + ri];
+        for (int64_t g = 0; g < G; ++g) {
+          const float* ab = &accs[(ri * G + g) * d];
+          uint16_t* orow = op + (t * H + h * G + g) * d;
+          const __m512 iv = _mm512_set1_ps(inv[ri * G + g]);
+          for (int64_t c = 0; c < D16; ++c) store_bf16(orow + 16 * c, 0xffff, _mm512_mul_ps(_mm512_loadu_ps(ab + 16 * c), iv));
+        }
       }
     }
   });
