@@ -160,35 +160,40 @@ void paged_attention_group(torch::Tensor q, torch::Tensor k_flat, torch::Tensor 
       // keys in chunks of CHUNK positions (their float32 K and V stay in L1 across the block's queries); a row's
       // scores and sums still go over its own keys in order, each score and sum computed alone
       constexpr int64_t CHUNK = 32;
-      std::vector<int64_t> at(nr);  // per row: first of its keys not yet scored
-      for (int64_t ri = 0; ri < nr; ++ri) at[ri] = starts[ri];
-      for (int64_t p0 = 0; p0 < W; p0 += CHUNK) {
-        for (int64_t ri = 0; ri < nr; ++ri) {
-          const int64_t a = at[ri];
-          int64_t e = a;
-          while (e < starts[ri + 1] && keys[e] < p0 + CHUNK) ++e;
-          at[ri] = e;
-          if (e == a) continue;
-          const int64_t t = row_p[s * n + r0 + ri];
-          for (int64_t g = 0; g < G; ++g) {
-            const uint16_t* qrow = qp + t * q_stride + (h * G + g) * d;
-            __m512 qv[16];  // the query head, scaled, in float32
-            for (int64_t c = 0; c < D16; ++c) qv[c] = _mm512_mul_ps(widen_bf16(qrow + 16 * c, 0xffff), _mm512_set1_ps(sc));
-            float* sg = scores.data() + (ri * G + g) * W16 - starts[ri];  // indexed by the row's key index
-            for (int64_t i0 = a; i0 < e; i0 += 16) {  // up to 16 keys' dot products, reduced together
-              const int64_t count = std::min<int64_t>(16, e - i0);
-              __m512 acc[16];
-              for (int64_t i = 0; i < 16; ++i) {
-                acc[i] = _mm512_setzero_ps();
-                if (i >= count) continue;
-                const float* krow = &kf[keys[i0 + i] * d];
-                for (int64_t c = 0; c < D16; ++c) acc[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(krow + 16 * c), acc[i]);
-              }
-              _mm512_mask_storeu_ps(sg + i0, tail_mask(count), sum_lanes16(acc));
-            }
+      std::vector<int64_t> at(nr);  // per row: first of its keys not yet visited
+      // body(ri, a, e): row ri's keys a..e-1 (indices into `keys`), chunk by chunk of positions, rows in turn
+      auto each_chunk = [&](auto body) {
+        for (int64_t ri = 0; ri < nr; ++ri) at[ri] = starts[ri];
+        for (int64_t p0 = 0; p0 < W; p0 += CHUNK) {
+          for (int64_t ri = 0; ri < nr; ++ri) {
+            const int64_t a = at[ri];
+            int64_t e = a;
+            while (e < starts[ri + 1] && keys[e] < p0 + CHUNK) ++e;
+            at[ri] = e;
+            if (e > a) body(ri, a, e);
           }
         }
-      }
+      };
+      each_chunk([&](int64_t ri, int64_t a, int64_t e) {
+        const int64_t t = row_p[s * n + r0 + ri];
+        for (int64_t g = 0; g < G; ++g) {
+          const uint16_t* qrow = qp + t * q_stride + (h * G + g) * d;
+          __m512 qv[16];  // the query head, scaled, in float32
+          for (int64_t c = 0; c < D16; ++c) qv[c] = _mm512_mul_ps(widen_bf16(qrow + 16 * c, 0xffff), _mm512_set1_ps(sc));
+          float* sg = scores.data() + (ri * G + g) * W16 - starts[ri];  // indexed by the row's key index
+          for (int64_t i0 = a; i0 < e; i0 += 16) {  // up to 16 keys' dot products, reduced together
+            const int64_t count = std::min<int64_t>(16, e - i0);
+            __m512 acc[16];
+            for (int64_t i = 0; i < 16; ++i) {
+              acc[i] = _mm512_setzero_ps();
+              if (i >= count) continue;
+              const float* krow = &kf[keys[i0 + i] * d];
+              for (int64_t c = 0; c < D16; ++c) acc[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(krow + 16 * c), acc[i]);
+            }
+            _mm512_mask_storeu_ps(sg + i0, tail_mask(count), sum_lanes16(acc));
+          }
+        }
+      });
       std::vector<float> inv(nq);
       for (int64_t ri = 0; ri < nr; ++ri) {  // softmax numerators in place, and 1 / their sum
         const int64_t nk = starts[ri + 1] - starts[ri], nk16 = (nk + 15) / 16 * 16;
@@ -208,28 +213,20 @@ void paged_attention_group(torch::Tensor q, torch::Tensor k_flat, torch::Tensor 
           inv[ri * G + g] = 1.0f / _mm512_reduce_add_ps(sum);
         }
       }
-      for (int64_t ri = 0; ri < nr; ++ri) at[ri] = starts[ri];
-      for (int64_t p0 = 0; p0 < W; p0 += CHUNK) {  // sum_i p_i v_i, keys in order, the sums kept in float32
-        for (int64_t ri = 0; ri < nr; ++ri) {
-          const int64_t a = at[ri];
-          int64_t e = a;
-          while (e < starts[ri + 1] && keys[e] < p0 + CHUNK) ++e;
-          at[ri] = e;
-          if (e == a) continue;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* sg = scores.data() + (ri * G + g) * W16 - starts[ri];
-            float* ab = &accs[(ri * G + g) * d];
-            __m512 acc[16];
-            for (int64_t c = 0; c < D16; ++c) acc[c] = _mm512_loadu_ps(ab + 16 * c);
-            for (int64_t i = a; i < e; ++i) {
-              const float* vrow = &vf[keys[i] * d];
-              const __m512 pi = _mm512_set1_ps(sg[i]);
-              for (int64_t c = 0; c < D16; ++c) acc[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(vrow + 16 * c), acc[c]);
-            }
-            for (int64_t c = 0; c < D16; ++c) _mm512_storeu_ps(ab + 16 * c, acc[c]);
+      each_chunk([&](int64_t ri, int64_t a, int64_t e) {  // sum_i p_i v_i, keys in order, the sums kept in float32
+        for (int64_t g = 0; g < G; ++g) {
+          const float* sg = scores.data() + (ri * G + g) * W16 - starts[ri];
+          float* ab = &accs[(ri * G + g) * d];
+          __m512 acc[16];
+          for (int64_t c = 0; c < D16; ++c) acc[c] = _mm512_loadu_ps(ab + 16 * c);
+          for (int64_t i = a; i < e; ++i) {
+            const float* vrow = &vf[keys[i] * d];
+            const __m512 pi = _mm512_set1_ps(sg[i]);
+            for (int64_t c = 0; c < D16; ++c) acc[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(vrow + 16 * c), acc[c]);
           }
+          for (int64_t c = 0; c < D16; ++c) _mm512_storeu_ps(ab + 16 * c, acc[c]);
         }
-      }
+      });
       for (int64_t ri = 0; ri < nr; ++ri) {
         if (!real_p[s * n + r0 + ri]) continue;
         const int64_t t = row_p[s * n + r0 + ri];
