@@ -27,6 +27,10 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,16 @@ def kernel() -> ModuleType | None:
     if "module" not in _STATE:
         _STATE["module"], _STATE["status"] = _load()
     return _STATE["module"]  # type: ignore[return-value]
+
+
+def kernel_for(x: torch.Tensor) -> ModuleType | None:
+    """The extension for the row-wise bf16 ops on `x` (kernels/row_ops.cpp): where it runs and `x` is a bf16 CPU
+    tensor; None elsewhere (float32, CUDA, no kernel: the callers' torch formulas)."""
+    import torch
+
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    return kernel()
 
 
 def status() -> str:

@@ -35,7 +35,7 @@ from types import ModuleType
 
 import torch
 
-from model_runtime.amx_kernel import kernel as amx_kernel
+from model_runtime.amx_kernel import kernel_for
 
 TILE = 64  # keys are padded to a multiple of this per row
 # bf16 rows whose padded key width is at most this go through the kernel (the width is the row's own, so a row
@@ -105,11 +105,9 @@ def plan_attention(seqs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[
 
 
 def _row_kernel(q: torch.Tensor) -> ModuleType | None:
-    """The AMX extension's attention (kernels/row_ops.cpp) for bf16 on CPU where it runs: the same per-row
+    """The extension's attention (kernels/row_ops.cpp) for bf16 on CPU, head dims it handles: the same per-row
     contract, 2-4x faster than the products below for a decoded row; None elsewhere."""
-    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or q.shape[-1] % 16 or q.shape[-1] > 256:
-        return None
-    return amx_kernel()
+    return kernel_for(q) if q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 else None
 
 
 def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from model_runtime.amx_kernel import kernel as amx_kernel
+from model_runtime.amx_kernel import kernel_for
 from model_runtime.amx_kernel import status as amx_status
 from model_runtime.attention import paged_attention
 from model_runtime.batch import ForwardBatch, SeqInput
@@ -47,11 +48,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_kernel(x: torch.Tensor) -> ModuleType | None:
-    """The AMX extension where it runs and `x` is a bf16 CPU tensor of rows (its row-wise norm and activation:
-    ~15x and ~2x faster than torch's ops at one row); None elsewhere (float32, CUDA, no kernel)."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2:
-        return None
-    return amx_kernel()
+    """The extension for a bf16 CPU tensor of rows (its row-wise norm and activation: ~15x and ~2x faster than
+    torch's ops at one row); None elsewhere."""
+    return kernel_for(x) if x.dim() == 2 else None
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
