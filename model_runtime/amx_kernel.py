@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = [KERNELS / "amx_linear.cpp", KERNELS / "row_ops.cpp"]
+SOURCES = [KERNELS / "amx_linear.cpp", KERNELS / "row_ops.cpp", KERNELS / "layers.cpp"]
 HEADER = KERNELS / "simd.h"  # torch's loader rebuilds when a source or a flag changes: the header's hash is a flag
 CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
           "-fopenmp"]

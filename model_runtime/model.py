@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from model_runtime.amx_kernel import kernel as amx_kernel
 from model_runtime.amx_kernel import kernel_for
 from model_runtime.amx_kernel import status as amx_status
-from model_runtime.attention import paged_attention
+from model_runtime.attention import KERNEL_MAX_WIDTH, paged_attention
 from model_runtime.batch import ForwardBatch, SeqInput
 from model_runtime.config import ModelConfig
 from model_runtime.kv_pool import KVPool
@@ -103,6 +103,7 @@ class CausalLM:
         self.device = self.weights.embed.device
         first = self.weights.layers[0]
         self.matmul_widths = calibrate_all([first.qkv, first.o, first.gate_up, first.down, self.weights.lm_head])
+        self._stack = self._layer_stack()
 
     @classmethod
     def load(
@@ -117,6 +118,24 @@ class CausalLM:
         weights = load_weights(checkpoint_dir, config, tp_rank, tp_size, dtype=torch.bfloat16 if int8 else dtype,
                                device=device)
         return cls(config, weights, tp_rank, tp_size, group, int8=int8)
+
+    def _layer_stack(self) -> object | None:
+        """The decoder layers as one C++ loop over the kernels (kernels/layers.cpp), for a model whose every linear is
+        packed, on one rank; None elsewhere (the Python loop below: the same operations)."""
+        module = amx_kernel()
+        d = self.config.head_dim
+        if module is None or self.tp_size != 1 or d % 16 or d > 256 or not self.weights.layers:
+            return None
+        if not all(isinstance(w, PackedBF16 | PackedInt8)
+                   for lw in self.weights.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)):
+            return None
+
+        def lin(w: PackedBF16 | PackedInt8) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+            return w.packed, w.scale if isinstance(w, PackedInt8) else None, w.shape[0]
+
+        layers = [(lw.input_norm, lw.post_norm, lw.qkv_bias, lin(lw.qkv), lin(lw.o), lin(lw.gate_up), lin(lw.down))
+                  for lw in self.weights.layers]
+        return module.LayerStack(layers, self.num_heads, self.num_kv_heads, d, self.config.rms_norm_eps, d ** -0.5)
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> KVPool:
         return KVPool.allocate(self.config, num_blocks, block_size, self.tp_size, self.dtype, self.device)
@@ -141,11 +160,15 @@ class CausalLM:
         batch = batch.to(self.device)
         cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         h = F.embedding(batch.token_ids, self.weights.embed)
-        for layer_idx, lw in enumerate(self.weights.layers):
-            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
-            h = h + self._attention(layer_idx, lw, x, cos, sin, batch, kv)
-            x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-            h = h + self._all_reduce(linear(silu_mul(linear(x, lw.gate_up)), lw.down))
+        if self._stack is not None and all(g.width <= KERNEL_MAX_WIDTH for g in batch.attention):
+            groups = [(g.slots, g.rows, g.hidden, g.real) for g in batch.attention]
+            h = self._stack.forward(h, cos, sin, batch.slot_mapping, kv.k, kv.v, groups)  # type: ignore[attr-defined]
+        else:
+            for layer_idx, lw in enumerate(self.weights.layers):
+                x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+                h = h + self._attention(layer_idx, lw, x, cos, sin, batch, kv)
+                x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
+                h = h + self._all_reduce(linear(silu_mul(linear(x, lw.gate_up)), lw.down))
         if self.tp_rank != 0 or batch.logits_rows.numel() == 0:
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32)
         h = rms_norm(h[batch.logits_rows], self.weights.final_norm, cfg.rms_norm_eps)

@@ -354,8 +354,11 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void paged_attention_group(torch::Tensor q, torch::Tensor k_flat, torch::Tensor v_flat, torch::Tensor slots,
                            torch::Tensor rows, torch::Tensor hidden, torch::Tensor real, torch::Tensor out, double scale);
+// layers.cpp: the decoder layers' loop over these kernels
+void bind_layers(py::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_layers(m);
   m.def("amx_enable", &amx_enable);
   m.def("amx_linear", &amx_linear, py::arg("x"), py::arg("wp"), py::arg("n_out"), py::arg("bias") = py::none(), py::arg("out_fp32") = false);
   m.def("amx_linear_i8", &amx_linear_i8, py::arg("x"), py::arg("wq"), py::arg("wscale"), py::arg("n_out"),

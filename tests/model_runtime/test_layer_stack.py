@@ -1,0 +1,107 @@
+"""The decoder layers' C++ loop (model_runtime/kernels/layers.cpp, CausalLM._stack) gives the Python loop's bits:
+ragged batches (prefill, decode, verify, a tree, rows in several key-width groups, padded groups), bf16 and int8
+linears, random and real weights. Skipped where the AMX kernel cannot run (the model then has no stack)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_runtime.amx_kernel import kernel, status
+from model_runtime.attention import KERNEL_MAX_WIDTH
+from model_runtime.batch import SeqInput
+from model_runtime.kv_pool import KVPool
+from model_runtime.local_alloc import LocalAllocator, LocalSequence
+from model_runtime.model import CausalLM
+from tests.model_runtime.random_checkpoint import make_random_checkpoint
+
+pytestmark = pytest.mark.skipif(kernel() is None, reason=f"AMX kernel {status()}")
+
+
+def _tree(prompt_len: int, seq: LocalSequence, alloc: LocalAllocator) -> SeqInput:
+    """A 5-node draft tree (root, two children, a grandchild under each) after the sequence's past."""
+    tokens, parent, depth = [40, 41, 42, 43, 44], [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2]
+    mask = torch.zeros(5, 5, dtype=torch.bool)
+    for node in range(5):
+        walk = node
+        while walk != -1:
+            mask[node, walk] = True
+            walk = parent[walk]
+    item = alloc.extend(seq, tokens)
+    return SeqInput(token_ids=tokens, past_len=prompt_len, block_table=item.block_table,
+                    slot_mapping=item.slot_mapping, positions=[prompt_len + d for d in depth], attn_mask=mask)
+
+
+def _two_forwards(model: CausalLM, use_stack: bool) -> tuple[list[torch.Tensor], KVPool]:
+    """A prefill of four sequences, then one forward holding a decode row, a verify of 4, a tree and 17 new rows
+    (every width group padded, widths 64 to 192), on a fresh pool."""
+    stack = model._stack
+    model._stack = stack if use_stack else None
+    try:
+        gen = torch.Generator().manual_seed(1)
+        alloc = LocalAllocator(96, 16)
+        kv = model.allocate_kv(96, 16)
+        lengths = (30, 75, 140, 9)
+        seqs = [LocalSequence() for _ in lengths]
+        prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in lengths]
+        first = model.forward_seqs([alloc.extend(s, p, logits="last") for s, p in zip(seqs, prompts, strict=True)],
+                                   kv)
+        second = model.forward_seqs([alloc.extend(seqs[0], [5]), alloc.extend(seqs[1], [6, 7, 8, 9]),
+                                     _tree(lengths[2], seqs[2], alloc), alloc.extend(seqs[3], list(range(50, 67)))],
+                                    kv)
+        return [*first, *second], kv
+    finally:
+        model._stack = stack
+
+
+def _assert_same_bits(model: CausalLM) -> None:
+    assert model._stack is not None
+    ours, kv_ours = _two_forwards(model, use_stack=True)
+    theirs, kv_theirs = _two_forwards(model, use_stack=False)
+    for got, want in zip(ours, theirs, strict=True):
+        assert torch.equal(got, want)
+    for a, b in zip(kv_ours.k + kv_ours.v, kv_theirs.k + kv_theirs.v, strict=True):  # the same cache written
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_random_weights_give_the_python_loops_bits(tmp_path: Path, dtype: torch.dtype) -> None:
+    ckpt = make_random_checkpoint(tmp_path, arch="qwen2", seed=5, hidden_size=256, num_heads=4, num_kv_heads=2,
+                                  intermediate_size=512)  # qkv bias, head dim 64, 2 query heads per kv head
+    _assert_same_bits(CausalLM.load(ckpt, dtype=dtype))
+
+
+def test_smollm2_gives_the_python_loops_bits(smollm2_dir: Path) -> None:
+    _assert_same_bits(CausalLM.load(smollm2_dir, dtype=torch.bfloat16))  # llama: no bias, 3 query heads per kv head
+
+
+def test_wide_rows_take_the_python_loop(tmp_path: Path) -> None:
+    """A forward with a row wider than the attention kernel's limit runs the Python loop (its wide groups on the
+    float32 products); the rows within the limit get the same bits as in a forward of their own."""
+    model = CausalLM.load(make_random_checkpoint(tmp_path, arch="qwen2", seed=6), dtype=torch.bfloat16)
+    assert model._stack is not None
+    alloc = LocalAllocator(64, 16)
+    kv = model.allocate_kv(64, 16)
+    long, short = LocalSequence(), LocalSequence()
+    model.forward_seqs([alloc.extend(long, [3 + i % 200 for i in range(KERNEL_MAX_WIDTH)], logits="none"),
+                        alloc.extend(short, list(range(3, 40)), logits="none")], kv)
+    calls: list[int] = []
+    stack = model._stack
+
+    class Counting:
+        def forward(self, *args: object) -> torch.Tensor:
+            calls.append(1)
+            return stack.forward(*args)  # type: ignore[attr-defined]
+
+    model._stack = Counting()
+    try:
+        both = model.forward_seqs([alloc.extend(long, [7]), alloc.extend(short, [8])], kv)
+        assert calls == []  # the long row's width is past the limit: the Python loop
+        short.length -= 1
+        (alone,) = model.forward_seqs([alloc.extend(short, [8])], kv)
+        assert calls == [1]
+    finally:
+        model._stack = stack
+    assert torch.equal(both[1], alone)
