@@ -43,6 +43,7 @@ PREFER_SMALLER = 1.02  # a larger k must beat the best smaller one by 2%
 # a warm-up that timed 1 row at 0.14 s and 2 rows at 0.17 s kept a prose request plain for all of its 48 tokens,
 # where fixed k=3 ran it at 1.5x.
 PLAIN_MARGIN = 1.05
+FIT_WEIGHT = 8  # the most a row count's samples weigh in the verify-time fit (an EMA at alpha 0.2 holds ~9)
 
 
 
@@ -87,6 +88,7 @@ class CostModel:
     alpha: float = 0.2
     draft_token: float | None = None  # one draft step for one batch
     verify_by_tokens: dict[int, float] = field(default_factory=dict)  # rows scored by the batch -> verify time
+    verify_samples: dict[int, int] = field(default_factory=dict)  # rows -> samples behind verify_by_tokens[rows]
     # during the engine's warm-up (cluster/engine/warmup.py): every sample kept, the estimate their median (a few
     # samples per shape on a noisy machine; the first call of a shape may pay one-time costs)
     warm_up_samples: dict[int | str, list[float]] | None = None
@@ -95,9 +97,14 @@ class CostModel:
         if steps > 0:
             self.draft_token = self._blend("draft", self.draft_token, seconds / steps)
 
+    _fit: tuple[tuple[int, int], dict[int, float]] | None = field(default=None, repr=False, compare=False)
+    _version: int = field(default=0, repr=False, compare=False)
+
     def observe_verify(self, rows: int, seconds: float) -> None:
         bucket = min(rows, MAX_ROWS)
         self.verify_by_tokens[bucket] = self._blend(bucket, self.verify_by_tokens.get(bucket), seconds)
+        self.verify_samples[bucket] = self.verify_samples.get(bucket, 0) + 1
+        self._version += 1
 
     def _blend(self, key: int | str, old: float | None, sample: float) -> float:
         if self.warm_up_samples is not None:
@@ -110,19 +117,40 @@ class CostModel:
         return self.verify_by_tokens.get(min(rows, MAX_ROWS))
 
     def verify_time(self, rows: int) -> float | None:
-        if not self.verify_by_tokens:
+        """The verify time of `rows` scored rows on the monotone fit (`monotone_verify`), interpolated linearly
+        between measured row counts."""
+        fitted = self.monotone_verify()
+        if not fitted:
             return None
         bucket = min(rows, MAX_ROWS)
-        if bucket in self.verify_by_tokens:
-            return self.verify_by_tokens[bucket]
-        known = sorted(self.verify_by_tokens)
+        if bucket in fitted:
+            return fitted[bucket]
+        known = sorted(fitted)
         below = [b for b in known if b < bucket]
         above = [b for b in known if b > bucket]
         if below and above:  # linear interpolation
             lo, hi = below[-1], above[0]
             w = (bucket - lo) / (hi - lo)
-            return (1 - w) * self.verify_by_tokens[lo] + w * self.verify_by_tokens[hi]
-        return self.verify_by_tokens[below[-1] if below else above[0]]
+            return (1 - w) * fitted[lo] + w * fitted[hi]
+        return fitted[below[-1] if below else above[0]]
+
+    def monotone_verify(self) -> dict[int, float]:
+        """verify_by_tokens fitted non-decreasing in rows (pool adjacent violators; a row count weighs its samples,
+        at most FIT_WEIGHT): scoring more rows never costs less, so one noisy estimate must not make its k look
+        cheaper than a smaller one's (`bench spec` measured 0.150 s at 4 rows and 0.211 s at 5 between 0.156 s
+        at 3 and 0.179 s at 17: auto then avoided k=4 for a spell's noise). Refitted after every new sample."""
+        key = (id(self.verify_by_tokens), self._version)
+        if self._fit is None or self._fit[0] != key or len(self._fit[1]) != len(self.verify_by_tokens):
+            pools: list[tuple[float, float, list[int]]] = []  # (value, weight, row counts pooled)
+            for rows in sorted(self.verify_by_tokens):
+                value, weight, members = self.verify_by_tokens[rows], float(
+                    min(self.verify_samples.get(rows, 1), FIT_WEIGHT)), [rows]
+                while pools and pools[-1][0] > value:
+                    v, w, m = pools.pop()
+                    value, weight, members = (v * w + value * weight) / (w + weight), w + weight, m + members
+                pools.append((value, weight, members))
+            self._fit = (key, {rows: value for value, _, members in pools for rows in members})
+        return self._fit[1]
 
 
 def _rate(stats: AcceptanceStats, prior: float, weight: float) -> float:

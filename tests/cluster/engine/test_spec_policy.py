@@ -9,6 +9,7 @@ import pytest
 
 from cluster.engine.spec_policy import (
     BFLOAT16_COSTS,
+    FIT_WEIGHT,
     FLOAT32_COSTS,
     AutoInputs,
     CostModel,
@@ -237,3 +238,27 @@ def test_warm_up_estimates_are_medians_then_moving_averages() -> None:
     c.warm_up_samples = None
     c.observe_verify(2, 0.275)
     assert c.verify_by_tokens[2] == pytest.approx(0.8 * 0.175 + 0.2 * 0.275)
+
+
+def test_verify_costs_are_fitted_non_decreasing_in_rows() -> None:
+    """A noisy estimate below a smaller row count's is pooled with it (the bench's measured costs, seconds)."""
+    measured = {1: 0.1555, 2: 0.1691, 3: 0.1555, 4: 0.1498, 5: 0.2108, 17: 0.1785, 18: 0.149, 19: 0.16,
+                20: 0.1996, 48: 0.2331}
+    fitted = cost(0.03, measured).monotone_verify()
+    values = [fitted[rows] for rows in sorted(fitted)]
+    assert sorted(fitted) == sorted(measured) and values == sorted(values)
+    assert fitted[1] == 0.1555 and fitted[2] == fitted[4] == pytest.approx((0.1691 + 0.1555 + 0.1498) / 3)
+    assert fitted[5] == fitted[19] == pytest.approx((0.2108 + 0.1785 + 0.149 + 0.16) / 4)
+    assert fitted[20] == 0.1996 and fitted[48] == 0.2331  # already in order: kept
+    assert cost(0.03, measured).verify_time(10) == pytest.approx(fitted[5])
+
+
+def test_the_fit_weighs_each_row_count_by_its_samples() -> None:
+    c = CostModel()
+    for _ in range(20):  # many samples at 2 rows (their weight capped at FIT_WEIGHT), one noisy one at 3
+        c.observe_verify(2, 0.30)
+    c.observe_verify(3, 0.21)
+    fitted = c.monotone_verify()
+    assert fitted[2] == fitted[3] == pytest.approx((FIT_WEIGHT * 0.30 + 0.21) / (FIT_WEIGHT + 1))
+    c.observe_verify(4, 0.40)  # a new sample refits
+    assert c.verify_time(4) == 0.40 and c.verify_time(3) == fitted[3]
