@@ -4,7 +4,8 @@ Fixed k, or auto. Auto maximises expected tokens per second with the measured qu
 docs/ARCHITECTURE.md §5:
 
     E[Y](k) = 1 + sum_{i=1..k} s_i                  (s_i measured per request, per position)
-    t_cycle(k) = k * t_draft_token + t_verify(n + k) (online cost model, n = catch-up tokens)
+    t_cycle(k) = k * t_draft_token + t_verify(n + k) (online cost model, n = catch-up tokens; t_verify fitted
+                                                     non-decreasing in rows: CostModel.monotone_verify)
     pick k* = argmax_k E[Y](k) / t_cycle(k)   over k = 0..k_max   (k = 0 is plain decoding)
 
 s_i blends what the request measured at position i with an extrapolation a * c_2 * ... * c_i, where a is the
@@ -227,7 +228,7 @@ def choose_k(inputs: AutoInputs) -> AutoDecision:
     if k_max == 0:
         return AutoDecision(0, "no drafter")
     cap = 1 if free_fraction < pressure_free_fraction else k_max
-    if cost.measured(batch * catch_up) is None:
+    if not cost.verify_by_tokens:  # a row count never measured reads its neighbours' (verify_time)
         return AutoDecision(0, "warm-up: measuring plain-decode cost")
     bucket = min(batch * catch_up, MAX_ROWS)
     if draft_cost_per_token is None or (bucket < MAX_ROWS and not any(b > bucket for b in cost.verify_by_tokens)):

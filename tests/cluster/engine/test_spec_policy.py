@@ -262,3 +262,11 @@ def test_the_fit_weighs_each_row_count_by_its_samples() -> None:
     assert fitted[2] == fitted[3] == pytest.approx((FIT_WEIGHT * 0.30 + 0.21) / (FIT_WEIGHT + 1))
     c.observe_verify(4, 0.40)  # a new sample refits
     assert c.verify_time(4) == 0.40 and c.verify_time(3) == fitted[3]
+
+
+def test_a_prompts_first_round_speculates_on_its_neighbours_costs() -> None:
+    """A new request's first round scores its whole prompt, a row count the engine may never have timed: its cost
+    is read off the measured ones, and the round drafts (it used to decode plainly, one token for a prefill)."""
+    own = stats_with([3], proposed=3, rounds=20)
+    k, reason = choose(own, cost(0.03, {1: 0.15, 2: 0.15, 4: 0.16, 48: 0.23, 128: 0.40}), catch_up=57)
+    assert k >= 2 and reason == "cost model"
