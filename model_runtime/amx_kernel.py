@@ -1,6 +1,7 @@
 """The AMX linear kernels (model_runtime/kernels/amx_linear.cpp) and the row-wise bf16 ops beside them
-(kernels/row_ops.cpp: RMSNorm, SiLU-and-multiply, paged attention): built once per machine, loaded once per
-process, or absent with a stated reason. `amx_linear`: bfloat16, batch-invariant (the target); `amx_linear_i8`:
+(kernels/row_ops.cpp: RMSNorm, SiLU-and-multiply, paged attention), and the decoder layers' loop over them
+(kernels/layers.cpp: `LayerStack`, model_runtime/model.py): built once per machine, loaded once per process, or
+absent with a stated reason. `amx_linear`: bfloat16, batch-invariant (the target); `amx_linear_i8`:
 int8 weights x per-row int8 activations at twice bf16's speed (the draft, `--draft-dtype int8`: a draft's
 precision changes only how often its tokens are accepted, never the output).
 
