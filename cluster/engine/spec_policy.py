@@ -93,13 +93,13 @@ class CostModel:
     # during the engine's warm-up (cluster/engine/warmup.py): every sample kept, the estimate their median (a few
     # samples per shape on a noisy machine; the first call of a shape may pay one-time costs)
     warm_up_samples: dict[int | str, list[float]] | None = None
+    # monotone_verify's last fit and what it was fitted from (the dict, its samples so far, its size)
+    _fit: tuple[tuple[int, int, int], dict[int, float]] | None = field(default=None, repr=False, compare=False)
+    _version: int = field(default=0, repr=False, compare=False)
 
     def observe_draft(self, steps: int, seconds: float) -> None:
         if steps > 0:
             self.draft_token = self._blend("draft", self.draft_token, seconds / steps)
-
-    _fit: tuple[tuple[int, int], dict[int, float]] | None = field(default=None, repr=False, compare=False)
-    _version: int = field(default=0, repr=False, compare=False)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         bucket = min(rows, MAX_ROWS)
@@ -113,9 +113,6 @@ class CostModel:
             kept.append(sample)
             return statistics.median(kept)
         return sample if old is None else (1 - self.alpha) * old + self.alpha * sample
-
-    def measured(self, rows: int) -> float | None:
-        return self.verify_by_tokens.get(min(rows, MAX_ROWS))
 
     def verify_time(self, rows: int) -> float | None:
         """The verify time of `rows` scored rows on the monotone fit (`monotone_verify`), interpolated linearly
@@ -140,8 +137,8 @@ class CostModel:
         at most FIT_WEIGHT): scoring more rows never costs less, so one noisy estimate must not make its k look
         cheaper than a smaller one's (`bench spec` measured 0.150 s at 4 rows and 0.211 s at 5 between 0.156 s
         at 3 and 0.179 s at 17: auto then avoided k=4 for a spell's noise). Refitted after every new sample."""
-        key = (id(self.verify_by_tokens), self._version)
-        if self._fit is None or self._fit[0] != key or len(self._fit[1]) != len(self.verify_by_tokens):
+        key = (id(self.verify_by_tokens), self._version, len(self.verify_by_tokens))
+        if self._fit is None or self._fit[0] != key:
             pools: list[tuple[float, float, list[int]]] = []  # (value, weight, row counts pooled)
             for rows in sorted(self.verify_by_tokens):
                 value, weight, members = self.verify_by_tokens[rows], float(
