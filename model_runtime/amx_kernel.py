@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = [KERNELS / "amx_linear.cpp", KERNELS / "row_ops.cpp", KERNELS / "layers.cpp"]
-HEADER = KERNELS / "simd.h"  # torch's loader rebuilds when a source or a flag changes: the header's hash is a flag
+HEADERS = [KERNELS / "ops.h", KERNELS / "simd.h"]  # torch's loader rebuilds when a source or a flag changes: the
+# headers' hash is a flag
 CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
           "-fopenmp"]
 _STATE: dict[str, object] = {}
@@ -78,9 +79,9 @@ def _load() -> tuple[ModuleType | None, str]:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         start = time.perf_counter()
         log.info("loading the AMX kernels (the first build on a machine takes about a minute)")
-        header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+        header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
         module = load(name="specserve_amx", sources=[str(p) for p in SOURCES],
-                      extra_cflags=[*CFLAGS, f"-DSPECSERVE_SIMD_H={header}"],
+                      extra_cflags=[*CFLAGS, f"-DSPECSERVE_HEADERS={header}"],
                       build_directory=str(_build_dir()), verbose=False)
     except Exception as exc:  # a missing compiler or a failed build: fall back, and say so
         return None, f"off: the kernel did not build ({type(exc).__name__}: {str(exc).strip()[:200]})"

@@ -104,10 +104,20 @@ def plan_attention(seqs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[
     return tuple(groups)
 
 
+def kernel_head_dim(head_dim: int) -> bool:
+    """Whether the extension's attention (kernels/row_ops.cpp) handles heads of this size."""
+    return head_dim % 16 == 0 and head_dim <= 256
+
+
+def on_kernel(group: WidthGroup) -> bool:
+    """Whether a width group's rows go through the extension's attention (where it runs): the row's own width."""
+    return group.width <= KERNEL_MAX_WIDTH
+
+
 def _row_kernel(q: torch.Tensor) -> ModuleType | None:
-    """The extension's attention (kernels/row_ops.cpp) for bf16 on CPU, head dims it handles: the same per-row
-    contract, 2-4x faster than the products below for a decoded row; None elsewhere."""
-    return kernel_for(q) if q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 else None
+    """The extension's attention for bf16 on CPU, head dims it handles: the same per-row contract, 2-4x faster
+    than the products below for a decoded row; None elsewhere."""
+    return kernel_for(q) if kernel_head_dim(q.shape[-1]) else None
 
 
 def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
@@ -121,7 +131,7 @@ def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
     out = torch.empty(tokens, heads, d, dtype=q.dtype, device=q.device)
     scale = d ** -0.5
     for g in groups:
-        if kernel is not None and g.width <= KERNEL_MAX_WIDTH:
+        if kernel is not None and on_kernel(g):
             kernel.paged_attention_group(q, k_flat, v_flat, g.slots, g.rows, g.hidden, g.real, out, scale)
             continue
         seqs, rows = g.rows.shape

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from model_runtime.amx_kernel import kernel as amx_kernel
 from model_runtime.amx_kernel import kernel_for
 from model_runtime.amx_kernel import status as amx_status
-from model_runtime.attention import KERNEL_MAX_WIDTH, paged_attention
+from model_runtime.attention import kernel_head_dim, on_kernel, paged_attention
 from model_runtime.batch import ForwardBatch, SeqInput
 from model_runtime.config import ModelConfig
 from model_runtime.kv_pool import KVPool
@@ -124,7 +124,7 @@ class CausalLM:
         packed, on one rank; None elsewhere (the Python loop below: the same operations)."""
         module = amx_kernel()
         d = self.config.head_dim
-        if module is None or self.tp_size != 1 or d % 16 or d > 256 or not self.weights.layers:
+        if module is None or self.tp_size != 1 or not kernel_head_dim(d) or not self.weights.layers:
             return None
         if not all(isinstance(w, PackedBF16 | PackedInt8)
                    for lw in self.weights.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)):
@@ -160,7 +160,7 @@ class CausalLM:
         batch = batch.to(self.device)
         cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         h = F.embedding(batch.token_ids, self.weights.embed)
-        if self._stack is not None and all(g.width <= KERNEL_MAX_WIDTH for g in batch.attention):
+        if self._stack is not None and all(on_kernel(g) for g in batch.attention):
             groups = [(g.slots, g.rows, g.hidden, g.real) for g in batch.attention]
             h = self._stack.forward(h, cos, sin, batch.slot_mapping, kv.k, kv.v, groups)  # type: ignore[attr-defined]
         else:

@@ -21,6 +21,7 @@
 #include <atomic>
 #include <initializer_list>
 
+#include "ops.h"
 #include "simd.h"
 
 
@@ -348,14 +349,6 @@ torch::Tensor amx_linear_i8(torch::Tensor x, torch::Tensor wq, torch::Tensor wsc
   return out;
 }
 
-
-// row_ops.cpp: the row-wise bf16 ops beside the linears
-torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-void paged_attention_group(torch::Tensor q, torch::Tensor k_flat, torch::Tensor v_flat, torch::Tensor slots,
-                           torch::Tensor rows, torch::Tensor hidden, torch::Tensor real, torch::Tensor out, double scale);
-// layers.cpp: the decoder layers' loop over these kernels
-void bind_layers(py::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_layers(m);

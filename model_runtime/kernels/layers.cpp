@@ -8,15 +8,7 @@
 #include <array>
 #include <vector>
 
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::optional<torch::Tensor> bias,
-                         bool out_fp32);
-torch::Tensor amx_linear_i8(torch::Tensor x, torch::Tensor wq, torch::Tensor wscale, int64_t n_out,
-                            c10::optional<torch::Tensor> bias);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-void paged_attention_group(torch::Tensor q, torch::Tensor k_flat, torch::Tensor v_flat, torch::Tensor slots,
-                           torch::Tensor rows, torch::Tensor hidden, torch::Tensor real, torch::Tensor out,
-                           double scale);
+#include "ops.h"
 
 namespace {
 
@@ -103,8 +95,6 @@ class LayerStack {
     return h;
   }
 
-  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
-
  private:
   std::vector<Layer> layers_;
   int64_t heads_, kv_heads_, head_dim_;
@@ -116,6 +106,5 @@ void bind_layers(py::module& m) {
       .def(py::init<const py::list&, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"), py::arg("heads"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("attention_scale"))
       .def("forward", &LayerStack::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
-           py::arg("k_caches"), py::arg("v_caches"), py::arg("groups"))
-      .def("__len__", &LayerStack::size);
+           py::arg("k_caches"), py::arg("v_caches"), py::arg("groups"));
 }

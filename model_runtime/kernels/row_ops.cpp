@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 // MLP activation: gate_up [R, 2I] bf16 (gate | up) -> [R, I] bf16, out = bf16(bf16(silu(gate)) * up): the

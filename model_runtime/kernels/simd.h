@@ -1,5 +1,5 @@
 // SIMD helpers shared by the kernels' sources (amx_linear.cpp, row_ops.cpp): bf16 <-> float32 in 16 lanes, tail
-// masks, exp. model_runtime/amx_kernel.py hashes this header into the build flags, so editing it rebuilds.
+// masks, exp. model_runtime/amx_kernel.py hashes the headers into the build flags, so editing one rebuilds.
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
