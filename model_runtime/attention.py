@@ -35,8 +35,6 @@ from types import ModuleType
 
 import torch
 
-from model_runtime.amx_kernel import kernel_for
-
 TILE = 64  # keys are padded to a multiple of this per row
 # bf16 rows whose padded key width is at most this go through the kernel (the width is the row's own, so a row
 # takes the same path alone or among others). Measured (Qwen-1.5B heads, 2 threads): one row 132 -> 34 us at
@@ -114,24 +112,35 @@ def on_kernel(group: WidthGroup) -> bool:
     return group.width <= KERNEL_MAX_WIDTH
 
 
-def _row_kernel(q: torch.Tensor) -> ModuleType | None:
-    """The extension's attention for bf16 on CPU, head dims it handles: the same per-row contract, 2-4x faster
-    than the products below for a decoded row; None elsewhere."""
-    return kernel_for(q) if kernel_head_dim(q.shape[-1]) else None
+def _row_kernel(q: torch.Tensor, rows: ModuleType | None | str) -> ModuleType | None:
+    """The kernels' attention for q's head dim where the model has row kernels (`rows`; "auto": the ones
+    model_runtime/cpu_kernels.py picks for q's dtype now); None: the products below."""
+    if rows == "auto":
+        from model_runtime.cpu_kernels import for_dtype
+
+        rows = for_dtype(q.dtype, q.device, packed=True).rows
+    return rows if kernel_head_dim(q.shape[-1]) else None  # type: ignore[return-value]
+
+
+def _takes(kernel: ModuleType, group: WidthGroup) -> bool:
+    """The portable kernels (kernels/portable.cpp) take every width; the AMX build's row_ops.cpp up to
+    KERNEL_MAX_WIDTH (wider rows: the float32 products, invariant in the row count on the AMX machines' MKL)."""
+    return hasattr(kernel, "isa") or on_kernel(group)
 
 
 def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                    groups: tuple[WidthGroup, ...]) -> torch.Tensor:
+                    groups: tuple[WidthGroup, ...], rows: ModuleType | None | str = "auto") -> torch.Tensor:
     """q: [T, heads, d] (every new token of the forward, roped); k_flat/v_flat: [slots, kv_heads, d] (the pool,
-    the new tokens already written). Returns [T, heads, d] in q's dtype."""
+    the new tokens already written). Returns [T, heads, d] in q's dtype. `rows`: the model's row kernels
+    (CausalLM.kernels.rows), None for the float32 products, "auto" for what this process would pick."""
     tokens, heads, d = q.shape
-    kernel = _row_kernel(q)
+    kernel = _row_kernel(q, rows)
     kv_heads = k_flat.shape[1]
     group = heads // kv_heads
     out = torch.empty(tokens, heads, d, dtype=q.dtype, device=q.device)
     scale = d ** -0.5
     for g in groups:
-        if kernel is not None and on_kernel(g):
+        if kernel is not None and _takes(kernel, g):
             kernel.paged_attention_group(q, k_flat, v_flat, g.slots, g.rows, g.hidden, g.real, out, scale)
             continue
         seqs, rows = g.rows.shape

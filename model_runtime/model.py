@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from model_runtime import cpu_kernels
 from model_runtime.amx_kernel import kernel as amx_kernel
-from model_runtime.amx_kernel import kernel_for
 from model_runtime.amx_kernel import status as amx_status
 from model_runtime.attention import kernel_head_dim, on_kernel, paged_attention
 from model_runtime.batch import ForwardBatch, SeqInput
@@ -29,28 +29,22 @@ from model_runtime.weights import LayerWeights, ModelWeights, load_weights, pack
 log = logging.getLogger(__name__)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    fused = _fused_kernel(x)
-    if fused is not None:  # the same roundings in one pass (model_runtime/kernels/row_ops.cpp)
-        return fused.rms_norm(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: ModuleType | None = None) -> torch.Tensor:
+    """`rows`: the model's row-op kernels (Kernels.rows: the torch formula's roundings in one pass, a row's bits
+    independent of the call); None: the torch formula."""
+    if rows is not None and x.dim() == 2:
+        return rows.rms_norm(x, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the MLP's fused gate|up output [T, 2I] -> [T, I]."""
-    fused = _fused_kernel(gate_up)
-    if fused is not None:  # bf16: one pass with F.silu's and the product's bf16 roundings
-        return fused.silu_mul(gate_up)
+def silu_mul(gate_up: torch.Tensor, rows: ModuleType | None = None) -> torch.Tensor:
+    """silu(gate) * up of the MLP's fused gate|up output [T, 2I] -> [T, I]; `rows` as in rms_norm."""
+    if rows is not None and gate_up.dim() == 2:  # one pass with F.silu's and the product's roundings
+        return rows.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def _fused_kernel(x: torch.Tensor) -> ModuleType | None:
-    """The extension for a bf16 CPU tensor of rows (its row-wise norm and activation: ~15x and ~2x faster than
-    torch's ops at one row); None elsewhere."""
-    return kernel_for(x) if x.dim() == 2 else None
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,19 +64,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, dims=-1) * sin[:, None, :]
 
 
-def _packed_for_cpu(weights: ModelWeights, int8: bool) -> tuple[ModelWeights, str]:
-    """The weights as the linears will run them, and the kernel's name: "amx" (bf16, model_runtime/amx_kernel.py),
-    "amx-int8", "onednn" (bf16 without the kernel, with the reason) or "torch" (float32, CUDA)."""
-    on_cpu_bf16 = weights.embed.dtype == torch.bfloat16 and weights.embed.device.type == "cpu"
-    if not on_cpu_bf16:
-        return weights, "torch"
-    if amx_kernel() is None:
+def _packed_for_cpu(weights: ModelWeights, int8: bool) -> tuple[ModelWeights, str, cpu_kernels.Kernels]:
+    """The weights as the linears will run them, the linears' kernel name ("amx", "amx-int8" on AMX; "avx512",
+    "avx2": kernels/portable.cpp; "torch": the libraries, or CUDA) and the model's kernels (cpu_kernels.py)."""
+    dtype, device = weights.embed.dtype, weights.embed.device
+    kernels = cpu_kernels.for_dtype(dtype, device)
+    if kernels.path == "amx" and dtype == torch.bfloat16:
         if int8:
-            log.warning("int8 linears need the AMX kernel (%s): running bfloat16", amx_status())
-        return weights, f"onednn (AMX kernel {amx_status()})"
+            return pack_weights(weights, PackedInt8), "amx-int8", cpu_kernels.for_dtype(dtype, device, packed=True)
+        return pack_weights(weights), "amx", cpu_kernels.for_dtype(dtype, device, packed=True)
     if int8:
-        return pack_weights(weights, PackedInt8), "amx-int8"
-    return pack_weights(weights), "amx"
+        log.warning("int8 linears need the AMX kernel (%s): running bfloat16", amx_status())
+    return weights, kernels.path, kernels
 
 
 class CausalLM:
@@ -93,7 +86,7 @@ class CausalLM:
         group: dist.ProcessGroup | None = None, int8: bool = False,
     ) -> None:
         self.config = config
-        self.weights, self.linear_kernel = _packed_for_cpu(weights, int8)
+        self.weights, self.linear_kernel, self.kernels = _packed_for_cpu(weights, int8)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.group = group
@@ -122,7 +115,7 @@ class CausalLM:
     def _layer_stack(self) -> object | None:
         """The decoder layers as one C++ loop over the kernels (kernels/layers.cpp), for a model whose every linear is
         packed, on one rank; None elsewhere (the Python loop below: the same operations)."""
-        module = amx_kernel()
+        module = amx_kernel() if self.kernels.path == "amx" else None
         d = self.config.head_dim
         if module is None or self.tp_size != 1 or not kernel_head_dim(d) or not self.weights.layers:
             return None
@@ -160,20 +153,23 @@ class CausalLM:
         batch = batch.to(self.device)
         cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         h = F.embedding(batch.token_ids, self.weights.embed)
+        rows, lin = self.kernels.rows, self.kernels.linear
         if self._stack is not None and all(on_kernel(g) for g in batch.attention):
             groups = [(g.slots, g.rows, g.hidden, g.real) for g in batch.attention]
             h = self._stack.forward(h, cos, sin, batch.slot_mapping, kv.k, kv.v, groups)  # type: ignore[attr-defined]
         else:
             for layer_idx, lw in enumerate(self.weights.layers):
-                x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+                x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps, rows)
                 h = h + self._attention(layer_idx, lw, x, cos, sin, batch, kv)
-                x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-                h = h + self._all_reduce(linear(silu_mul(linear(x, lw.gate_up)), lw.down))
+                x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps, rows)
+                h = h + self._all_reduce(linear(silu_mul(linear(x, lw.gate_up, kernel=lin), rows), lw.down, kernel=lin))
         if self.tp_rank != 0 or batch.logits_rows.numel() == 0:
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32)
-        h = rms_norm(h[batch.logits_rows], self.weights.final_norm, cfg.rms_norm_eps)
+        h = rms_norm(h[batch.logits_rows], self.weights.final_norm, cfg.rms_norm_eps, rows)
         if isinstance(self.weights.lm_head, PackedBF16 | PackedInt8):
             return self.weights.lm_head(h, out_fp32=True)  # float32 logits (bf16's straight from the accumulators)
+        if lin is not None:
+            return lin.linear(h, self.weights.lm_head, None, True)  # float32 logits, as the AMX kernel's
         return linear(h, self.weights.lm_head).float()
 
     def _attention(
@@ -182,11 +178,13 @@ class CausalLM:
     ) -> torch.Tensor:
         d, hq, hkv = self.config.head_dim, self.num_heads, self.num_kv_heads
         tokens = x.shape[0]
-        qk, v = linear(x, lw.qkv, lw.qkv_bias).split([(hq + hkv) * d, hkv * d], dim=-1)
+        lin = self.kernels.linear
+        qk, v = linear(x, lw.qkv, lw.qkv_bias, kernel=lin).split([(hq + hkv) * d, hkv * d], dim=-1)
         q, k = apply_rope(qk.reshape(tokens, hq + hkv, d), cos, sin).split([hq, hkv], dim=1)  # q and k in one
         v = v.view(tokens, hkv, d)
         k_flat, v_flat = kv.k[layer_idx].view(-1, hkv, d), kv.v[layer_idx].view(-1, hkv, d)
         k_flat.index_copy_(0, batch.slot_mapping, k)
         v_flat.index_copy_(0, batch.slot_mapping, v)
-        out = paged_attention(q, k_flat, v_flat, batch.attention)  # a row alike however many share the call
-        return self._all_reduce(linear(out.view(tokens, hq * d), lw.o))
+        # a row alike however many share the call
+        out = paged_attention(q, k_flat, v_flat, batch.attention, rows=self.kernels.rows)
+        return self._all_reduce(linear(out.view(tokens, hq * d), lw.o, kernel=lin))

@@ -1,8 +1,10 @@
 """Which precision the models run in: `--dtype` (the target) and `--draft-dtype` (the draft).
 
-    auto (target): bfloat16 on CUDA and on CPUs with bf16 instructions (avx512_bf16 or AMX), float32 elsewhere
-    auto (draft):  int8 on CPUs with AMX (the kernel of model_runtime/amx_kernel.py), bfloat16 on CUDA and other
-                   CPUs with bf16 instructions, float16 on the rest
+    auto (target): bfloat16 on CUDA and wherever our CPU kernels run (model_runtime/cpu_kernels.py: AMX, AVX-512 or
+                   AVX2; batch-invariant, so greedy speculation is exact) or the CPU has bf16 instructions; else
+                   float32 (SPECSERVE_CPU_KERNEL=torch on a CPU without them)
+    auto (draft):  int8 on CPUs with AMX (the kernel of model_runtime/amx_kernel.py), bfloat16 on CUDA and where
+                   the target's auto is bfloat16, float16 on the rest
 
 Why: decoding streams every weight once per step, so its speed is memory bandwidth over bytes per weight.
 Measured on this project's CPU (2 cores, avx512_bf16 + AMX, torch 2.13), one Qwen2.5-1.5B MLP weight
@@ -52,6 +54,14 @@ def cpu_runs_amx() -> bool:
     return cpu_has_amx() and not turned_off()
 
 
+def cpu_runs_own_kernels() -> bool:
+    """The forward runs our batch-invariant kernels here (model_runtime/cpu_kernels.py: amx, avx512 or avx2), which
+    take bf16 on any of them (widened to float32 where the CPU has no bf16 instructions: half fp32's bytes)."""
+    from model_runtime.cpu_kernels import active
+
+    return active() != "torch"
+
+
 def _named(name: str, allowed: tuple[str, ...]) -> torch.dtype:
     if name not in allowed or name == "auto":
         raise ValueError(f"unknown dtype {name!r}; choose {', '.join(allowed)}")
@@ -61,7 +71,8 @@ def _named(name: str, allowed: tuple[str, ...]) -> torch.dtype:
 def target_dtype(name: str, device: str) -> torch.dtype:
     """The target model's precision (`--dtype`)."""
     if name == "auto":
-        return torch.bfloat16 if str(device).startswith("cuda") or cpu_has_bf16() else torch.float32
+        return torch.bfloat16 if str(device).startswith("cuda") or cpu_runs_own_kernels() or cpu_has_bf16() \
+            else torch.float32
     return _named(name, TARGET_DTYPES)
 
 
@@ -73,7 +84,7 @@ def draft_dtype(name: str, device: str) -> torch.dtype:
             return torch.bfloat16
         if cpu_runs_amx():
             return torch.int8
-        return torch.bfloat16 if cpu_has_bf16() else torch.float16
+        return torch.bfloat16 if cpu_runs_own_kernels() or cpu_has_bf16() else torch.float16
     return _named(name, DRAFT_DTYPES)
 
 

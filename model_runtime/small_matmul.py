@@ -34,6 +34,7 @@ Owner of `_PLANS`: this module; it only grows (shape -> block widths per row cou
 from __future__ import annotations
 
 import time
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -99,9 +100,13 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedBF16 | PackedInt8,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, kernel: ModuleType | None = None) -> torch.Tensor:
+    """`kernel`: the model's portable kernels (model_runtime/cpu_kernels.py: batch-invariant for any row count) for
+    plain weights of x's dtype; None: the libraries, as below."""
     if isinstance(weight, PackedBF16 | PackedInt8):
         return weight(x, bias)  # the AMX kernels: bf16 batch-invariant for any row count (amx_kernel.py)
+    if kernel is not None and weight.dtype == x.dtype and x.device.type == "cpu":
+        return kernel.linear(x, weight, bias, False)
     rows = x.shape[0]
     if x.device.type != "cpu" or rows == 0:
         return F.linear(x, weight, bias)

@@ -26,7 +26,10 @@ def test_auto_follows_the_device_and_the_cpu(monkeypatch: pytest.MonkeyPatch) ->
     assert draft_dtype("auto", "cuda:0") == torch.bfloat16
     monkeypatch.setattr(precision, "cpu_runs_amx", lambda: False)
     assert draft_dtype("auto", "cpu") == torch.bfloat16
-    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)  # an AVX2 CPU: bf16 on our kernels
+    monkeypatch.setattr(precision, "cpu_runs_own_kernels", lambda: True)
+    assert target_dtype("auto", "cpu") == torch.bfloat16 and draft_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(precision, "cpu_runs_own_kernels", lambda: False)  # SPECSERVE_CPU_KERNEL=torch there
     assert target_dtype("auto", "cpu") == torch.float32 and draft_dtype("auto", "cpu") == torch.float16
     assert target_dtype("auto", "cuda:0") == torch.bfloat16
     assert target_dtype("float32", "cuda:0") == torch.float32

@@ -1,5 +1,6 @@
 """Greedy speculative output equals plain greedy decoding of the same dtype, token by token, alone and in a
-batch of 8 with k up to 8, on the real SmolLM2 weights; the stats say which precision runs."""
+batch of 8 with k up to 8, on the real SmolLM2 weights, on every kernel path this CPU can run (the path is in the
+test id: model_runtime/cpu_kernels.py); the stats say which precision and kernels run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from model_runtime import precision
+from model_runtime import cpu_kernels, precision
 from model_runtime.amx_kernel import kernel as amx_kernel
 from model_runtime.amx_kernel import status as amx_status
 from tests.cluster.engine.engine_helpers import local_engine, plain_greedy, request, run
@@ -30,13 +31,31 @@ def check_equals_plain(smollm2_dir: Path, dtype: str, k: int, batch: int, draft:
     engine.reconcile_ledger()
 
 
+PATHS = [p for p in cpu_kernels.PATHS if cpu_kernels.cpu_has(p)]
+
+
+@pytest.fixture(params=PATHS)
+def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs the test with SPECSERVE_CPU_KERNEL naming one path this CPU has (models load under it)."""
+    monkeypatch.setenv("SPECSERVE_CPU_KERNEL", request.param)
+    try:
+        cpu_kernels.active()
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    return request.param
+
+
 @pytest.mark.model
-@pytest.mark.skipif(not precision.cpu_has_bf16(), reason="no bf16 instructions: auto runs float32")
-@pytest.mark.parametrize(("k", "batch"), [(8, 1), (8, 8), (3, 8)])
-def test_bf16_greedy_equals_plain_bf16(smollm2_dir: Path, k: int, batch: int) -> None:
+@pytest.mark.parametrize(("k", "batch", "draft"), [(8, 1, "model"), (8, 8, "model"), (3, 8, "model"), (4, 8, "ngram")])
+def test_bf16_greedy_equals_plain_bf16(smollm2_dir: Path, kernel_path: str, k: int, batch: int, draft: str) -> None:
     """SmolLM2 drafting for itself: every draft is accepted, so each verify scores k+1 rows per request (72 at
     batch 8, k=8) against plain decoding's one; bf16 rows are bitwise batch-invariant, so the tokens match."""
-    check_equals_plain(smollm2_dir, "bfloat16", k, batch)
+    check_equals_plain(smollm2_dir, "bfloat16", k, batch, draft=draft)
+
+
+@pytest.mark.model
+def test_float32_greedy_equals_plain_float32_on_every_path(smollm2_dir: Path, kernel_path: str) -> None:
+    check_equals_plain(smollm2_dir, "float32", 8, 8)
 
 
 @pytest.mark.model
@@ -48,15 +67,10 @@ def test_int8_draft_changes_acceptance_never_the_output(smollm2_dir: Path) -> No
 
 
 @pytest.mark.model
-def test_float32_greedy_equals_plain_float32(smollm2_dir: Path) -> None:
-    check_equals_plain(smollm2_dir, "float32", 4, 8)
-
-
-@pytest.mark.model
 def test_stats_name_the_precision(smollm2_dir: Path) -> None:
     engine = local_engine(smollm2_dir, smollm2_dir, max_batch=1, kv_blocks=32, dtype="float32",
                           draft_dtype="bfloat16")
     assert engine.stats()["dtype"] == {"target": "float32", "draft": "bfloat16"}
     ngram = local_engine(smollm2_dir, "ngram", max_batch=1, kv_blocks=32, dtype="auto")
-    auto = "bfloat16" if precision.cpu_has_bf16() else "float32"
+    auto = "bfloat16" if precision.cpu_runs_own_kernels() or precision.cpu_has_bf16() else "float32"
     assert ngram.stats()["dtype"] == {"target": auto}

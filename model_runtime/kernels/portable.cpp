@@ -1,0 +1,376 @@
+// Batch-invariant kernels for any x86-64 CPU with AVX2 and FMA (model_runtime/cpu_kernels.py builds this file twice:
+// `-mavx512f ...` into specserve_avx512 and `-mavx2 -mfma` into specserve_avx2). The linear, RMSNorm, SiLU * up and
+// paged attention of the forward, for bfloat16 and float32 rows.
+//
+// Why our own: the libraries pick their kernel (and with it a row's reduction order) by the call's shape and by
+// the CPU. On an AMD EPYC (AVX-512 with bf16, no AMX) torch's float32 attention products gave a decoded row other
+// bits than the same row verified among 18, which flipped greedy tokens (the exactness issue). Here every output
+// element is one float32 sum in a fixed order that depends only on the reduction length (K, head_dim, the row's own
+// keys), never on how many rows, sequences or threads share the call:
+//   - a dot product of length K is a 16-lane vector accumulator over K in steps of 16 (fused multiply-add, lanes
+//     independent), then its 16 lanes added by one fixed tree (hsum);
+//   - the vectors are GCC vector extensions of 16 floats: one zmm op under AVX-512, two ymm ops under AVX2, lane
+//     for lane the same arithmetic, so both builds give the same bits too (tests/model_runtime/test_cpu_kernels.py).
+// bf16 <-> float32: widening is exact; narrowing rounds to nearest even (NaN -> quiet NaN), as torch does.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+constexpr int L = 16;  // lanes
+
+#ifdef __AVX512F__
+constexpr int ROW_BLOCK = 4, OUT_BLOCK = 4;  // accumulators in registers: 16 zmm
+#else
+constexpr int ROW_BLOCK = 2, OUT_BLOCK = 2;  // 4 vectors = 8 ymm
+#endif
+
+inline vf splat(float x) { return vf{} + x; }
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline vf load(const uint16_t* p) {  // 16 bf16 -> float32 (exact)
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
+}
+template <typename T> inline vf load_tail(const T* p, int64_t n) {  // n < 16 elements, the rest zero
+  T buf[L] = {};
+  std::memcpy(buf, p, n * sizeof(T));
+  return load(buf);
+}
+template <typename T> inline vf load_n(const T* p, int64_t n) { return n >= L ? load(p) : load_tail(p, n); }
+
+inline vh narrow(vf v) {  // float32 -> bf16, round to nearest even, NaN -> 0x7fc0
+  const vu u = reinterpret_cast<vu>(v);
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vu nan = reinterpret_cast<vu>((u & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
+  return __builtin_convertvector((rounded & ~nan) | (0x7fc0u & nan), vh);
+}
+inline void store_n(float* p, vf v, int64_t n) { std::memcpy(p, &v, std::min<int64_t>(n, L) * sizeof(float)); }
+inline void store_n(uint16_t* p, vf v, int64_t n) {
+  const vh h = narrow(v);
+  std::memcpy(p, &h, std::min<int64_t>(n, L) * sizeof(uint16_t));
+}
+inline vf round_bf16(vf v) {  // float32 -> the nearest bf16, back in float32
+  return reinterpret_cast<vf>(__builtin_convertvector(narrow(v), vu) << 16);
+}
+
+inline float hsum(vf v) {  // the 16 lanes by one fixed tree: halves, then halves of those
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return ((b[0] + b[2]) + (b[1] + b[3]));
+}
+
+// exp(x) in float32 (Cephes' expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp); below -87.3 it gives
+// ~1e-38, above ~88.7 infinity (as expf)
+inline vf vexp(vf x) {
+  x = x < 89.0f ? x : splat(89.0f);
+  x = x > -87.3365447504f ? x : splat(-87.3365447504f);
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting rounds to the nearest integer
+  const vf n = (x * 1.44269504088896341f + magic) - magic;
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + (r + 1.0f);
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n (n = 128 gives infinity)
+  return p * reinterpret_cast<vf>(e);
+}
+
+template <typename T> T* ptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+template <typename T> const T* cptr(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
+
+// Runs `body.template operator()<T>()` with T = uint16_t for bf16, float for float32.
+template <typename F> void by_dtype(const torch::Tensor& t, F&& body) {
+  if (t.scalar_type() == torch::kBFloat16) body(uint16_t{});
+  else if (t.scalar_type() == torch::kFloat) body(float{});
+  else TORCH_CHECK(false, "the portable kernels take bfloat16 or float32, not ", t.scalar_type());
+}
+
+// NR rows (NR <= ROW_BLOCK) of xf times OUT_BLOCK weight rows: one accumulator per (row, output), over K in order
+template <int NR, typename T>
+inline void dot_block(const float* const* xr, const T* const* wr, int64_t K, vf (&acc)[ROW_BLOCK][OUT_BLOCK]) {
+  const int64_t K16 = K / L * L;
+  int64_t k = 0;
+  for (; k < K16; k += L) {
+    vf wv[OUT_BLOCK];
+    for (int j = 0; j < OUT_BLOCK; ++j) wv[j] = load(wr[j] + k);
+    for (int i = 0; i < NR; ++i) {
+      const vf xv = load(xr[i] + k);
+      for (int j = 0; j < OUT_BLOCK; ++j) acc[i][j] = xv * wv[j] + acc[i][j];
+    }
+  }
+  if (k < K) {
+    for (int i = 0; i < NR; ++i) {
+      const vf xv = load(xr[i] + k);  // zero-padded
+      for (int j = 0; j < OUT_BLOCK; ++j) acc[i][j] = xv * load_tail(wr[j] + k, K - k) + acc[i][j];
+    }
+  }
+}
+
+// x [R, K] (float32, rows padded to Kp = K rounded up to 16, zeros) . w [N, K] (T) -> out [R, N]. Threads take
+// blocks of OUT_BLOCK outputs; each block goes over every row, ROW_BLOCK at a time, its weight rows staying in cache.
+template <typename T, typename O>
+void linear_rows(const float* xf, int64_t R, int64_t Kp, const T* w, int64_t N, int64_t K, const float* bias,
+                 O* out) {
+  at::parallel_for(0, (N + OUT_BLOCK - 1) / OUT_BLOCK, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const int64_t n0 = nb * OUT_BLOCK, nn = std::min<int64_t>(OUT_BLOCK, N - n0);
+      const T* wr[OUT_BLOCK];
+      for (int j = 0; j < OUT_BLOCK; ++j) wr[j] = w + (n0 + std::min<int64_t>(j, nn - 1)) * K;
+      for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+        const int64_t nr = std::min<int64_t>(ROW_BLOCK, R - r0);
+        const float* xr[ROW_BLOCK];
+        for (int i = 0; i < ROW_BLOCK; ++i) xr[i] = xf + (r0 + std::min<int64_t>(i, nr - 1)) * Kp;
+        vf acc[ROW_BLOCK][OUT_BLOCK] = {};
+        switch (nr) {
+          case 1: dot_block<1>(xr, wr, K, acc); break;
+          case 2: dot_block<2>(xr, wr, K, acc); break;
+          case 3: dot_block<3 <= ROW_BLOCK ? 3 : 1>(xr, wr, K, acc); break;
+          default: dot_block<ROW_BLOCK>(xr, wr, K, acc); break;
+        }
+        for (int64_t i = 0; i < nr; ++i) {
+          for (int64_t j = 0; j < nn; ++j) {
+            float s = hsum(acc[i][j]);
+            if (bias) s += bias[n0 + j];
+            out[(r0 + i) * N + n0 + j] = static_cast<O>(s);
+          }
+        }
+      }
+    }
+  });
+}
+
+inline uint16_t to_bf16(float s) {  // the scalar of narrow()
+  uint32_t u;
+  std::memcpy(&u, &s, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+struct Bf16Out { uint16_t bits; explicit Bf16Out(float s) : bits(to_bf16(s)) {} Bf16Out() : bits(0) {} };
+
+// Rows widened to float32 once per call, padded to a multiple of 16 (exact).
+template <typename T> std::vector<float> widen_rows(const T* x, int64_t R, int64_t K, int64_t Kp) {
+  std::vector<float> xf(R * Kp, 0.0f);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < K; k += L) store_n(&xf[r * Kp + k], load_n(x + r * K + k, K - k), K - k);
+  return xf;
+}
+
+}  // namespace
+
+// y = x @ w^T + bias: x [R, K] and w [N, K] of one dtype (bf16 or float32), bias [N] float32 or x's dtype. Out in
+// x's dtype (bf16: rounded once from the float32 sum plus the bias), or float32 when out_fp32.
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool out_fp32) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [R, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: x and w of one dtype");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t R = x.size(0), K = x.size(1), N = w.size(0), Kp = (K + L - 1) / L * L;
+  torch::Tensor b32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N);
+    b32 = bias->to(torch::kFloat).contiguous();
+  }
+  const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
+  const bool bf16_out = x.scalar_type() == torch::kBFloat16 && !out_fp32;
+  auto out = torch::empty({R, N}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat));
+  if (R == 0) return out;
+  by_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    const std::vector<float> xf = widen_rows(cptr<T>(x), R, K, Kp);
+    if (bf16_out) linear_rows(xf.data(), R, Kp, cptr<T>(w), N, K, bp, ptr<Bf16Out>(out));
+    else linear_rows(xf.data(), R, Kp, cptr<T>(w), N, K, bp, ptr<float>(out));
+  });
+  return out;
+}
+
+// MLP activation: gate_up [R, 2I] (gate | up) -> [R, I] in its dtype: bf16 out = bf16(bf16(silu(gate)) * up) (the
+// roundings of `F.silu(gate) * up` in bf16); float32 out = silu(gate) * up. silu(g) = g / (1 + exp(-g)).
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0);
+  gate_up = gate_up.contiguous();
+  const int64_t R = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({R, I}, gate_up.options());
+  by_dtype(gate_up, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr bool bf16 = std::is_same_v<T, uint16_t>;
+    const T* src = cptr<T>(gate_up);
+    T* dst = ptr<T>(out);
+    at::parallel_for(0, R, std::max<int64_t>(1, 65536 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* g = src + r * 2 * I;
+        const T* u = g + I;
+        for (int64_t i = 0; i < I; i += L) {
+          const vf gv = load_n(g + i, I - i);
+          vf silu = gv / (1.0f + vexp(-gv));
+          if constexpr (bf16) silu = round_bf16(silu);
+          store_n(dst + r * I + i, silu * load_n(u + i, I - i), I - i);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// RMSNorm of rows: bf16 out = bf16(w * bf16(x * (1 / sqrt(mean(x^2) + eps)))) (the model's torch formula's
+// roundings); float32 out = w * (x * inv). Sums in float32: 16 lanes in order, then hsum.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1));
+  x = x.contiguous();
+  weight = weight.contiguous();
+  const int64_t R = x.size(0), D = x.size(1);
+  auto out = torch::empty({R, D}, x.options());
+  by_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr bool bf16 = std::is_same_v<T, uint16_t>;
+    const T* src = cptr<T>(x);
+    const T* w = cptr<T>(weight);
+    T* dst = ptr<T>(out);
+    at::parallel_for(0, R, std::max<int64_t>(1, 65536 / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* row = src + r * D;
+        vf acc{};
+        for (int64_t i = 0; i < D; i += L) {
+          const vf v = load_n(row + i, D - i);
+          acc = v * v + acc;
+        }
+        const float inv = 1.0f / std::sqrt(hsum(acc) / static_cast<float>(D) + static_cast<float>(eps));
+        for (int64_t i = 0; i < D; i += L) {
+          vf normed = load_n(row + i, D - i) * inv;
+          if constexpr (bf16) normed = round_bf16(normed);
+          store_n(dst + r * D + i, load_n(w + i, D - i) * normed, D - i);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Attention of one width group (model_runtime/attention.py's WidthGroup) over the paged KV pool, in q's dtype (bf16
+// or float32), float32 inside. q [T, H, d] (heads d apart), k_flat / v_flat [slots, KVH, d] (contiguous), slots
+// [seqs, W], rows [seqs, n] (rows of q), hidden [seqs, n, W] (keys a row may not see), real [seqs * n] (false:
+// padding, skipped); out [T, H, d] gets the real rows. Per (row, query head), over the row's visible keys j in
+// slot order: s_j = (q * scale) . k_j (hsum of a 16-lane accumulator over d), p_j = exp(s_j - max), out =
+// (sum_j p_j v_j) / sum_j p_j (the p_j summed in 16 lanes in key order, then hsum). Masked keys are skipped, so a
+// row's bits depend only on its own keys: not on the rows, sequences or width around it.
+void paged_attention_group(torch::Tensor q, torch::Tensor k_flat, torch::Tensor v_flat, torch::Tensor slots,
+                           torch::Tensor rows, torch::Tensor hidden, torch::Tensor real, torch::Tensor out,
+                           double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2));
+  TORCH_CHECK(k_flat.scalar_type() == q.scalar_type() && v_flat.scalar_type() == q.scalar_type()
+              && k_flat.is_contiguous() && v_flat.is_contiguous() && k_flat.sizes() == v_flat.sizes());
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.is_contiguous() && out.sizes() == q.sizes());
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && rows.scalar_type() == torch::kLong
+              && hidden.scalar_type() == torch::kBool && real.scalar_type() == torch::kBool);
+  slots = slots.contiguous(); rows = rows.contiguous(); hidden = hidden.contiguous(); real = real.contiguous();
+  const int64_t H = q.size(1), d = q.size(2), KVH = k_flat.size(1), G = H / KVH;
+  const int64_t seqs = rows.size(0), n = rows.size(1), W = slots.size(1);
+  TORCH_CHECK(d % L == 0 && d <= 256 && H % KVH == 0 && k_flat.size(2) == d);
+  TORCH_CHECK(hidden.size(0) == seqs && hidden.size(1) == n && hidden.size(2) == W && real.numel() == seqs * n);
+  const int64_t D16 = d / L, q_stride = q.stride(0);
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  const int64_t* row_p = rows.data_ptr<int64_t>();
+  const bool* hid_p = hidden.data_ptr<bool>();
+  const bool* real_p = real.data_ptr<bool>();
+  const float sc = static_cast<float>(scale);
+  constexpr int64_t ROWS = 16;  // rows per work item: they share their sequence's keys widened once
+  const int64_t blocks = (n + ROWS - 1) / ROWS;
+  by_dtype(q, [&](auto tag) {
+    using T = decltype(tag);
+    const T* qp = cptr<T>(q);
+    const T* kp = cptr<T>(k_flat);
+    const T* vp = cptr<T>(v_flat);
+    T* op = ptr<T>(out);
+    at::parallel_for(0, seqs * KVH * blocks, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> kf(W * d), vf_(W * d), scores(W + L);
+      std::vector<int64_t> keys;
+      keys.reserve(W);
+      for (int64_t item = i0; item < i1; ++item) {
+        const int64_t b = item % blocks, h = (item / blocks) % KVH, s = item / (blocks * KVH);
+        const int64_t r0 = b * ROWS, r1 = std::min<int64_t>(n, r0 + ROWS);
+        bool any = false;
+        for (int64_t r = r0; r < r1; ++r) any = any || real_p[s * n + r];
+        if (!any) continue;
+        for (int64_t j = 0; j < W; ++j) {  // exact: to float32
+          const int64_t at = (slot_p[s * W + j] * KVH + h) * d;
+          for (int64_t c = 0; c < D16; ++c) {
+            store_n(&kf[j * d + L * c], load(kp + at + L * c), L);
+            store_n(&vf_[j * d + L * c], load(vp + at + L * c), L);
+          }
+        }
+        for (int64_t r = r0; r < r1; ++r) {
+          if (!real_p[s * n + r]) continue;
+          const bool* hid = hid_p + (s * n + r) * W;
+          keys.clear();
+          for (int64_t j = 0; j < W; ++j) if (!hid[j]) keys.push_back(j);
+          const int64_t nk = static_cast<int64_t>(keys.size());
+          const int64_t t = row_p[s * n + r];
+          for (int64_t g = 0; g < G; ++g) {
+            const T* qrow = qp + t * q_stride + (h * G + g) * d;
+            vf qv[256 / L];
+            for (int64_t c = 0; c < D16; ++c) qv[c] = load(qrow + L * c) * sc;
+            float mx = -INFINITY;
+            for (int64_t i = 0; i < nk; ++i) {
+              const float* krow = &kf[keys[i] * d];
+              vf acc{};
+              for (int64_t c = 0; c < D16; ++c) acc = qv[c] * load(krow + L * c) + acc;
+              scores[i] = hsum(acc);
+              mx = std::max(mx, scores[i]);
+            }
+            vf sum{};
+            for (int64_t i = 0; i < nk; i += L) {  // numerators in place, summed in 16 lanes in key order
+              vf p = vexp(load_n(&scores[i], nk - i) - mx);
+              if (nk - i < L) for (int64_t l = nk - i; l < L; ++l) p[l] = 0.0f;
+              store_n(&scores[i], p, nk - i);
+              sum += p;
+            }
+            const float inv = 1.0f / hsum(sum);
+            vf acc[256 / L] = {};
+            for (int64_t i = 0; i < nk; ++i) {
+              const float* vrow = &vf_[keys[i] * d];
+              const float pi = scores[i];
+              for (int64_t c = 0; c < D16; ++c) acc[c] = pi * load(vrow + L * c) + acc[c];
+            }
+            T* orow = op + (t * H + h * G + g) * d;
+            for (int64_t c = 0; c < D16; ++c) store_n(orow + L * c, acc[c] * inv, L);
+          }
+        }
+      }
+    });
+  });
+}
+
+// The ISA this build was compiled for (model_runtime/cpu_kernels.py checks it against the module's name).
+std::string isa() {
+#ifdef __AVX512F__
+  return "avx512";
+#else
+  return "avx2";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("out_fp32") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention_group", &paged_attention_group, py::call_guard<py::gil_scoped_release>());
+  m.def("isa", &isa);
+}
