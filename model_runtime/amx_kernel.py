@@ -51,7 +51,7 @@ def cpu_has_amx() -> bool:
 
 def turned_off() -> bool:
     """SPECSERVE_CPU_KERNEL names another path than the AMX one (model_runtime/cpu_kernels.py)."""
-    from model_runtime.cpu_kernels import requested
+    from model_runtime.kernel_choice import requested
 
     return requested() not in ("auto", "amx")
 

@@ -33,12 +33,13 @@ from types import ModuleType
 
 import torch
 
+from model_runtime.kernel_choice import CHOICES, PATHS, requested
+
+__all__ = ["CHOICES", "PATHS", "Kernels", "active", "available", "cpu_has", "for_dtype", "portable", "requested"]
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent / "kernels"
 PORTABLE = KERNELS / "portable.cpp"
-PATHS = ("amx", "avx512", "avx2")  # fastest first
-CHOICES = ("auto", *PATHS, "torch", "onednn")
 ISA_FLAGS = {  # compiler flags and the /proc/cpuinfo flags they need
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
                ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")),
@@ -67,14 +68,6 @@ def cpu_has(path: str) -> bool:
 
         return cpu_has_amx()
     return all(flag in cpu_flags() for flag in ISA_FLAGS[path][1])
-
-
-def requested() -> str:
-    """`SPECSERVE_CPU_KERNEL`, checked; `onednn` reads as torch."""
-    name = os.environ.get("SPECSERVE_CPU_KERNEL", "auto").strip().lower() or "auto"
-    if name not in CHOICES:
-        raise ValueError(f"SPECSERVE_CPU_KERNEL={name!r}: choose one of {', '.join(CHOICES)}")
-    return "torch" if name == "onednn" else name
 
 
 def _build_dir(isa: str) -> Path:
