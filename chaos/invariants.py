@@ -3,8 +3,10 @@
     every request ended: completed (greedy: token for token the baseline), cancelled by its client, or a
         typed error (UNAVAILABLE, ABORTED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED; `explained` adds more for
         a scenario whose fault is documented to fail requests, e.g. an in-band error finish after a KV fault)
-    no stream repeats or skips a token: a greedy stream is a prefix of the baseline, a sampled stream is
-        never longer than max_tokens and a completed one exactly max_tokens long
+    no stream repeats or skips a token: each chunk's offset (the server's count of tokens sent before it, in
+        the gRPC and SSE chunks) equals the tokens the client received before it (smaller: a repeat; larger: a
+        skip); a greedy stream is a prefix of the baseline, a sampled stream is never longer than max_tokens and a
+        completed one exactly max_tokens long. Text that repeats itself (equal consecutive chunks) is not a repeat.
     KV: audit clean, nothing reserved or committed once idle, the ledger reconciled with the engine
 """
 
@@ -27,8 +29,8 @@ class Verdict:
     typed_errors: dict[str, int] = field(default_factory=dict)
     lost: int = 0  # ended without a final answer or an accepted error (hang, truncation, untyped error)
     diverged: int = 0  # a greedy stream that left the baseline
-    duplicated: int = 0  # a stream with more tokens than asked, or a repeated chunk
-    missing: int = 0  # a completed stream with fewer tokens than asked
+    duplicated: int = 0  # a stream with more tokens than asked, or a chunk re-sending tokens (by its offset)
+    missing: int = 0  # a completed stream with fewer tokens than asked, or a chunk past a gap (by its offset)
     leaked_blocks: int = 0
     held_blocks: int = 0
     reconcile: str | None = None
@@ -48,18 +50,22 @@ def judge(records: list[RequestRecord], specs: dict[str, RequestSpec], baseline:
         spec = specs[record.spec]
         tokens = record.tokens
         max_tokens = record.max_tokens or spec.max_tokens
-        if len(tokens) > max_tokens:
+        gap = offset_gap(record)
+        if gap is not None:
+            at, expected, offset = gap
+            if offset < expected:
+                verdict.duplicated += 1
+                verdict.violations.append(f"{record.request_id}: chunk {at} re-sends tokens {offset}..{expected - 1}")
+            else:
+                verdict.missing += 1
+                verdict.violations.append(f"{record.request_id}: chunk {at} skips tokens {expected}..{offset - 1}")
+        elif len(tokens) > max_tokens:
             verdict.duplicated += 1
             verdict.violations.append(f"{record.request_id}: {len(tokens)} tokens > max_tokens {max_tokens}")
         base = baseline.get(spec.key, [])
         known = min(len(tokens), len(base))  # a longer request (cancel_max_tokens) is checked as far as known
         if spec.greedy and tokens[:known] != base[:known]:
             first = next(i for i, (a, b) in enumerate(zip(tokens[:known], base[:known], strict=True)) if a != b)
-            # a repeated chunk shows as the stream re-emitting tokens it already sent
-            repeated = any(record.chunk_tokens[i] and record.chunk_tokens[i] == record.chunk_tokens[i - 1]
-                           for i in range(1, len(record.chunk_tokens)))
-            if repeated:
-                verdict.duplicated += 1
             verdict.diverged += 1
             verdict.violations.append(f"{record.request_id}: greedy stream leaves the baseline at token {first}")
         if record.outcome == "completed":
@@ -92,6 +98,17 @@ def judge(records: list[RequestRecord], specs: dict[str, RequestSpec], baseline:
         if kv["reconcile"] is not None:
             verdict.violations.append(f"KV ledger vs engine: {kv['reconcile']}")
     return verdict
+
+
+def offset_gap(record: RequestRecord) -> tuple[int, int, int] | None:
+    """The first chunk whose offset is not the count of tokens received before it: (chunk, expected, offset);
+    None when every chunk with tokens follows on (empty chunks, e.g. a final or aborted one, carry no position)."""
+    received = 0
+    for at, (chunk, offset) in enumerate(zip(record.chunk_tokens, record.chunk_offsets, strict=True)):
+        if chunk and offset != received:
+            return at, received, offset
+        received += len(chunk)
+    return None
 
 
 def baseline_outputs(records: list[RequestRecord], specs: dict[str, RequestSpec]) -> dict[str, list[int]]:

@@ -91,6 +91,7 @@ class RequestRecord:
     end: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[list[int]] = field(default_factory=list)
+    chunk_offsets: list[int] = field(default_factory=list)  # each chunk's own offset (the server's count before it)
     text: str = ""
     outcome: str = "pending"  # "completed" | "error_finish" | "cancelled" | a status code name (UNAVAILABLE, ...)
     finish_reason: str | None = None
@@ -203,9 +204,11 @@ class LoadGenerator:
         record.end = time.time()
         return record
 
-    def _add_chunk(self, record: RequestRecord, tokens: list[int], text: str, proposed: int, accepted: int) -> None:
+    def _add_chunk(self, record: RequestRecord, tokens: list[int], text: str, proposed: int, accepted: int,
+                   offset: int) -> None:
         record.chunk_times.append(time.time())
         record.chunk_tokens.append(list(tokens))
+        record.chunk_offsets.append(offset)
         record.text += text
         record.proposed += proposed
         record.accepted += accepted
@@ -229,7 +232,7 @@ class LoadGenerator:
             contract="greedy" if spec.greedy else "exact")
         for item in stream:
             chunk = item.chunk
-            self._add_chunk(record, chunk.token_ids, chunk.text_delta, chunk.proposed, chunk.accepted)
+            self._add_chunk(record, chunk.token_ids, chunk.text_delta, chunk.proposed, chunk.accepted, chunk.offset)
             if chunk.finished:
                 record.finish_reason = chunk.finish_reason
                 record.outcome = "error_finish" if chunk.finish_reason == "error" else "completed"
@@ -277,7 +280,7 @@ class LoadGenerator:
                 extra = payload.get("specserve") or {}
                 for choice in payload.get("choices", []):
                     self._add_chunk(record, extra.get("token_ids", []), choice.get("text", ""),
-                                    extra.get("proposed", 0), extra.get("accepted", 0))
+                                    extra.get("proposed", 0), extra.get("accepted", 0), int(extra.get("offset", 0)))
                     if choice.get("finish_reason"):
                         record.finish_reason = choice["finish_reason"]
                 if self._cancel_now(record, cancel_at):

@@ -174,6 +174,8 @@ class TokenChunk:
     accepted: int = 0  # draft tokens accepted this round
     finish_reason: FinishReason | None = None
     stats: dict | None = None  # per-request statistics, on the final chunk only
+    offset: int = 0  # where token_ids start in the completion's output (tokens sent before): a client sees a
+    # skipped or repeated token from the stream alone
 
     @property
     def finished(self) -> bool:

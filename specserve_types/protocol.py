@@ -204,6 +204,7 @@ def chunk_to_proto(item: IndexedChunk) -> pb.GenerateChunk:
         finish_reason=chunk.finish_reason or "",
         stats_json=json.dumps(chunk.stats, sort_keys=True, default=str) if chunk.stats is not None else "",
         contract=item.contract,
+        offset=chunk.offset,
     )
 
 
@@ -216,5 +217,6 @@ def chunk_from_proto(message: pb.GenerateChunk) -> IndexedChunk:
         accepted=message.accepted,
         finish_reason=message.finish_reason or None,  # type: ignore[arg-type]
         stats=json.loads(message.stats_json) if message.stats_json else None,
+        offset=message.offset,
     )
     return IndexedChunk(index=message.index, chunk=chunk, contract=message.contract)

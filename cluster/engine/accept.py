@@ -95,7 +95,7 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
             outcome.release_draft.append(s.request_id)
         assert s.target_cached <= len(s.token_ids) and s.draft_cached <= len(s.token_ids), "cache > tokens"
         chunk = TokenChunk(s.request_id, kept, delta, proposed=counted_proposed, accepted=kept_accepted,
-                           finish_reason=s.finish_reason)
+                           finish_reason=s.finish_reason, offset=s.num_output - len(kept))
         if finished:
             chunk.stats = s.stats()
             outcome.finished.append(s)

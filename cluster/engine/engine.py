@@ -512,7 +512,8 @@ class SpecEngine:
     def _aborted_chunk(self, state: RequestState) -> TokenChunk:
         state.finish_reason = "abort"
         self.inbox.forget(state.request_id)
-        return TokenChunk(state.request_id, [], "", finish_reason="abort", stats=state.stats())
+        return TokenChunk(state.request_id, [], "", finish_reason="abort", stats=state.stats(),
+                          offset=state.num_output)
 
     # ------------------------------------------------------------------ observers (engine thread)
     def _phase(self, name: str, **attributes: Any) -> AbstractContextManager[dict[str, Any]]:

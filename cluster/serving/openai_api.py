@@ -254,7 +254,7 @@ def sse_event(request_id: str, model: str, item: IndexedChunk, chat: bool, first
     chunk = item.chunk
     finish = OPENAI_FINISH.get(chunk.finish_reason or "", chunk.finish_reason) if chunk.finished else None
     spec = {"proposed": chunk.proposed, "accepted": chunk.accepted, "token_ids": chunk.token_ids,
-            "contract": item.contract}
+            "offset": chunk.offset, "contract": item.contract}
     if chunk.finished:
         spec["stats"] = chunk.stats
     if chat:

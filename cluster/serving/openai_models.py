@@ -257,6 +257,7 @@ class SpecserveChunkInfo(BaseModel):
     proposed: int
     accepted: int
     token_ids: list[int]
+    offset: int  # where token_ids start in the choice's output (tokens sent before this chunk)
     contract: str
     stats: dict[str, Any] | None = None
 

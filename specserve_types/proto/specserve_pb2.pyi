@@ -67,7 +67,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat: _Optional[bool] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., contract: _Optional[str] = ..., k: _Optional[int] = ..., draft: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "text_delta", "proposed", "accepted", "finish_reason", "stats_json", "contract")
+    __slots__ = ("request_id", "index", "token_ids", "text_delta", "proposed", "accepted", "finish_reason", "stats_json", "contract", "offset")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class GenerateChunk(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_JSON_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -86,7 +87,8 @@ class GenerateChunk(_message.Message):
     finish_reason: str
     stats_json: str
     contract: str
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., finish_reason: _Optional[str] = ..., stats_json: _Optional[str] = ..., contract: _Optional[str] = ...) -> None: ...
+    offset: int
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., finish_reason: _Optional[str] = ..., stats_json: _Optional[str] = ..., contract: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from specserve_types.api import CapacityError, InvalidRequestError
-from tests.cluster.engine.engine_helpers import load_target, local_engine, plain_greedy, request, run
+from tests.cluster.engine.engine_helpers import (
+    fake_engine,
+    load_target,
+    local_engine,
+    plain_greedy,
+    request,
+    run,
+)
 from tests.model_runtime.random_checkpoint import make_random_checkpoint
 
 
@@ -169,3 +176,20 @@ def test_stop_strings_across_token_boundaries_smollm2(smollm2_dir: Path) -> None
     assert stop in tok.decode(tokens, skip_special_tokens=True)
     assert stop not in tok.decode(tokens[:-1], skip_special_tokens=True)
     engine.kv.audit().assert_no_leaks()
+
+
+def test_each_chunk_carries_its_offset_in_the_output() -> None:
+    """A chunk's offset is the count of tokens sent before it (chaos/invariants.py reads repeats and skips off
+    it): they follow on, round after round, for every request of a batch."""
+    engine = fake_engine(max_batch=3)
+    for i in range(3):
+        engine.submit(request(f"o{i}", [5 + i, 6, 7], max_tokens=17 + i, k=2 + i))
+    chunks = engine.run_to_completion()
+    for rid, stream in chunks.items():
+        sent = 0
+        for chunk in stream:
+            assert chunk.offset == sent, (rid, chunk)
+            sent += len(chunk.token_ids)
+        assert sent == 17 + int(rid[1:])
+    engine.kv.audit().assert_no_leaks()
+    engine.reconcile_ledger()
