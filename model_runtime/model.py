@@ -75,6 +75,9 @@ def _packed_for_cpu(weights: ModelWeights, int8: bool) -> tuple[ModelWeights, st
         return pack_weights(weights), "amx", cpu_kernels.for_dtype(dtype, device, packed=True)
     if int8:
         log.warning("int8 linears need the AMX kernel (%s): running bfloat16", amx_status())
+    if kernels.path == "torch" and device.type == "cpu":
+        log.warning("SPECSERVE_CPU_KERNEL=torch: the libraries' kernels, whose rows depend on the call's shape: "
+                    "greedy speculative output is bounded, not exact (docs/exactness.md)")
     return weights, kernels.path, kernels
 
 
