@@ -131,7 +131,7 @@ def tables(section: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]
     s = section["settings"]
     modes = {m["mode"]: m for m in section["modes"]}
     spec_modes = [m for m in MODES if m != PLAIN and m in modes]
-    title = (f"\nllama.cpp {section['version']} on the same GGUF files ({Path(s['model_gguf']).name}, draft "
+    title = (f"\nllama.cpp {section['version']}, on {s.get('cpu') or 'this CPU'}, on the same GGUF files ({Path(s['model_gguf']).name}, draft "
              f"{Path(s['draft_gguf']).name if s['draft_gguf'] else 'none'}), greedy, batch 1, {s['threads']} threads"
              + (f", draft_model k={s['draft_tokens']}" if "draft_model" in modes else "")
              + (f", prompt_lookup {s['lookup_tokens']} tokens" if "prompt_lookup" in modes else "") + ":")

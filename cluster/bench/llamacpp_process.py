@@ -75,6 +75,7 @@ class LlamaCppProcess:
     def report(self, our_plain: dict[str, list[int]] | None = None) -> dict[str, Any]:
         result = self._call("report", our_plain)
         result["settings"]["omp_wait_policy"] = f"{WAIT_POLICY} (llama.cpp's own process)"
+        result["version"] = f"llama-cpp-python {result['version']} (not how llama.cpp's users run it)"
         return result
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from cluster.bench.llamacpp import LlamaCppJob, LlamaCppSettings, require_llama_cpp
+from cluster.bench.llamacpp_native import NativeLlamaCpp, require_binaries
 from cluster.bench.llamacpp_process import LlamaCppProcess
 from cluster.bench.runtime import environment, hf_model_sharing_weights, progress, set_threads
 from cluster.engine.engine import SpecEngine
@@ -90,6 +91,8 @@ class SpecSettings:
     llamacpp: bool = False  # also llama.cpp on the same GGUF files, greedy (cluster/bench/llamacpp.py)
     llamacpp_only: bool = False  # llama.cpp alone: neither our engine nor transformers
     llamacpp_draft_tokens: int = 4  # tokens llama.cpp's draft model proposes per round
+    llamacpp_bin: str | None = None  # native llama.cpp binaries (default: scripts/build-llamacpp.sh's folder)
+    llamacpp_python: bool = False  # llama-cpp-python's Python loop instead (not how llama.cpp's users run it)
     repeats: int = 1  # batch > 1: runs of every config, in rotating order (figures over all runs)
 
     def __post_init__(self) -> None:
@@ -460,8 +463,8 @@ def same_fraction(a: Tally, b: Tally) -> float | None:
 
 
 def run_spec_bench(s: SpecSettings) -> dict[str, Any]:
-    if s.llamacpp or s.llamacpp_only:
-        require_llama_cpp()  # before any model loads: LlamaCppMissingError says how to install it
+    if s.llamacpp or s.llamacpp_only:  # before any model loads: LlamaCppMissingError says how to get it
+        require_llama_cpp() if s.llamacpp_python else require_binaries(_bin_dir(s))
     if s.llamacpp_only:
         return run_llamacpp_only(s)
     set_threads(s.threads)
@@ -478,19 +481,27 @@ def run_spec_bench(s: SpecSettings) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- llama.cpp
-def llamacpp_peer(s: SpecSettings, eos_token_ids: Any) -> LlamaCppProcess:
-    """llama.cpp on the GGUF files `s.model` and `s.draft` are prepared from; modes follow `s.drafts`."""
+def _bin_dir(s: SpecSettings) -> Path | None:
+    return Path(s.llamacpp_bin) if s.llamacpp_bin else None
+
+
+def llamacpp_peer(s: SpecSettings, eos_token_ids: Any) -> NativeLlamaCpp | LlamaCppProcess:
+    """llama.cpp on the GGUF files `s.model` and `s.draft` are prepared from; modes follow `s.drafts`. Native
+    binaries (cluster/bench/llamacpp_native.py) unless `s.llamacpp_python` asks for the Python binding's loop."""
     from cluster.bench.gguf_file import gguf_path
 
     model_draft = s.draft != "none" and "model" in s.drafts
     progress(f"spec: llama.cpp: loading the GGUF files of {s.model}" + (f" and {s.draft}" if model_draft else ""))
-    return LlamaCppProcess(LlamaCppSettings(
+    settings = LlamaCppSettings(
         model_gguf=gguf_path(s.model), draft_gguf=gguf_path(s.draft) if model_draft else None, threads=s.threads,
         n_ctx=s.max_context, draft_tokens=s.llamacpp_draft_tokens, lookup_tokens=s.hf_lookup_tokens,
-        lookup="ngram" in s.drafts, eos_token_ids=frozenset(eos_token_ids)))
+        lookup="ngram" in s.drafts, eos_token_ids=frozenset(eos_token_ids))
+    if s.llamacpp_python:
+        return LlamaCppProcess(settings)
+    return NativeLlamaCpp(settings, _bin_dir(s))
 
 
-def llamacpp_run(peer: LlamaCppProcess, mode: str, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int,
+def llamacpp_run(peer: NativeLlamaCpp | LlamaCppProcess, mode: str, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int,
                  warmup: bool = False) -> None:
     run = peer.run(mode, prompt.id, prompt.category, prompt_ids, max_tokens, warmup)
     if not warmup:

@@ -79,8 +79,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     help="also run every config traced (every span sampled and exported to a file) and print "
                          "tokens/s traced vs untraced")
     sp.add_argument("--llamacpp", action="store_true",
-                    help="also llama.cpp on the same GGUF files, greedy, batch 1: plain, with the draft model, with "
-                         "prompt lookup (optional llama-cpp-python: pip install -e '.[llamacpp]')")
+                    help="also native llama.cpp on the same GGUF files, greedy, batch 1: plain and with the draft "
+                         "model (llama-server; build it once with scripts/build-llamacpp.sh)")
+    sp.add_argument("--llamacpp-bin", default=None,
+                    help="folder of the native llama.cpp binaries (default: scripts/build-llamacpp.sh's)")
+    sp.add_argument("--llamacpp-python", action="store_true",
+                    help="drive llama-cpp-python's Python loop instead (pip install -e '.[llamacpp]'; not how "
+                         "llama.cpp's users run it, labeled so)")
     sp.add_argument("--llamacpp-only", action="store_true", help="llama.cpp alone: neither our engine nor transformers")
     sp.add_argument("--llamacpp-draft-tokens", type=int, default=None,
                     help="tokens llama.cpp's draft model proposes per round (default 4)")
@@ -202,13 +207,15 @@ def _run_spec(args: argparse.Namespace) -> int:
              "per_category": args.per_category, "ks": args.ks, "temperatures": args.temperatures,
              "batches": args.batches, "max_tokens": args.max_tokens, "seed": args.seed,
              "draft_dtype": args.draft_dtype, "dtype": args.dtype, "llamacpp_draft_tokens": args.llamacpp_draft_tokens,
+             "llamacpp_bin": args.llamacpp_bin,
              "repeats": args.repeats}
     base.update({key: value for key, value in flags.items() if value is not None})
     if args.model and args.model != "qwen2.5-coder-1.5b" and args.draft is None and not args.quick:
         base.setdefault("draft", "none")
         base.setdefault("drafts", ["ngram"])
     settings = SpecSettings(**base, threads=args.threads, hf=not args.no_hf, tracing_overhead=args.tracing_overhead,
-                            llamacpp=args.llamacpp or args.llamacpp_only, llamacpp_only=args.llamacpp_only)
+                            llamacpp=args.llamacpp or args.llamacpp_only, llamacpp_only=args.llamacpp_only,
+                            llamacpp_python=args.llamacpp_python)
     try:
         result = run_spec_bench(settings)
     except LlamaCppMissingError as exc:
@@ -268,7 +275,20 @@ def _llamacpp_lines(result: dict[str, Any]) -> list[str]:
     from cluster.bench.llamacpp import tables
 
     section = result.get("llamacpp")
-    return [f"{title}\n{table(headers, rows)}" for title, headers, rows in tables(section)] if section else []
+    if not section:
+        return []
+    out = [f"{title}\n{table(headers, rows)}" for title, headers, rows in tables(section)]
+    modes = {m["mode"]: m for m in section["modes"]}
+    ours = [r for r in result["results"] if r["batch"] == 1 and r["temperature"] == 0.0]
+    if ours and "plain" in modes:
+        cpu = section["settings"].get("cpu") or "this CPU"
+        peer = "native llama.cpp" if section.get("native") else section["version"]
+        rows = [[r["label"], r["tokens_per_second"], *[r["tokens_per_second"] / modes[m]["tokens_per_second"]
+                                                       if modes[m]["tokens_per_second"] else None for m in modes]]
+                for r in ours]
+        out.append(f"\nours (greedy, batch 1) against {peer} on {cpu}, same prompts, same threads, one run:\n"
+                   + table(["config", "tok/s", *[f"x llama.cpp {m}" for m in modes]], rows))
+    return out
 
 
 def _pct(value: float | None) -> str | None:

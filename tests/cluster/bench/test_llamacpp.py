@@ -26,6 +26,7 @@ from cluster.bench.llamacpp import (
     tables,
     text_equality,
 )
+from cluster.bench.llamacpp_native import BUILD_HINT, default_bin_dir
 from cluster.cli import main
 from model_runtime.registry import LocalParts, ModelSource
 from model_runtime.weights_assemble import WeightIntegrityError
@@ -109,15 +110,18 @@ def test_missing_llama_cpp_says_how_to_install(monkeypatch: pytest.MonkeyPatch) 
     assert INSTALL_HINT in str(err.value) and PIN in str(err.value) and ".[llamacpp]" in str(err.value)
 
 
-@pytest.mark.parametrize("flag", ["--llamacpp", "--llamacpp-only"])
+@pytest.mark.parametrize("flags", [["--llamacpp"], ["--llamacpp-only"], ["--llamacpp", "--llamacpp-python"]])
 def test_cli_without_llama_cpp_exits_2_before_loading_models(
-        flag: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        flags: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Native binaries not built (or, with --llamacpp-python, the binding not installed): exit 2 saying how to get
+    them, before any model loads."""
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "empty-cache"))  # a model load would fail differently
+    monkeypatch.setenv("SPECSERVE_LLAMACPP_BIN", str(tmp_path / "no-binaries"))
     out = tmp_path / "spec.json"
-    assert main(["bench", "spec", "--quick", flag, "--json-out", str(out)]) == 2
+    assert main(["bench", "spec", "--quick", *flags, "--json-out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert INSTALL_HINT in err and "Traceback" not in err
+    assert (INSTALL_HINT if "--llamacpp-python" in flags else BUILD_HINT) in err and "Traceback" not in err
     assert not out.exists() and not (tmp_path / "empty-cache").exists()
 
 
@@ -184,7 +188,8 @@ def test_llama_cpp_greedy_speculation_on_smollm2(smollm2_dir: Path) -> None:
 def test_bench_spec_quick_with_llamacpp(smollm2_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("llama_cpp")
     out = tmp_path / "spec.json"
-    assert main(["bench", "spec", "--quick", "--llamacpp", "--no-hf", "--categories", "qa", "copy-edit",
+    assert main(["bench", "spec", "--quick", "--llamacpp", "--llamacpp-python", "--no-hf", "--categories", "qa",
+                 "copy-edit",
                  "--ks", "2", "--max-tokens", "8", "--threads", "1", "--json-out", str(out)]) == 0
     result = json.loads(out.read_text())
     section = result["llamacpp"]
@@ -215,5 +220,36 @@ def test_llama_cpp_runs_in_its_own_process_with_passive_openmp(smollm2_dir: Path
         run = peer.run("plain", "p", "qa", [1, 504, 3458, 282], 6)
         assert len(run.token_ids) == 6 and run.seconds > 0
         assert peer.report()["settings"]["omp_wait_policy"].startswith("PASSIVE")
+    finally:
+        peer.close()
+
+
+# ---------------------------------------------------------------------- with native llama.cpp built
+needs_native = pytest.mark.skipif(not (default_bin_dir() / "llama-server").exists(),
+                                  reason="native llama.cpp not built (scripts/build-llamacpp.sh; not in CI)")
+
+
+@pytest.mark.ray  # starts servers: run inside scripts/in-netns.sh
+@needs_native
+def test_native_llama_cpp_greedy_speculation_on_smollm2(smollm2_dir: Path, tmp_path: Path) -> None:
+    """llama-server on SmolLM2's GGUF, plain and with itself as the draft model: the same greedy tokens, drafts
+    proposed and accepted, and the JSON names the binaries, the build and the CPU."""
+    from cluster.bench.llamacpp import LlamaCppSettings
+    from cluster.bench.llamacpp_native import NativeLlamaCpp
+
+    gguf = gguf_path("smollm2-135m")
+    peer = NativeLlamaCpp(LlamaCppSettings(model_gguf=gguf, draft_gguf=gguf, threads=1, n_ctx=256, draft_tokens=4,
+                                           lookup_tokens=10, lookup=False), log_dir=tmp_path)
+    try:
+        assert peer.modes() == ["plain", "draft_model"]
+        prompt = [1, 504, 3458, 282, 4649, 314, 5248, 30]
+        runs = {m: peer.run(m, "p", "qa", prompt, 16) for m in peer.modes()}
+        assert len(runs["plain"].token_ids) == 16 and runs["plain"].text
+        assert runs["draft_model"].token_ids == runs["plain"].token_ids
+        report = peer.report()
+        spec = next(m for m in report["modes"] if m["mode"] == "draft_model")
+        assert spec["drafted_tokens"] > 0 and spec["acceptance_rate"] > 0.5  # the draft is the target
+        assert report["native"] and "llama-server" in report["settings"]["binaries"]["plain"][0]
+        assert report["settings"]["cpu"] and report["build"]
     finally:
         peer.close()
