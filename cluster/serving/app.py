@@ -95,10 +95,12 @@ def build_app(config: ClusterConfig, engine_builder: EngineBuilder | None = None
 
 
 def serve_options(config: ClusterConfig) -> dict[str, Any]:
-    """`serve.start` arguments: the HTTP proxy on `config.host`. Serve's gRPC proxy stays off: the ingress
-    replicas serve gRPC themselves (cluster/serving/grpc_service.py says why)."""
+    """`serve.start` arguments: the HTTP proxy on `config.host`, HTTPS only with the config's certificate and
+    key (uvicorn's ssl options, which Serve's proxy passes on). Serve's gRPC proxy stays off: the ingress replicas
+    serve gRPC themselves (cluster/serving/grpc_service.py says why)."""
     return {"http_options": HTTPOptions(host=config.host, port=config.http_port,
-                                        request_timeout_s=config.request_timeout_s)}
+                                        request_timeout_s=config.request_timeout_s,
+                                        ssl_certfile=config.tls_cert_file, ssl_keyfile=config.tls_key_file)}
 
 
 def start_serve(config: ClusterConfig) -> None:

@@ -17,7 +17,15 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from cluster.serving.cpu_quota import available_cpus
 from specserve_types.api import DRAFT_AUTO
@@ -27,6 +35,7 @@ if TYPE_CHECKING:
     from cluster.engine.config import EngineConfig
     from cluster.engine.factory import LocalRuntime
     from cluster.engine.overlap_policy import OverlapDecision
+    from cluster.serving.auth import KeySources
 
 __all__ = ["ENGINE_OPTIONS", "NGRAM_DRAFT", "ClusterConfig", "ConfigError", "load_config", "make_config"]
 
@@ -137,6 +146,27 @@ class ClusterConfig(BaseModel):
     # and, on a small machine, share the cores with those daemons: a local Ray's workers run at 0.
     worker_niceness: int = Field(0, ge=0, le=19, description="niceness of a local Ray's worker processes")
 
+    # access (docs/security.md): API keys of both front doors, TLS of both front doors
+    api_keys: tuple[SecretStr, ...] = Field((), description="API keys the front doors accept (HTTP Authorization: "
+                                            "Bearer, gRPC authorization metadata); prefer api_key_file or the "
+                                            "SPECSERVE_API_KEYS environment variable; none anywhere = open")
+    api_key_file: str | None = Field(None, description="file of API keys, one a line (# comments); re-read when "
+                                     "it changes (rotation); read by the ingress replicas")
+    metrics_require_api_key: bool = Field(False, description="GET /metrics asks for a key too (else open, like "
+                                          "/health and the gRPC health service)")
+    tls_cert_file: str | None = Field(None, description="PEM certificate (chain) of both front doors: gRPC and "
+                                      "Serve's HTTP proxy serve TLS only (with tls_key_file)")
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file")
+
+    def key_sources(self) -> KeySources:
+        from cluster.serving.auth import KeySources
+
+        return KeySources(tuple(key.get_secret_value() for key in self.api_keys), self.api_key_file)
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls_cert_file is not None
+
     def local_ray_env(self) -> None:
         """Environment a local Ray must see before it starts (read by its raylet)."""
         os.environ["RAY_worker_niceness"] = str(self.worker_niceness)
@@ -190,6 +220,8 @@ class ClusterConfig(BaseModel):
         ports = {"grpc_port": self.grpc_port, "http_port": self.http_port, "dashboard_port": self.dashboard_port}
         if len(set(ports.values())) != len(ports):
             raise ValueError(f"ports must differ: {ports}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
         if self.max_batch > self.queue_capacity:
             raise ValueError(f"max_batch ({self.max_batch}) must be <= queue_capacity ({self.queue_capacity})")
         return self

@@ -7,6 +7,8 @@ client that cancels, disconnects or passes its deadline cancels the handler's ta
 the request at the scheduler.
 
 Every outcome is a status code, never a traceback or UNKNOWN:
+  - no API key, or not one of the server's (when it has keys: `authorization: Bearer KEY` metadata) ->
+    UNAUTHENTICATED, checked before the message is parsed (cluster/serving/auth.py); Health stays open;
   - a message that does not parse (garbage bytes, invalid UTF-8 in a string field) -> INVALID_ARGUMENT
     (requests arrive as bytes and are parsed here, where a failure is the client's);
   - bad fields -> INVALID_ARGUMENT "field: reason"; a full server -> RESOURCE_EXHAUSTED with a
@@ -29,6 +31,7 @@ from google.protobuf.message import DecodeError, Message
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from cluster.engine.request_span import FinalChunks, RequestSpan
+from cluster.serving.auth import ApiKeys, bearer_token
 from cluster.serving.rejections import RejectionLog
 from cluster.serving.streams import ChunkStream, DeadlineExceeded, SchedulerStreams
 from specserve_types.api import InvalidRequestError, SpecServeError
@@ -45,6 +48,7 @@ logger = logging.getLogger("ray.serve")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SpecServe"].full_name  # "specserve.v1.SpecServe"
 APP_NAME = "specserve"  # the default application name (cluster/serving/app.py)
+AUTHORIZATION_METADATA = "authorization"  # "Bearer KEY" (gRPC metadata keys are lower case)
 APPLICATION_METADATA = "application"  # optional; when sent it must name this server's application
 RETRY_AFTER_METADATA = "retry-after"  # seconds, on RESOURCE_EXHAUSTED (as HTTP's Retry-After)
 UNAVAILABLE_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
@@ -87,6 +91,17 @@ def call_timeout(metadata: Any, server_limit: float | None) -> float | None:
     return limit
 
 
+def check_api_key(metadata: Any, keys: ApiKeys) -> None:
+    """UNAUTHENTICATED unless the call's `authorization` metadata is `Bearer KEY` with one of `keys` (or none is set)."""
+    header = next((value for key, value in metadata or () if key == AUTHORIZATION_METADATA), None)
+    if keys.accepts(bearer_token(header if isinstance(header, str) else None)):
+        return
+    if header is None:
+        raise CallRefused(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing API key: send the metadata 'authorization: Bearer YOUR_KEY'")
+    raise CallRefused(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
+
+
 def check_application(metadata: Any, app_name: str = APP_NAME) -> None:
     for key, value in metadata or ():
         if key == APPLICATION_METADATA and value != app_name:
@@ -99,8 +114,9 @@ class SpecServeService:
 
     def __init__(self, streams: SchedulerStreams, defaults: ServerDefaults, models: Callable[[], list[dict[str, str]]],
                  rejections: RejectionLog, server_timeout_s: float | None, retry_after_s: int,
-                 app_name: str = APP_NAME) -> None:
+                 app_name: str = APP_NAME, keys: ApiKeys | None = None) -> None:
         self._app_name = app_name
+        self._keys = keys if keys is not None else ApiKeys()
         self._streams = streams
         self._defaults = defaults
         self._models = models
@@ -129,6 +145,7 @@ class SpecServeService:
         finals = FinalChunks()
         try:
             metadata = context.invocation_metadata()
+            check_api_key(metadata, self._keys)
             check_application(metadata, self._app_name)
             request = parse(pb.GenerateRequest, data)
             request_id = request.request_id or "-"
@@ -160,7 +177,7 @@ class SpecServeService:
         async def answer() -> pb.ListModelsResponse:
             parse(pb.ListModelsRequest, data)
             return pb.ListModelsResponse(models=[pb.ModelInfo(**model) for model in self._models()])
-        return await self._unary(context, answer)
+        return await self._unary(context, answer, needs_key=True)
 
     async def health(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         async def answer() -> pb.HealthResponse:
@@ -174,10 +191,14 @@ class SpecServeService:
             parse(pb.GetStatsRequest, data)
             stats = await self._streams.stats()
             return pb.GetStatsResponse(stats_json=json.dumps(stats, sort_keys=True, default=str))
-        return await self._unary(context, answer)
+        return await self._unary(context, answer, needs_key=True)
 
-    async def _unary(self, context: grpc.aio.ServicerContext, answer: Callable[[], Awaitable[M]]) -> M:
+    async def _unary(self, context: grpc.aio.ServicerContext, answer: Callable[[], Awaitable[M]],
+                     needs_key: bool = False) -> M:
+        """A unary call; Health (needs_key False) answers without a key, like the gRPC health service."""
         try:
+            if needs_key:
+                check_api_key(context.invocation_metadata(), self._keys)
             check_application(context.invocation_metadata(), self._app_name)
             return await answer()
         except Exception as exc:
@@ -197,6 +218,8 @@ class SpecServeService:
         if isinstance(exc, CallRefused):
             if exc.code == grpc.StatusCode.NOT_FOUND:
                 self._rejections.rejected(request_id, exc.code.name, APPLICATION_METADATA, exc.details)
+            elif exc.code == grpc.StatusCode.UNAUTHENTICATED:  # the details name no key
+                self._rejections.rejected(request_id, exc.code.name, AUTHORIZATION_METADATA, exc.details)
             return exc
         if isinstance(exc, InvalidRequestError):
             self._rejections.rejected(request_id, "INVALID_ARGUMENT", exc.field, exc.message)

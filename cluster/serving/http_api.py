@@ -8,6 +8,8 @@ cluster/serving/openai_api.py. Every answer that is not a 200 is OpenAI's error 
     429 capacity_error         the scheduler's queue is full; `Retry-After` says when to try again
     503 unavailable_error      the scheduler replica is gone (Serve restarts it); `Retry-After` as well
     500 internal_error         a server fault: the message holds the request id only, the log has the rest
+    401 invalid_request_error  no API key, or not one of the server's (`code: invalid_api_key`, `WWW-Authenticate`);
+                               checked before the body is read, so nothing reaches the scheduler (cluster/serving/auth.py)
 Each answer of a generation route carries the request id in `x-specserve-request-id`. A refusal (400, 413, 429) is one
 WARNING line (cluster/serving/rejections.py); a server fault logs its traceback once. Leaving a stream early
 (the client disconnects) cancels it, which aborts the request at the scheduler.
@@ -27,6 +29,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from starlette.requests import ClientDisconnect
 
 from cluster.engine.request_span import RequestSpan
+from cluster.serving.auth import ApiKeys, bearer_token
 from cluster.serving.json_body import BodyError, parse_json, read_body
 from cluster.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from cluster.serving.openai_api import (
@@ -53,7 +56,10 @@ REQUEST_ID_HEADER = "x-specserve-request-id"  # Serve's proxy sets its own x-req
 
 class OpenAIFrontEnd:
     def __init__(self, streams: SchedulerStreams, defaults: ServerDefaults, models: Callable[[], list[dict[str, str]]],
-                 rejections: RejectionLog, retry_after_s: int) -> None:
+                 rejections: RejectionLog, retry_after_s: int, keys: ApiKeys | None = None,
+                 metrics_need_key: bool = False) -> None:
+        self._keys = keys if keys is not None else ApiKeys()
+        self._metrics_need_key = metrics_need_key
         self._streams = streams
         self._defaults = defaults
         self._models = models
@@ -61,6 +67,19 @@ class OpenAIFrontEnd:
         self._retry_after_s = retry_after_s
 
     # -- answers that are not a 200 ---------------------------------------------------------------------
+    def unauthorized(self, request: Request) -> JSONResponse | None:
+        """None when the request may pass; else OpenAI's 401 and one WARNING line (never the key)."""
+        header = request.headers.get("authorization")
+        if self._keys.accepts(bearer_token(header)):
+            return None
+        request_id = new_request_id()
+        reason = "missing API key" if header is None else "invalid API key"
+        self._rejections.rejected(request_id, "401", "authorization", reason)
+        message = ("missing API key: send the header 'Authorization: Bearer YOUR_KEY'" if header is None
+                   else "invalid API key (the Authorization header must be 'Bearer ' and one of the server's keys)")
+        return JSONResponse(error_body(message, "invalid_request_error", None, "invalid_api_key"), status_code=401,
+                            headers={"WWW-Authenticate": 'Bearer realm="specserve"', REQUEST_ID_HEADER: request_id})
+
     def refusal(self, request_id: str, status: int, kind: str, message: str,
                 param: str | None) -> tuple[int, dict[str, Any], dict[str, str]]:
         """A refusal (the client's doing or a full server): one WARNING line, OpenAI's error body."""
@@ -100,6 +119,8 @@ class OpenAIFrontEnd:
 
     # -- generation ---------------------------------------------------------------------------------------
     async def generate(self, request: Request, chat: bool) -> Response:
+        if (refused := self.unauthorized(request)) is not None:
+            return refused
         request_id = new_request_id()
         span = RequestSpan(None)
         try:
@@ -155,11 +176,13 @@ class OpenAIFrontEnd:
         yield SSE_DONE
 
     # -- the other routes ---------------------------------------------------------------------------------
-    def models(self) -> dict[str, Any]:
+    def models(self, request: Request) -> Response:
+        if (refused := self.unauthorized(request)) is not None:
+            return refused
         created = int(time.time())
-        return {"object": "list", "data": [{"id": m["id"], "object": "model", "created": created,
+        return JSONResponse({"object": "list", "data": [{"id": m["id"], "object": "model", "created": created,
                                             "owned_by": "specserve", "role": m["role"], "draft": m["draft"]}
-                                           for m in self._models() if m["role"] == "target"]}
+                                           for m in self._models() if m["role"] == "target"]})
 
     async def health(self) -> JSONResponse:
         try:
@@ -169,14 +192,19 @@ class OpenAIFrontEnd:
             ok, status = False, "scheduler unavailable"
         return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
-    async def metrics(self) -> Response:
-        """Prometheus text of the scheduler's metrics (cluster/serving/metrics.py), vLLM's names included."""
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text of the scheduler's metrics (cluster/serving/metrics.py), vLLM's names included; open
+        unless the server asks a key for it (`metrics_require_api_key`)."""
+        if self._metrics_need_key and (refused := self.unauthorized(request)) is not None:
+            return refused
         try:
             return Response(await self._streams.metrics_text(), media_type=METRICS_CONTENT_TYPE)
         except Exception as exc:
             return self.fault("-", exc)
 
-    async def stats(self) -> Response:
+    async def stats(self, request: Request) -> Response:
+        if (refused := self.unauthorized(request)) is not None:
+            return refused
         try:
             return JSONResponse(await self._streams.stats())
         except Exception as exc:

@@ -4,7 +4,10 @@
            health checking, reflection. Not Serve's gRPC proxy: see cluster/serving/grpc_service.py.
     HTTP   FastAPI routes behind Serve's HTTP proxy (cluster/serving/http_api.py).
 
-Both front ends validate at once (InvalidRequestError -> INVALID_ARGUMENT / HTTP 400, the field named
+Both front ends check the API key first, when the server has keys (cluster/serving/auth.py: HTTP 401 /
+gRPC UNAUTHENTICATED, nothing sent to the scheduler; /health and the health services stay open), and serve TLS
+when given a certificate (gRPC here, HTTP through Serve's proxy options: cluster/serving/app.py). They then
+validate at once (InvalidRequestError -> INVALID_ARGUMENT / HTTP 400, the field named
 first in the message), then stream from the Scheduler (cluster/serving/streams.py). A refusal from the
 scheduler arrives as the stream's first item (capacity -> RESOURCE_EXHAUSTED / HTTP 429, with a retry
 hint), before anything is sent to the client. Leaving the stream early (disconnect, cancel, deadline)
@@ -18,8 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
+from cluster.serving.auth import ApiKeys, AuthError
 from cluster.serving.config import ClusterConfig
-from cluster.serving.grpc_server import GrpcServer
+from cluster.serving.grpc_server import GrpcServer, read_tls_pair
 from cluster.serving.grpc_service import SpecServeService
 from cluster.serving.http_api import OpenAIFrontEnd
 from cluster.serving.openapi_docs import (
@@ -51,11 +55,18 @@ class Ingress:
         self._streams = streams
         defaults = ServerDefaults(config.model, "model" if config.uses_draft_model else "ngram")
         rejections = RejectionLog(logger)
-        self._http = OpenAIFrontEnd(streams, defaults, self._models, rejections, config.retry_after_s)
+        self._keys = ApiKeys(config.key_sources())  # AuthError (unreadable file, short key) fails the replica
+        logger.info("API keys: %s", f"{len(self._keys)} accepted" if self._keys.enabled else "none (open)")
+        self._http = OpenAIFrontEnd(streams, defaults, self._models, rejections, config.retry_after_s, self._keys,
+                                    config.metrics_require_api_key)
         # the Serve application this replica belongs to: what the `application` metadata must name
         service = SpecServeService(streams, defaults, self._models, rejections, config.request_timeout_s,
-                                   config.retry_after_s, app_name=serve.get_replica_context().app_name)
-        self._grpc = GrpcServer(service, config.host, config.grpc_port)
+                                   config.retry_after_s, app_name=serve.get_replica_context().app_name,
+                                   keys=self._keys)
+        tls = None
+        if config.tls_cert_file and config.tls_key_file:
+            tls = read_tls_pair(config.tls_cert_file, config.tls_key_file)
+        self._grpc = GrpcServer(service, config.host, config.grpc_port, tls)
         await self._grpc.start()
 
     def _models(self) -> list[dict[str, str]]:
@@ -65,7 +76,13 @@ class Ingress:
         return models
 
     async def check_health(self) -> None:
-        """Serve's periodic health check; also keeps the gRPC health service's status current."""
+        """Serve's periodic health check; also keeps the gRPC health service's status current and re-reads a
+        changed API key file (a rotated Secret; a broken one keeps the keys in force and is logged)."""
+        try:
+            if self._keys.reload():
+                logger.info("API keys re-read: %d accepted", len(self._keys))
+        except AuthError as exc:
+            logger.error("API keys not re-read, the previous ones stay: %s", exc)
         try:
             ok, _ = await self._streams.health()
         except Exception:  # the scheduler's own health check restarts it; this replica is fine
@@ -91,19 +108,19 @@ class Ingress:
         return await self._http.generate(request, chat=True)
 
     @http_app.get("/v1/models", **MODELS_ROUTE)
-    async def models(self) -> dict[str, Any]:
-        return self._http.models()
+    async def models(self, request: Request) -> Response:
+        return self._http.models(request)
 
     @http_app.get("/health", **HEALTH_ROUTE)
     async def health(self) -> JSONResponse:
         return await self._http.health()
 
     @http_app.get("/metrics", **METRICS_ROUTE)
-    async def metrics(self) -> Response:
-        return await self._http.metrics()
+    async def metrics(self, request: Request) -> Response:
+        return await self._http.metrics(request)
 
     @http_app.get("/v1/stats", **STATS_ROUTE)
-    async def stats(self) -> Response:
-        return await self._http.stats()
+    async def stats(self, request: Request) -> Response:
+        return await self._http.stats(request)
 
 IngressDeployment = serve.deployment(Ingress, name="Ingress")

@@ -57,6 +57,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request: `error.param` names the field, the message "
                                                  f"starts with it (`body`: not JSON, nested over {MAX_JSON_DEPTH})",
           "headers": REQUEST_ID},
+    401: {"model": ErrorResponse, "description": "no API key or not one of the server's (when it has keys; "
+                                                 "`code: invalid_api_key`)", "headers": REQUEST_ID},
     413: {"model": ErrorResponse, "description": f"body larger than {MAX_BODY_BYTES} bytes", "headers": REQUEST_ID},
     429: {"model": ErrorResponse, "description": "the server is full", "headers": {**RETRY_AFTER, **REQUEST_ID}},
     500: {"model": ErrorResponse, "description": "server fault: the message holds the request id only",
@@ -80,7 +82,7 @@ def generation_route(request: type[BaseModel], response: type[BaseModel], chunk:
 
 COMPLETIONS_ROUTE = generation_route(CompletionRequest, CompletionResponse, CompletionChunk, "Text completion")
 CHAT_ROUTE = generation_route(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, "Chat completion")
-MODELS_ROUTE: dict[str, Any] = {"summary": "The served model", "responses": {200: {"model": ModelList}}}
+MODELS_ROUTE: dict[str, Any] = {"summary": "The served model", "responses": {200: {"model": ModelList}, 401: ERRORS[401]}}
 HEALTH_ROUTE: dict[str, Any] = {"summary": "Health of the scheduler and its workers",
                                 "responses": {200: {"model": HealthResponse},
                                               503: {"model": HealthResponse, "description": "not healthy"}}}
@@ -89,9 +91,10 @@ METRICS_ROUTE: dict[str, Any] = {
     "response_class": PlainTextResponse,
     "responses": {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                         "description": "Prometheus text exposition format 0.0.4"},
-                  500: ERRORS[500], 503: ERRORS[503]}}
+                  401: ERRORS[401], 500: ERRORS[500], 503: ERRORS[503]}}
 STATS_ROUTE: dict[str, Any] = {"summary": "Scheduler, engine and KV statistics",
-                               "responses": {200: {"model": StatsResponse}, 500: ERRORS[500], 503: ERRORS[503]}}
+                               "responses": {200: {"model": StatsResponse}, 401: ERRORS[401],
+                                             500: ERRORS[500], 503: ERRORS[503]}}
 
 
 def document(app: FastAPI) -> None:

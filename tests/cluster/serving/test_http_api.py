@@ -129,16 +129,16 @@ def openai_app(streams: ScriptedStreams, logger: logging.Logger) -> FastAPI:
         return await front.generate(request, chat=True)
 
     @app.get("/v1/models", **MODELS_ROUTE)
-    async def list_models() -> dict[str, Any]:
-        return front.models()
+    async def list_models(request: Request) -> Response:
+        return front.models(request)
 
     @app.get("/health", **HEALTH_ROUTE)
     async def health() -> JSONResponse:
         return await front.health()
 
     @app.get("/v1/stats", **STATS_ROUTE)
-    async def stats() -> Response:
-        return await front.stats()
+    async def stats(request: Request) -> Response:
+        return await front.stats(request)
 
     document(app)
     return app
@@ -425,7 +425,7 @@ def test_openapi_documents_the_routes(client: TestClient) -> None:
         operation = schema["paths"][path]["post"]
         assert operation["requestBody"]["content"]["application/json"]["schema"] == {
             "$ref": f"#/components/schemas/{request}"}
-        assert set(operation["responses"]) == {"200", "400", "413", "429", "500", "503"}
+        assert set(operation["responses"]) == {"200", "400", "401", "413", "429", "500", "503"}
         assert set(operation["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
         assert "Retry-After" in operation["responses"]["429"]["headers"]
     completion = schemas["CompletionRequest"]
