@@ -21,7 +21,7 @@ from typing import Any
 
 import requests
 
-from cluster.client import RemoteError, SpecServeClient
+from cluster.client import Credentials, RemoteError, SpecServeClient
 from specserve_types.api import CapacityError, InvalidRequestError, SpecServeError
 
 PROMPTS = (
@@ -123,7 +123,9 @@ class LoadGenerator:
         self._next = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._client = SpecServeClient(grpc_address)
+        # the credentials of the environment (SPECSERVE_API_KEY, SPECSERVE_TLS_CA_FILE; cluster/client.py), both doors
+        self._credentials = Credentials.from_env()
+        self._client = SpecServeClient(grpc_address, credentials=self._credentials)
 
     # -- control -----------------------------------------------------------------------------------
     def start(self) -> LoadGenerator:
@@ -256,6 +258,7 @@ class LoadGenerator:
             body["k"] = self._k(spec)
         deadline = time.monotonic() + record.deadline_s
         with requests.post(f"{self.http_base}/v1/completions", json=body, stream=True,
+                           headers=self._credentials.http_headers(), verify=self._credentials.http_verify,
                            timeout=(5.0, record.deadline_s)) as response:
             if response.status_code != 200:
                 code = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",

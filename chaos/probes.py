@@ -7,7 +7,7 @@ from typing import Any
 
 from chaos import state
 from chaos.cluster import call, wait_idle
-from cluster.client import SpecServeClient, collect
+from cluster.client import Credentials, SpecServeClient, collect
 
 
 def cluster_answers(timeout_s: float = 180.0) -> bool:
@@ -37,7 +37,9 @@ def http_answers(timeout_s: float = 180.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            response = requests.post(f"{run.http_base}/v1/completions", json=body, timeout=30)
+            credentials = Credentials.from_env()  # the same key and roots as the load (chaos/load.py)
+            response = requests.post(f"{run.http_base}/v1/completions", json=body, timeout=30,
+                                     headers=credentials.http_headers(), verify=credentials.http_verify)
             if response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length":
                 return True
         except (requests.RequestException, KeyError, ValueError):

@@ -5,6 +5,11 @@
         print(item.chunk.text_delta, end="")
     client.health(); client.list_models(); client.stats()
 
+Credentials (docs/security.md): `SpecServeClient(address, credentials=Credentials(api_key=..., tls=True,
+ca_file=...))`; by default `Credentials.from_env()`: SPECSERVE_API_KEY or SPECSERVE_API_KEY_FILE (the file's
+first key), SPECSERVE_TLS_CA_FILE (PEM roots to trust; turns TLS on) or SPECSERVE_TLS=1 (TLS, system roots).
+The key travels as `authorization: Bearer KEY` metadata; a server without keys ignores it.
+
 Status codes come back as specserve errors: INVALID_ARGUMENT -> InvalidRequestError (with .field),
 RESOURCE_EXHAUSTED -> CapacityError (with .retry_after_s), anything else -> SpecServeError (with .code).
 """
@@ -12,7 +17,10 @@ RESOURCE_EXHAUSTED -> CapacityError (with .retry_after_s), anything else -> Spec
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,6 +32,59 @@ from specserve_types.protocol import TIMEOUT_METADATA, IndexedChunk, chunk_from_
 
 APP_NAME = "specserve"
 APP_METADATA = (("application", APP_NAME),)  # optional: a server refuses another name with NOT_FOUND
+
+
+ENV_API_KEY = "SPECSERVE_API_KEY"
+ENV_API_KEY_FILE = "SPECSERVE_API_KEY_FILE"
+ENV_TLS_CA_FILE = "SPECSERVE_TLS_CA_FILE"
+ENV_TLS = "SPECSERVE_TLS"
+
+
+def first_key(path: str) -> str:
+    """The first key of a key file (one a line, `#` comments), the server's format."""
+    for line in Path(path).read_text().splitlines():
+        if key := line.split("#", 1)[0].strip():
+            return key
+    raise SpecServeError(f"API key file {path} holds no key")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What a client presents (an API key) and how it talks (TLS, trusting `ca_file` or the system roots)."""
+
+    api_key: str | None = field(default=None, repr=False)
+    tls: bool = False
+    ca_file: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Credentials:
+        key = environ.get(ENV_API_KEY) or None
+        if key is None and environ.get(ENV_API_KEY_FILE):
+            key = first_key(environ[ENV_API_KEY_FILE])
+        ca_file = environ.get(ENV_TLS_CA_FILE) or None
+        tls = ca_file is not None or environ.get(ENV_TLS, "").lower() in ("1", "true", "yes")
+        return cls(key, tls, ca_file)
+
+    def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+
+    def http_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def http_verify(self) -> bool | str:
+        """`requests`' verify: the CA file, or True (system roots)."""
+        return self.ca_file or True
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    def channel(self, address: str) -> grpc.Channel:
+        if not self.tls:
+            return grpc.insecure_channel(address)
+        roots = Path(self.ca_file).read_bytes() if self.ca_file else None
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots))
 
 
 class RemoteError(SpecServeError):
@@ -93,11 +154,14 @@ def build_request(prompt: str | Sequence[int] | None = None, **fields: Any) -> p
 
 
 class SpecServeClient:
-    def __init__(self, address: str, timeout_s: float | None = None, application: str = APP_NAME) -> None:
+    def __init__(self, address: str, timeout_s: float | None = None, application: str = APP_NAME,
+                 credentials: Credentials | None = None) -> None:
+        credentials = credentials if credentials is not None else Credentials.from_env()
         self.address = address
         self.timeout_s = timeout_s
-        self.metadata = (("application", application),)  # checked by the server (NOT_FOUND if not its own)
-        self._channel = grpc.insecure_channel(address)
+        # `application` is checked by the server (NOT_FOUND if not its own)
+        self.metadata = (("application", application), *credentials.grpc_metadata())
+        self._channel = credentials.channel(address)
         self._stub = pb_grpc.SpecServeStub(self._channel)
 
     def close(self) -> None:

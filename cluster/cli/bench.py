@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cluster.cli.client_flags import add_client_flags, apply_client_flags
 from cluster.cli.generate import parse_k
 from specserve_types.api import DRAFT_AUTO, DRAFT_DTYPES, TARGET_DTYPES
 
@@ -115,6 +116,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                          "--model names its model (for the prompts' tokenizer)")
     sv.add_argument("--grpc-port", type=int, default=None, help="default 9100")
     sv.add_argument("--http-port", type=int, default=None, help="default 8100")
+    add_client_flags(sv)
     _common(sv)
     sv.set_defaults(_bench_run=_run_serve)
 
@@ -362,6 +364,7 @@ def plot_spec(result: dict[str, Any], path: Path) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     from cluster.bench.serve import ServeBenchSettings, run_serve_bench
 
+    apply_client_flags(args)  # --server's credentials, for every client the bench opens
     flags = {"model": args.model, "draft": args.draft, "concurrency": args.concurrency, "requests": args.requests,
              "max_tokens": args.max_tokens, "categories": args.categories, "per_category": args.per_category,
              "slo_ttft_s": None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from cluster.check.settings import DEFAULT_PROMPTS, CheckSettings
+from cluster.cli.client_flags import add_client_flags, apply_client_flags
 from cluster.cli.generate import parse_k
 from cluster.serving.config import ConfigError
 from specserve_types.api import DRAFT_DTYPES, TARGET_DTYPES, SpecServeError
@@ -84,6 +85,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                          "verifier resamples from p instead of the residual, a deliberate bug; the check must fail")
     ex.add_argument("--json-out", type=Path, default=None, help="write the full report as JSON here")
     ex.add_argument("--timeout", type=float, default=None, help="--server: seconds per call")
+    add_client_flags(ex)
     ex.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -113,6 +115,7 @@ def _run_exact(args: argparse.Namespace) -> int:
     print(f"check exact: {args.model} (draft {args.draft}) {'via ' + args.server if args.server else 'in process'}, "
           f"{len(prompts)} prompt(s) x {args.n} samples ...", file=sys.stderr)
     if args.server:
+        apply_client_flags(args)
         if args.inject_bias:
             raise SpecServeError("--inject-bias works in process only (it is a test of the check itself, not a "
                                  "server option); drop --server")

@@ -16,6 +16,7 @@ import sys
 import uuid
 from typing import Any
 
+from cluster.cli.client_flags import add_client_flags
 from cluster.cli.generate_remote import DEFAULT_MODEL, generate_via_server
 from cluster.cli.tracing_flags import add_tracing_flags, tracing_fields
 from cluster.engine.request_span import RequestSpan, summed_speculation
@@ -83,6 +84,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "capped by the model)")
     p.add_argument("-v", "--verbose", action="store_true")
     add_tracing_flags(p)
+    add_client_flags(p)
     return p
 
 

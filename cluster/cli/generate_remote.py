@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from cluster.cli.client_flags import apply_client_flags
 from cluster.client import SpecServeClient, collect
 from cluster.engine.request_span import summed_speculation
 
@@ -25,7 +26,7 @@ def generate_via_server(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty, seed=args.seed, n=args.n, stop=args.stop,
         max_tokens=args.max_tokens, chat=args.chat or None,
     )
-    with SpecServeClient(args.server) as client:
+    with SpecServeClient(args.server, credentials=apply_client_flags(args)) as client:
         stream = client.generate(args.prompt, **fields)
         streaming = not args.json and args.n == 1
         samples: dict[int, dict[str, Any]] = {}

@@ -10,8 +10,11 @@ With --once "PROMPT" it streams one generation through gRPC instead of serving (
 it arrives, then one line of statistics as JSON; cluster/cli/up_once.py) and exits 0 after shutting
 down; --json makes stdout one JSON object (addresses, text, token ids, statistics).
 
-Without --address it starts an embedded local Ray bound to loopback (dashboard on 127.0.0.1);
-with --address it joins that cluster. On exit it shuts down Serve, then Ray (a joined cluster
+Without --address it starts an embedded local Ray bound to loopback (dashboard on 127.0.0.1), with Ray's
+default for a local cluster: token authentication on (unless RAY_AUTH_MODE says otherwise; scripts/in-netns.sh
+turns it off for the tests' loopback-only namespace); a log line says where the token is. With --address it
+joins that cluster. Access to the front doors (--api-key-file, --tls-cert-file/--tls-key-file, the
+SPECSERVE_API_KEYS variable): docs/security.md. On exit it shuts down Serve, then Ray (a joined cluster
 keeps running; only this driver disconnects).
 """
 
@@ -20,9 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
+from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
@@ -50,6 +56,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--dtype", choices=TARGET_DTYPES, default=None,
                    help="target model precision (overrides the config; auto: bfloat16 on CUDA and on CPUs with "
                         "avx512_bf16 or AMX, float32 elsewhere)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="API keys the front doors accept, one a line (also: api_key_file in the config, the "
+                        "SPECSERVE_API_KEYS variable); none = open")
+    p.add_argument("--tls-cert-file", default=None, metavar="PATH", help="PEM certificate: gRPC and HTTP serve TLS")
+    p.add_argument("--tls-key-file", default=None, metavar="PATH", help="PEM private key of --tls-cert-file")
     p.add_argument("--once", default=None, metavar="PROMPT",
                    help="generate for PROMPT through gRPC, print its statistics, shut down and exit")
     p.add_argument("--json", action="store_true", help="with --once: stdout is one JSON object")
@@ -76,7 +87,20 @@ def init_ray(config: ClusterConfig) -> str:
         config.local_ray_env()
         context = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=config.dashboard_port,
                            num_cpus=config.ray_num_cpus, **node_ip)
+    log.info("Ray authentication: %s", ray_auth_note())
     return context.dashboard_url or ""
+
+
+def ray_auth_note(environ: Mapping[str, str] = os.environ) -> str:
+    """Where this process's Ray token is (Ray's own order: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token),
+    or that Ray runs without one. Read after ray.init, which turns token mode on for a new local cluster."""
+    mode = environ.get("RAY_AUTH_MODE", "disabled").lower()
+    if mode != "token":
+        return f"off (RAY_AUTH_MODE={mode}): anyone who reaches the dashboard or the GCS port can run code"
+    if environ.get("RAY_AUTH_TOKEN"):
+        return "token, from the RAY_AUTH_TOKEN variable"
+    path = environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    return f"token in {path} (`ray get-auth-token` prints it; the dashboard asks for it)"
 
 
 def preflight(config: ClusterConfig) -> None:
@@ -99,8 +123,8 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, model=args.model, draft=args.draft, ray_address=args.address,
                              host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                              dashboard_port=args.dashboard_port, tensor_parallel_size=args.tensor_parallel_size,
-                             dtype=args.dtype,
-                             **tracing_fields(args))
+                             dtype=args.dtype, api_key_file=args.api_key_file, tls_cert_file=args.tls_cert_file,
+                             tls_key_file=args.tls_key_file, **tracing_fields(args))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -139,7 +163,8 @@ def _up(config: ClusterConfig, args: argparse.Namespace, out: TextIO) -> int:
         log.info("deploying %s: model %s, draft %s, TP %d, %d KV blocks of %d", APP_NAME, config.model, config.draft,
                  config.tensor_parallel_size, config.kv_pool_blocks, config.block_size)
         deploy(config)
-        addresses = {"grpc": f"{config.host}:{config.grpc_port}", "http": f"http://{config.host}:{config.http_port}",
+        scheme = "https" if config.uses_tls else "http"
+        addresses = {"grpc": f"{config.host}:{config.grpc_port}", "http": f"{scheme}://{config.host}:{config.http_port}",
                      "dashboard": f"http://{dashboard}" if dashboard else "(none)"}
         if args.once is not None:
             return run_once(config, args, addresses, out)

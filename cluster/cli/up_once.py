@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from cluster.client import SpecServeClient
+from cluster.client import Credentials, SpecServeClient
 from cluster.serving.config import ClusterConfig
 from verifier_service.acceptance_stats import AcceptanceStats
 
@@ -51,11 +51,21 @@ def client_address(config: ClusterConfig) -> str:
     return f"{host}:{config.grpc_port}"
 
 
+def own_credentials(config: ClusterConfig) -> Credentials:
+    """The credentials of a client of the cluster just started: its first API key, TLS trusting its own
+    certificate (a self-signed one; SPECSERVE_TLS_CA_FILE names another root), or what the environment says."""
+    from_env = Credentials.from_env()
+    keys, _ = config.key_sources().load()
+    return Credentials(api_key=from_env.api_key or (keys[0] if keys else None), tls=config.uses_tls or from_env.tls,
+                       ca_file=from_env.ca_file or config.tls_cert_file)
+
+
 def generate_once(config: ClusterConfig, prompt: str, fields: dict[str, Any], out: TextIO | None) -> dict[str, Any]:
     """Stream one generation (text to `out` as it arrives, if given); returns text, ids and statistics."""
     token_ids: list[int] = []
     text, final = "", None
-    with SpecServeClient(client_address(config), timeout_s=config.request_timeout_s) as client:
+    with SpecServeClient(client_address(config), timeout_s=config.request_timeout_s,
+                         credentials=own_credentials(config)) as client:
         started = time.perf_counter()
         first_token_at = None
         for item in client.generate(prompt, **fields):

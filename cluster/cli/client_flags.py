@@ -1,0 +1,41 @@
+"""The credential flags of every command that talks to a running cluster (generate / bench serve / check exact
+--server; chaos reads the same variables). Each flag sets the environment variable `Credentials.from_env()`
+reads (cluster/client.py), so every client this process makes, and its children, present the same credentials:
+
+    --api-key-file PATH   SPECSERVE_API_KEY_FILE  (the file's first key; or SPECSERVE_API_KEY holds the key itself)
+    --tls                 SPECSERVE_TLS=1         (TLS, trusting the system roots)
+    --tls-ca-file PATH    SPECSERVE_TLS_CA_FILE   (TLS, trusting the PEM roots in PATH: a self-signed certificate)
+
+No flag takes a key itself: a key on the command line lands in the shell history and in `ps`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from cluster.client import ENV_API_KEY_FILE, ENV_TLS, ENV_TLS_CA_FILE, Credentials
+
+
+def add_client_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("credentials of a --server (docs/security.md)")
+    group.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help=f"send the first API key in PATH (or set SPECSERVE_API_KEY / {ENV_API_KEY_FILE})")
+    group.add_argument("--tls", action="store_true", help=f"connect with TLS, system roots ({ENV_TLS}=1)")
+    group.add_argument("--tls-ca-file", default=None, metavar="PATH",
+                       help=f"connect with TLS trusting the PEM certificates in PATH ({ENV_TLS_CA_FILE})")
+
+
+def apply_client_flags(args: argparse.Namespace) -> Credentials:
+    """Export the flags given to this process's environment; returns the credentials now in force (reading the
+    key file now, so a missing file fails before any call)."""
+    if args.api_key_file:
+        os.environ[ENV_API_KEY_FILE] = args.api_key_file
+    if args.tls:
+        os.environ[ENV_TLS] = "1"
+    if args.tls_ca_file:
+        os.environ[ENV_TLS_CA_FILE] = args.tls_ca_file
+    try:
+        return Credentials.from_env()
+    except OSError as exc:
+        raise SystemExit(f"error: cannot read {exc.filename}: {exc.strerror}") from None
