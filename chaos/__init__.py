@@ -1,5 +1,5 @@
 """Chaos runs: chaostoolkit experiments (chaos/experiments/*.json) that inject faults into a live specserve
-cluster under steady load and check that nothing is lost, leaked or changed (README "Chaos runs").
+cluster under steady load and check that nothing is lost, leaked or changed (docs/chaos.md).
 
     cluster.py     the cluster a run deploys (SmolLM2-135M drafting for itself), Serve handles, idle/health waits
     state.py       the run's shared state: the cluster's addresses, the load, the fault log

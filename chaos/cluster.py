@@ -2,7 +2,7 @@
 
 SmolLM2-135M is its own draft model, so both a Drafter and a Verifier deployment exist (model-drafted
 requests) besides n-gram drafting in the scheduler. Short health-check periods and drafter timeouts make
-failures visible in seconds (what bounds each recovery: README "Chaos runs").
+failures visible in seconds (what bounds each recovery: docs/chaos.md).
 """
 
 from __future__ import annotations

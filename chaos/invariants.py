@@ -1,4 +1,4 @@
-"""What must hold after every chaos scenario (README "Chaos runs").
+"""What must hold after every chaos scenario (docs/chaos.md).
 
     every request ended: completed (greedy: token for token the baseline), cancelled by its client, or a
         typed error (UNAVAILABLE, ABORTED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED; `explained` adds more for

@@ -13,10 +13,10 @@ slower day: oneDNN bf16 1.5-2.1 ms, our AMX kernel 1.0 ms for 1..16 rows, model_
 CPU without bf16 instructions bf16 products are emulated and slower than fp32, hence the float32 fallback.
 An int8 draft (W8A8 on AMX tiles) streams half a bf16 draft's bytes: its 0.5B step measured 50 against 68 ms
 inside `bench spec`, with the same survival per draft position (k=3: 0.78/0.64/0.51 against 0.77/0.63/0.51;
-README, Precision), so it is the draft's default where the kernel runs. Where the kernel then fails to
+docs/benchmarks.md), so it is the draft's default where the kernel runs. Where the kernel then fails to
 build or load, the draft runs bfloat16 and says so (model_runtime/model.py).
 The weights are converted once at load (model_runtime/weights.py). Greedy outputs are exact per dtype (equal
-to plain greedy decoding of the same dtype); fp32 and bf16 outputs differ from each other (README, Precision).
+to plain greedy decoding of the same dtype); fp32 and bf16 outputs differ from each other (docs/benchmarks.md).
 """
 
 from __future__ import annotations

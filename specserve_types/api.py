@@ -19,8 +19,10 @@ Contract = Literal["exact", "greedy", "typical"]
 CONTRACTS: tuple[str, ...] = ("exact", "greedy", "typical")
 DRAFT_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16", "int8")  # see model_runtime.precision
 TARGET_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")  # see model_runtime.precision.target_dtype
-DRAFT_AUTO = ("int8 on CPUs with AMX, bfloat16 on CUDA and other CPUs with bf16 instructions, float16 on the "
-              "rest")  # what model_runtime.precision.draft_dtype("auto", ...) picks, for the CLI's and config's help
+TARGET_AUTO = ("bfloat16 on CUDA and wherever our batch-invariant CPU kernels run (AMX, AVX-512, AVX2: "
+               "docs/exactness.md), float32 under SPECSERVE_CPU_KERNEL=torch on CPUs without bf16 instructions")
+DRAFT_AUTO = ("int8 on CPUs with AMX, bfloat16 on CUDA and where the target's auto is bfloat16, float16 on the "
+              "rest")  # what model_runtime.precision's target_dtype / draft_dtype("auto", ...) pick, for the help
 FinishReason = Literal["stop", "length", "eos", "abort", "error"]
 MAX_TOKENS_LIMIT = 8192
 MIN_TEMPERATURE = 1e-3  # below it, logits / temperature overflows float32: 0 (greedy) or at least this

@@ -1,4 +1,4 @@
-"""Fault hooks for chaos runs (chaos/, README "Chaos runs"): off by default, one attribute check when off.
+"""Fault hooks for chaos runs (chaos/, docs/chaos.md): off by default, one attribute check when off.
 
 Each process has one plan, `FAULTS`. A worker checks it where a fault can happen:
 

@@ -177,7 +177,7 @@ class CheckReport:
                     f"{s.min_power:g} against total variation {s.tv:g}")
         if self.outcome == DIFFERS:
             return (f"FAIL (distribution differs): {where}. The sampled tokens do not follow the target model's "
-                    "distribution; see README, `specserve check exact`, for what to do.")
+                    "distribution; see docs/check-exact.md for what to do.")
         # the modal prefixes keep about the same share of the samples as --n grows
         ratios = [r.samples_needed / r.fit.samples for r in failing if r.samples_needed is not None]
         hint = (f"about {math.ceil(s.n * max(ratios))} samples per prompt (--n) would do" if ratios

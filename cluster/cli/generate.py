@@ -26,6 +26,7 @@ from specserve_types.api import (
     CONTRACTS,
     DRAFT_AUTO,
     DRAFT_DTYPES,
+    TARGET_AUTO,
     TARGET_DTYPES,
     GenerationRequest,
     SamplingParams,
@@ -54,8 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help=f"draft model name/dir, 'ngram' or 'none' (default: {DEFAULT_DRAFT} for the default model, "
                         "ngram otherwise)")
     p.add_argument("--dtype", choices=TARGET_DTYPES, default=None,
-                   help="target model precision (auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or AMX, "
-                        "float32 elsewhere); greedy output equals plain greedy decoding of the same dtype")
+                   help=f"target model precision (auto: {TARGET_AUTO}); greedy output equals plain greedy decoding "
+                        "of the same dtype")
     p.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
                    help=f"draft model precision (auto: {DRAFT_AUTO}); changes acceptance, never the output")
     p.add_argument("--no-warm-up", action="store_true",

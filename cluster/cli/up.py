@@ -35,7 +35,7 @@ from typing import TextIO
 from cluster.cli.generate import parse_k
 from cluster.cli.tracing_flags import add_tracing_flags, tracing_fields
 from cluster.serving.config import ClusterConfig, ConfigError, load_config
-from specserve_types.api import TARGET_DTYPES, SpecServeError
+from specserve_types.api import TARGET_AUTO, TARGET_DTYPES, SpecServeError
 
 log = logging.getLogger("specserve.up")
 
@@ -54,8 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--dashboard-port", type=int, default=None)
     p.add_argument("--tp", type=int, default=None, dest="tensor_parallel_size", help="verifier TP ranks")
     p.add_argument("--dtype", choices=TARGET_DTYPES, default=None,
-                   help="target model precision (overrides the config; auto: bfloat16 on CUDA and on CPUs with "
-                        "avx512_bf16 or AMX, float32 elsewhere)")
+                   help=f"target model precision (overrides the config; auto: {TARGET_AUTO})")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="API keys the front doors accept, one a line (also: api_key_file in the config, the "
                         "SPECSERVE_API_KEYS variable); none = open")

@@ -63,7 +63,7 @@ class NominalCosts:
         return self.verify[rows - 1] if rows <= len(self.verify) else rows / self.rows_per_unit
 
 
-# float32 target, float16 draft (README "Benchmarks", Qwen2.5-Coder-1.5B on CPU, batch 1): scoring 2/3/4 tokens
+# float32 target, float16 draft (docs/benchmarks.md, Qwen2.5-Coder-1.5B on CPU, batch 1): scoring 2/3/4 tokens
 # 0.94-1.01x / 1.13-1.30x / 1.16-1.42x one token, 5-8 tokens ~2x; a float16 0.5B draft step 28 ms against a
 # ~200 ms verify.
 FLOAT32_COSTS = NominalCosts("float32", (1.0, 1.0, 1.2, 1.3, 2.0, 2.0, 2.0, 2.0), 4, 0.14)

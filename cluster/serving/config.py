@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from cluster.serving.cpu_quota import available_cpus
-from specserve_types.api import DRAFT_AUTO
+from specserve_types.api import DRAFT_AUTO, TARGET_AUTO
 from specserve_types.tracing import ENV_OTLP_ENDPOINT, OTEL_ENDPOINT_VARS, TracingSettings
 
 if TYPE_CHECKING:
@@ -69,8 +69,8 @@ class ClusterConfig(BaseModel):
     draft: str = Field("qwen2.5-coder-0.5b", description="draft model name/dir, or 'ngram'")
     device: str = Field("cpu", description="torch device of the drafter and verifier workers")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="target model precision (auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or AMX, "
-                            "float32 elsewhere); greedy output equals plain greedy decoding of the same dtype")
+        "auto", description=f"target model precision (auto: {TARGET_AUTO}); greedy output equals plain greedy "
+                            "decoding of the same dtype")
     draft_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = Field(
         "auto", description=f"draft model precision (auto: {DRAFT_AUTO}); changes acceptance, never the output")
 

@@ -4,7 +4,7 @@ SmolLM2-135M with n-gram drafts served on loopback (run under scripts/in-netns.s
 its power are those of test_exact_models.py (red/green/blue prompt, temperature 0.7, top-p 0.9, k = 3,
 n = 240, power >= 0.8 against total variation 0.2). The cluster gives completion m of a call seed + m, so
 the check's seeds (seed + j * n + i) are the in-process ones: the same samples come back, up to the rare
-token that numerics flip (README, `--seed`).
+token that numerics flip (docs/api.md, seeds).
 """
 
 from __future__ import annotations
