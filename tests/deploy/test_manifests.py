@@ -49,9 +49,9 @@ ON_SERVE_PODS = ("Ingress", "Scheduler")  # Ingress: its gRPC server; Scheduler:
 HEALTH_FIELDS = ("health_check_period_s", "health_check_timeout_s", "graceful_shutdown_wait_loop_s",
                  "graceful_shutdown_timeout_s")
 EXPECTED_KINDS = {  # kind -> how many
-    "cpu-dev": {"PersistentVolumeClaim": 1, "RayService": 1},
-    "gpu": {"PersistentVolumeClaim": 1, "RayService": 1, "PodMonitor": 2, "ConfigMap": 1},
-    "gcs-ft": {"PersistentVolumeClaim": 1, "RayService": 1, "PodMonitor": 2, "ConfigMap": 1},
+    "cpu-dev": {"PersistentVolumeClaim": 1, "RayService": 1, "NetworkPolicy": 1},
+    "gpu": {"PersistentVolumeClaim": 1, "RayService": 1, "NetworkPolicy": 1, "PodMonitor": 2, "ConfigMap": 1},
+    "gcs-ft": {"PersistentVolumeClaim": 1, "RayService": 1, "NetworkPolicy": 1, "PodMonitor": 2, "ConfigMap": 1},
 }
 
 @pytest.fixture(params=OVERLAYS)
@@ -122,7 +122,8 @@ def test_overlay_renders_the_expected_documents(overlay: str, docs: list[dict[st
 
 
 def test_custom_resources_match_their_crds(docs: list[dict[str, Any]]) -> None:
-    custom = [doc for doc in docs if "." in doc["apiVersion"].partition("/")[0]]
+    groups = [doc["apiVersion"].partition("/")[0] for doc in docs]  # built-in groups: "", apps, *.k8s.io
+    custom = [doc for doc, group in zip(docs, groups, strict=True) if "." in group and not group.endswith(".k8s.io")]
     assert {doc["kind"] for doc in custom} <= {"RayService", "PodMonitor"}
     for doc in custom:
         version = crd_version(doc)
@@ -612,6 +613,25 @@ def test_parameters_reach_the_pods(overlay: str, rayservice: dict[str, Any]) -> 
     for container in (*spec["initContainers"], *spec["containers"]):  # init = worker: Guaranteed, nothing extra
         limits = container["resources"]["limits"]
         assert limits["cpu"] == values["workerCPU"] and limits["memory"] == values["workerMemory"], container["name"]
+
+
+def test_access_parameters_reach_the_manifests(overlay: str, docs: list[dict[str, Any]],
+                                               rayservice: dict[str, Any]) -> None:
+    """The Ray token's Secret, the API keys' Secret mounted where serveConfigV2's api_key_file reads, and the
+    namespaces the NetworkPolicy admits: all from params.env (docs/security.md)."""
+    values = params(overlay if overlay != "gcs-ft" else "gpu")
+    assert rayservice["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token",
+                                                                     "secretName": values["rayAuthSecret"]}
+    spec = _worker(rayservice)["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "api-keys"]
+    assert volume["secret"]["secretName"] == values["apiKeySecret"]
+    (mount,) = [m for m in _ray_container(_worker(rayservice))["volumeMounts"] if m["name"] == "api-keys"]
+    assert mount["readOnly"] is True
+    key_file = Path(app_of(rayservice)["args"]["api_key_file"])
+    assert key_file.parent == Path(mount["mountPath"]) and key_file.name == "keys"
+    rules = one(docs, "NetworkPolicy")["spec"]["ingress"]
+    admitted = [rule["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"][0] for rule in rules[2:]]
+    assert admitted == [values["monitoringNamespace"], values["kuberayNamespace"]]
 
 
 def test_upgrade_settings(rayservice: dict[str, Any], cluster_config: Any) -> None:

@@ -67,3 +67,72 @@ def test_broken_copies_violate_the_policy(mutate: Callable[[list[dict[str, Any]]
     mutate(docs)
     problems = violations(docs)
     assert any(expected in problem for problem in problems), problems
+
+
+def _policy(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(docs, "NetworkPolicy")
+
+
+def _no_auth_options(docs: list[dict[str, Any]]) -> None:
+    one(docs, "RayService")["spec"]["rayClusterConfig"].pop("authOptions")
+
+
+def _env_auth(docs: list[dict[str, Any]], skip: str = "") -> None:
+    """authOptions replaced by RAY_AUTH_MODE/RAY_AUTH_TOKEN env (older KubeRay) on every Ray container but `skip`."""
+    _no_auth_options(docs)
+    for container in (_head_pod(docs)["containers"][0], _worker(docs)):
+        if container["name"] != skip:
+            container.setdefault("env", []).extend([
+                {"name": "RAY_AUTH_MODE", "value": "token"},
+                {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "auth_token"}}}])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_enables_ray_token_auth_and_carries_the_network_policy(overlay: str) -> None:
+    docs = rendered(overlay)
+    cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "specserve-ray-auth"}
+    policy = _policy(docs)
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/instance": "specserve"}}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    open_rule = policy["spec"]["ingress"][0]
+    assert "from" not in open_rule and {p["port"] for p in open_rule["ports"]} == {8000, 9000}
+    namespaces = [rule["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"]
+                  for rule in policy["spec"]["ingress"][2:]]
+    assert namespaces == [["monitoring"], ["kuberay-operator"]]  # params.env monitoringNamespace, kuberayNamespace
+
+
+def test_ray_auth_by_environment_passes_only_on_every_container() -> None:
+    docs = rendered("cpu-dev")
+    _env_auth(docs)
+    assert violations(docs) == []
+    docs = rendered("cpu-dev")
+    _env_auth(docs, skip="ray-worker")
+    assert [p for p in violations(docs) if "Ray token auth" in p] == [
+        "specserve/workers/ray-worker: Ray token auth not enabled (authOptions.mode: token, or RAY_AUTH_MODE=token "
+        "and RAY_AUTH_TOKEN from a Secret)"]
+
+
+@pytest.mark.parametrize(("mutate", "expected"), [
+    pytest.param(_no_auth_options, "specserve/head/ray-head: Ray token auth not enabled", id="no-ray-auth"),
+    pytest.param(lambda d: one(d, "RayService")["spec"]["rayClusterConfig"]["authOptions"].update(mode="disabled"),
+                 "specserve/workers/ray-worker: Ray token auth not enabled", id="ray-auth-disabled"),
+    pytest.param(lambda d: d.remove(_policy(d)), "specserve: no NetworkPolicy selects its pods", id="no-network-policy"),
+    pytest.param(lambda d: _policy(d)["spec"]["podSelector"]["matchLabels"].update(app="other"),
+                 "no NetworkPolicy selects its pods", id="policy-selects-other-pods"),
+    pytest.param(lambda d: _policy(d)["spec"]["ingress"][0]["ports"].append({"protocol": "TCP", "port": 6379}),
+                 "rule 0: open to anyone on [8000, 9000, 6379]", id="gcs-open-to-anyone"),
+    pytest.param(lambda d: _policy(d)["spec"]["ingress"][0].pop("ports"), "rule 0: open to anyone on every port",
+                 id="every-port-open"),
+    pytest.param(lambda d: _policy(d)["spec"]["ingress"][1]["from"].append({"namespaceSelector": {}}),
+                 "rule 1: open to anyone on every port", id="all-namespaces"),
+    pytest.param(lambda d: _policy(d)["spec"]["ingress"][3].pop("ports"),
+                 "rule 3: every port, to peers other than the RayService's own pods", id="operator-every-port"),
+])
+def test_copies_without_ray_auth_or_network_policy_fail(mutate: Callable[[list[dict[str, Any]]], Any],
+                                                        expected: str) -> None:
+    for overlay in OVERLAYS:
+        docs = rendered(overlay)
+        mutate(docs)
+        problems = violations(docs)
+        assert any(expected in problem for problem in problems), (overlay, problems)
