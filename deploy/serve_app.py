@@ -34,6 +34,8 @@ NOT_APP_ARGS: dict[str, str] = {
     "ray_address": "nothing: KubeRay deploys the application into its own Ray cluster",
     "ray_num_cpus": "rayStartParams num-cpus / the container's CPU limit",
     "worker_niceness": "the Ray container's env RAY_worker_niceness (read by the raylet)",
+    # a key in serveConfigV2 is plain text in the manifest, in git and in `kubectl get rayservice -o yaml`
+    "api_keys": "a Secret mounted on the worker, named by api_key_file (deploy/README.md, Access)",
 }
 POD_HOST = "0.0.0.0"  # default `host` under KubeRay: the gRPC servers listen on the pod's address
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})

@@ -25,3 +25,11 @@ def test_grpc_binds_the_pod_address() -> None:
     for loopback in ("127.0.0.1", "localhost", "::1"):
         with pytest.raises(ConfigError, match="loopback"):
             cluster_config({"host": loopback})
+
+
+def test_builder_refuses_api_keys_in_the_manifest() -> None:
+    """A key in serveConfigV2 would be plain text in the manifest: the builder asks for a mounted key file."""
+    with pytest.raises(ConfigError, match="api_key_file") as info:
+        cluster_config({"api_keys": ["sk-in-the-manifest-0123456789"]})
+    assert "sk-in-the-manifest" not in str(info.value)
+    assert cluster_config({"api_key_file": "/etc/specserve/api-keys/keys"}).api_key_file == "/etc/specserve/api-keys/keys"
