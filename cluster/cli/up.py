@@ -3,7 +3,7 @@
 Prints, once every replica is up, exactly:
 
     grpc: HOST:PORT
-    http: http://HOST:PORT
+    http: http://HOST:PORT          (https:// with --tls-cert-file)
     dashboard: http://HOST:PORT
 
 With --once "PROMPT" it streams one generation through gRPC instead of serving (text to stdout as
