@@ -20,8 +20,12 @@ KEY = "sk-cli-0123456789abcdef"
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No credential variables, and none left behind: apply_client_flags exports the flags to os.environ, so each
+    name is recorded (set, then deleted) for monkeypatch to remove after the test (a later test's clients would
+    otherwise read them)."""
     for name in (ENV_API_KEY, ENV_API_KEY_FILE, ENV_TLS, ENV_TLS_CA_FILE, "SPECSERVE_API_KEYS"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize("argv", [["generate", "x", "--server", "h:1"], ["bench", "serve", "--server", "h:1"],
