@@ -149,7 +149,7 @@ class NativeLlamaCpp:
             if s.draft_gguf is not None:
                 self.servers["draft_model"] = _Server(
                     self.bin_dir, [*common, "-md", str(s.draft_gguf), "-td", str(s.threads), "-tbd", str(s.threads),
-                                   "-cd", str(s.n_ctx), "--spec-type", "draft-simple", "--spec-draft-n-max",
+                                   "--spec-type", "draft-simple", "--spec-draft-n-max",
                                    str(s.draft_tokens)], logs / "llama-server-draft.log")
         except Exception:
             self.close()
