@@ -192,7 +192,8 @@ class NativeLlamaCpp:
                 row["drafted_tokens"] = drafted
                 row["accepted_tokens"] = self._accepted.get(row["mode"], 0)
                 row["acceptance_rate"] = row["accepted_tokens"] / drafted
-        return {"version": f"native llama.cpp ({self.info.get('llama-server --version', '?')})", "native": True,
+        version = self.info.get("llama-server --version", "?").removeprefix("version: ").split(" built with")[0]
+        return {"version": f"{version}, native build", "native": True,
                 "build": self.info, "settings": settings, **section}
 
     def close(self) -> None:

@@ -63,7 +63,12 @@ def timed(fn: Callable[[], Any]) -> float:
 def environment() -> dict[str, Any]:
     import transformers
 
+    from cluster.bench.llamacpp_native import cpu_name
+    from model_runtime.cpu_kernels import active
+
     return {
+        "cpu": cpu_name(),
+        "cpu_kernel": active(),  # model_runtime/cpu_kernels.py: the path our forwards take here
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
