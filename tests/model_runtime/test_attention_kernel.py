@@ -1,7 +1,7 @@
 """The AMX extension's paged attention (kernels/row_ops.cpp, used by model_runtime/attention.py for bf16 on CPU):
 within bf16 rounding of the float32 products it replaces, on decodes, verifies, prefills, batches with padded
-groups and tree masks; masked keys are skipped, so a tree row equals the chain of its ancestors bitwise. (Its rows'
-bitwise invariance is tests/model_runtime/test_attention.py's bf16 cases, which run through it here.)
+groups and tree masks; masked keys are skipped. (Its rows' bitwise invariance, and a tree row against the chain of its ancestors, are
+tests/model_runtime/test_cpu_kernels.py's amx cases, on every path.)
 
 Skipped (with the kernel's own reason) where it cannot run."""
 
@@ -57,18 +57,3 @@ def test_matches_the_float32_products_within_bf16_rounding(heads: int, kv_heads:
     # the float32 sums' order
     bound = ref.float().abs() * 2.0 ** -7 + 1e-3
     assert ((ours.float() - ref.float()).abs() <= bound).all()
-
-
-def test_a_tree_row_equals_the_chain_of_its_ancestors_bitwise() -> None:
-    past, heads, kv_heads, d = 30, 12, 2, 128
-    g = torch.Generator().manual_seed(9)
-    k = torch.randn(past + 3, kv_heads, d, generator=g).bfloat16()
-    v = torch.randn(past + 3, kv_heads, d, generator=g).bfloat16()
-    slots = torch.arange(past + 3)
-    q = torch.randn(3, heads, d, generator=g).bfloat16()
-    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    out = paged_attention(q, k, v, plan_attention([(0, slots, torch.cat([torch.ones(3, past, dtype=torch.bool),
-                                                                           tree], dim=1))]))
-    chain = torch.cat([slots[:past + 1], slots[past + 2:]])
-    alone = paged_attention(q[2:], k, v, plan_attention([(0, chain, torch.ones(1, past + 2, dtype=torch.bool))]))
-    assert torch.equal(out[2], alone[0])

@@ -135,10 +135,11 @@ def test_attention_rows_alone_equal_rows_among_others(path: str, dtype: torch.dt
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_tree_row_equals_the_chain_of_its_ancestors(path: str) -> None:
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (12, 2, 128)], ids=["smollm2", "qwen1.5b"])
+def test_a_tree_row_equals_the_chain_of_its_ancestors(path: str, heads: int, kv_heads: int, d: int) -> None:
     needs(path)
     module = rows_module(path, torch.bfloat16)
-    past, heads, kv_heads, d = 30, 9, 3, 64
+    past = 30
     g = torch.Generator().manual_seed(9)
     k = torch.randn(past + 3, kv_heads, d, generator=g).bfloat16()
     v = torch.randn(past + 3, kv_heads, d, generator=g).bfloat16()
