@@ -1,6 +1,6 @@
 """The AMX kernels through packed weights: bf16 batch invariance, accuracy, padding, round trip; int8 accuracy.
 
-Skipped (with the kernel's own reason) where it cannot run: no AMX, no compiler, SPECSERVE_CPU_KERNEL=onednn.
+Skipped (with the kernel's own reason) where it cannot run: no AMX, no compiler, SPECSERVE_CPU_KERNEL naming another path.
 """
 
 from __future__ import annotations
