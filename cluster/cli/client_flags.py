@@ -16,9 +16,26 @@ import os
 
 from cluster.client import ENV_API_KEY_FILE, ENV_TLS, ENV_TLS_CA_FILE, Credentials
 
+KEY_ON_COMMAND_LINE = ("--api-key is refused: a key on the command line lands in the shell history and in `ps`; "
+                       "put it in a file (--api-key-file PATH) or in SPECSERVE_API_KEY")
+
+
+class _RefuseKey(argparse.Action):
+    """`--api-key KEY`: refused without repeating the key (argparse would otherwise read it as an abbreviation of
+    --api-key-file and echo the key as a path it cannot read)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        parser.error(KEY_ON_COMMAND_LINE)
+
+
+def refuse_key_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument("--api-key", action=_RefuseKey, nargs="?", help=argparse.SUPPRESS)
+
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("credentials of a --server (docs/security.md)")
+    refuse_key_flag(group)
     group.add_argument("--api-key-file", default=None, metavar="PATH",
                        help=f"send the first API key in PATH (or set SPECSERVE_API_KEY / {ENV_API_KEY_FILE})")
     group.add_argument("--tls", action="store_true", help=f"connect with TLS, system roots ({ENV_TLS}=1)")

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
+from cluster.cli.client_flags import refuse_key_flag
 from cluster.cli.generate import parse_k
 from cluster.cli.tracing_flags import add_tracing_flags, tracing_fields
 from cluster.serving.config import ClusterConfig, ConfigError, load_config
@@ -55,6 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--tp", type=int, default=None, dest="tensor_parallel_size", help="verifier TP ranks")
     p.add_argument("--dtype", choices=TARGET_DTYPES, default=None,
                    help=f"target model precision (overrides the config; auto: {TARGET_AUTO})")
+    refuse_key_flag(p)
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="API keys the front doors accept, one a line (also: api_key_file in the config, the "
                         "SPECSERVE_API_KEYS variable); none = open")

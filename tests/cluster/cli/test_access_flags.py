@@ -63,3 +63,17 @@ def test_ray_auth_note_says_where_the_token_is() -> None:
     assert "t" * 32 not in ray_auth_note({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "t" * 32})
     assert "/secrets/ray" in ray_auth_note({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/secrets/ray"})
     assert ray_auth_note({"RAY_AUTH_MODE": "token"}).startswith(f"token in {Path.home() / '.ray' / 'auth_token'}")
+
+
+@pytest.mark.parametrize("argv", [["generate", "x", "--server", "h:1"], ["bench", "serve", "--server", "h:1"],
+                                  ["check", "exact", "--server", "h:1"], ["up"]])
+def test_a_key_on_the_command_line_is_refused_without_echoing_it(argv: list[str],
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`--api-key KEY` (which argparse would read as --api-key-file KEY and echo as an unreadable path): exit 2,
+    saying where keys go, and the key nowhere in the output."""
+    for flag in (["--api-key", KEY], [f"--api-key={KEY}"]):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args([*argv, *flag])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "--api-key-file PATH" in err and KEY not in err
