@@ -118,7 +118,7 @@ def _row_kernel(q: torch.Tensor, rows: ModuleType | None | str) -> ModuleType | 
     if rows == "auto":
         from model_runtime.cpu_kernels import for_dtype
 
-        rows = for_dtype(q.dtype, q.device, packed=True).rows
+        rows = for_dtype(q.dtype, q.device).rows
     return rows if kernel_head_dim(q.shape[-1]) else None  # type: ignore[return-value]
 
 

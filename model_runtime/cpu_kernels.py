@@ -158,7 +158,7 @@ class Kernels:
 
     path: amx | avx512 | avx2 | torch. rows: the module of the row ops (rms_norm, silu_mul,
     paged_attention_group) for the model's dtype, None for torch's formulas. linear: the portable module that takes
-    plain [N, K] weights (None: AMX-packed weights or the libraries)."""
+    plain [N, K] weights (None: the libraries; AMX-packed weights call their own kernel first: small_matmul.linear)."""
 
     path: str
     rows: ModuleType | None
@@ -170,8 +170,8 @@ class Kernels:
         return self.path != "torch"
 
 
-def for_dtype(dtype: torch.dtype, device: torch.device | str = "cpu", packed: bool = False) -> Kernels:
-    """The kernels of a model in `dtype` on `device`; `packed`: its linears are AMX-packed (bf16 on amx)."""
+def for_dtype(dtype: torch.dtype, device: torch.device | str = "cpu") -> Kernels:
+    """The kernels of a model in `dtype` on `device`."""
     if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return Kernels("torch", None, None)
     path = active()
@@ -180,7 +180,7 @@ def for_dtype(dtype: torch.dtype, device: torch.device | str = "cpu", packed: bo
     isa = "avx512" if path == "amx" else path
     module = portable(isa)
     if path == "amx" and dtype == torch.bfloat16:
-        return Kernels(path, _amx(), None if packed else module)
+        return Kernels(path, _amx(), module)
     return Kernels(isa if dtype == torch.float32 and path == "amx" else path, module, module)
 
 

@@ -71,8 +71,8 @@ def _packed_for_cpu(weights: ModelWeights, int8: bool) -> tuple[ModelWeights, st
     kernels = cpu_kernels.for_dtype(dtype, device)
     if kernels.path == "amx" and dtype == torch.bfloat16:
         if int8:
-            return pack_weights(weights, PackedInt8), "amx-int8", cpu_kernels.for_dtype(dtype, device, packed=True)
-        return pack_weights(weights), "amx", cpu_kernels.for_dtype(dtype, device, packed=True)
+            return pack_weights(weights, PackedInt8), "amx-int8", kernels
+        return pack_weights(weights), "amx", kernels
     if int8:
         log.warning("int8 linears need the AMX kernel (%s): running bfloat16", amx_status())
     if kernels.path == "torch" and device.type == "cpu":
@@ -98,7 +98,9 @@ class CausalLM:
         self.dtype = self.weights.embed.dtype  # the activations' and the KV cache's
         self.device = self.weights.embed.device
         first = self.weights.layers[0]
-        self.matmul_widths = calibrate_all([first.qkv, first.o, first.gate_up, first.down, self.weights.lm_head])
+        # MKL's few-row block widths, timed per shape: only where the libraries run the linears (not our kernels)
+        self.matmul_widths = {} if self.kernels.linear is not None else calibrate_all(
+            [first.qkv, first.o, first.gate_up, first.down, self.weights.lm_head])
         self._stack = self._layer_stack()
 
     @classmethod

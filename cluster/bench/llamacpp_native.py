@@ -187,7 +187,7 @@ class NativeLlamaCpp:
                     "cpu": cpu_name()}
         section = summarise(self.runs, our_plain)
         for row in section["modes"]:
-            drafted = row.get("drafted_tokens") or sum(r.drafted_tokens for r in self.runs if r.mode == row["mode"])
+            drafted = sum(r.drafted_tokens for r in self.runs if r.mode == row["mode"])
             if drafted:
                 row["drafted_tokens"] = drafted
                 row["accepted_tokens"] = self._accepted.get(row["mode"], 0)
