@@ -47,10 +47,11 @@ def _prompts(tokenizer: Any, texts: Sequence[str], chat: bool, settings: CheckSe
 
 
 def check_in_process(model: str, draft: str, texts: Sequence[str], settings: CheckSettings, *, chat: bool = False,
-                     window: int = 16, draft_dtype: str | None = None, device: str | None = None,
+                     window: int = 16, per_group: int = 16, draft_dtype: str | None = None, device: str | None = None,
                      dtype: str | None = None,
                      biased: bool = False, progress: Progress | None = None) -> tuple[CheckReport, Any]:
-    """The check through an engine built here (`build_local_engine`), at most `window` requests at a time.
+    """The check through an engine built here (`build_local_engine`), at most `window` requests at a time, in
+    prompt groups of up to `per_group` completions (one prefill each).
     `draft` is 'ngram' or a draft model; `biased` turns on the negative control. Returns the report and the
     target's tokenizer."""
     from cluster.engine.factory import build_local_engine, load_tokenizer, model_dir
@@ -75,7 +76,7 @@ def check_in_process(model: str, draft: str, texts: Sequence[str], settings: Che
             inject_bias(engine)
         reference = TargetReference(engine_target_model(engine), settings.sampling())
         report = run_check(prompts, reference, settings,
-                           lambda: sample_in_process(engine, prompts, settings, window, progress),
+                           lambda: sample_in_process(engine, prompts, settings, window, progress, per_group),
                            model, draft, "in process", biased)
     finally:
         engine.close()

@@ -22,24 +22,34 @@ Progress = Callable[[int, int], None]
 
 
 def sample_in_process(engine: SpecEngine, prompts: list[PromptSamples], settings: CheckSettings, window: int,
-                      progress: Progress | None = None) -> None:
-    """Fill `prompts` with settings.n completions each through `engine`, at most `window`
-    requests in the engine at a time."""
-    jobs = ((j, i) for j in range(len(prompts)) for i in range(settings.n))
+                      progress: Progress | None = None, per_group: int = 16) -> None:
+    """Fill `prompts` with settings.n completions each through `engine`, at most `window` requests in the
+    engine at a time, submitted as prompt groups of up to `per_group` completions (`SpecEngine.submit_group`:
+    the prompt is prefilled once per group, as a request with n > 1 is on the server)."""
+    per_group = max(1, min(per_group, window))
+    jobs = iter([(j, start, min(per_group, settings.n - start))
+                 for j in range(len(prompts)) for start in range(0, settings.n, per_group)])
     total, done, in_flight = len(prompts) * settings.n, 0, 0
     tokens: dict[str, list[int]] = {}
     where: dict[str, tuple[int, int]] = {}
     spec = settings.spec()
     for prompt in prompts:
         prompt.tokens = [()] * settings.n
+    job = next(jobs, None)
     while True:
-        while in_flight < window and (job := next(jobs, None)) is not None:
-            j, i = job
-            request_id = f"check-{j}-{i}"
-            engine.submit(GenerationRequest(request_id, tuple(prompts[j].prompt_ids),
-                                            settings.sampling(prompts[j].first_seed + i), spec))
-            tokens[request_id], where[request_id] = [], (j, i)
-            in_flight += 1
+        while job is not None and in_flight + job[2] <= window:
+            j, start, count = job
+            requests = [GenerationRequest(f"check-{j}-{i}", tuple(prompts[j].prompt_ids),
+                                          settings.sampling(prompts[j].first_seed + i), spec)
+                        for i in range(start, start + count)]
+            if count == 1:
+                engine.submit(requests[0])
+            else:
+                engine.submit_group(requests)
+            for i, request in zip(range(start, start + count), requests, strict=True):
+                tokens[request.request_id], where[request.request_id] = [], (j, i)
+            in_flight += count
+            job = next(jobs, None)
         if in_flight == 0:
             break
         for chunk in engine.step():

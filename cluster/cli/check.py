@@ -71,8 +71,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     f"(default {defaults.seed})")
     ex.add_argument("--batch", type=int, default=16, help="requests in flight (in process: the engine's batch; "
                     "--server: completions per call x concurrent calls) (default 16)")
-    ex.add_argument("--per-call", type=int, default=16, help="--server: completions per gRPC call (n of the request; "
-                    "default 16)")
+    ex.add_argument("--per-call", type=int, default=16, help="completions that share one prompt prefill: in process a "
+                    "prompt group, with --server one gRPC call (n of the request) (default 16)")
     ex.add_argument("--dtype", choices=TARGET_DTYPES, default=None, help="the target's precision: in process the "
                     "engine's; with --server the reference's (it must match the server's; default auto)")
     ex.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None, help="in process: the draft model's "
@@ -129,7 +129,8 @@ def _run_exact(args: argparse.Namespace) -> int:
 
             torch.set_num_threads(args.threads)
         report, tokenizer = check_in_process(args.model, args.draft, prompts, settings, chat=args.chat,
-                                             window=args.batch, draft_dtype=args.draft_dtype, device=args.device,
+                                             window=args.batch, per_group=args.per_call,
+                                             draft_dtype=args.draft_dtype, device=args.device,
                                              dtype=args.dtype,
                                              biased=args.inject_bias, progress=progress)
 

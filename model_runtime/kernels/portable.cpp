@@ -158,31 +158,38 @@ inline void dot_block(const float* const* xr, const T* const* wr, int64_t K, vf 
 }
 
 // x [R, K] (float32, rows padded to Kp = K rounded up to 16, zeros) . w [N, K] (T) -> out [R, N]. Threads take
-// blocks of OUT_BLOCK outputs; each block goes over every row, ROW_BLOCK at a time, its weight rows staying in cache.
+// blocks of OUT_BLOCK outputs. Rows go in chunks whose float32 copy fits in L2 (ROW_CHUNK_BYTES); within a chunk
+// each output block goes over the chunk's rows, ROW_BLOCK at a time, its weight rows staying in L1. The chunking
+// only orders the work: every output is still dot_block's sum over K of its own row and weight row.
+constexpr int64_t ROW_CHUNK_BYTES = 512 * 1024;
 template <typename T, typename O>
 void linear_rows(const float* xf, int64_t R, int64_t Kp, const T* w, int64_t N, int64_t K, const float* bias,
                  O* out) {
+  const int64_t chunk = std::max<int64_t>(ROW_BLOCK, ROW_CHUNK_BYTES / (Kp * 4) / ROW_BLOCK * ROW_BLOCK);
   at::parallel_for(0, (N + OUT_BLOCK - 1) / OUT_BLOCK, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb) {
-      const int64_t n0 = nb * OUT_BLOCK, nn = std::min<int64_t>(OUT_BLOCK, N - n0);
-      const T* wr[OUT_BLOCK];
-      for (int j = 0; j < OUT_BLOCK; ++j) wr[j] = w + (n0 + std::min<int64_t>(j, nn - 1)) * K;
-      for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
-        const int64_t nr = std::min<int64_t>(ROW_BLOCK, R - r0);
-        const float* xr[ROW_BLOCK];
-        for (int i = 0; i < ROW_BLOCK; ++i) xr[i] = xf + (r0 + std::min<int64_t>(i, nr - 1)) * Kp;
-        vf acc[ROW_BLOCK][OUT_BLOCK] = {};
-        switch (nr) {
-          case 1: dot_block<1>(xr, wr, K, acc); break;
-          case 2: dot_block<2>(xr, wr, K, acc); break;
-          case 3: dot_block<3 <= ROW_BLOCK ? 3 : 1>(xr, wr, K, acc); break;
-          default: dot_block<ROW_BLOCK>(xr, wr, K, acc); break;
-        }
-        for (int64_t i = 0; i < nr; ++i) {
-          for (int64_t j = 0; j < nn; ++j) {
-            float s = hsum(acc[i][j]);
-            if (bias) s += bias[n0 + j];
-            out[(r0 + i) * N + n0 + j] = static_cast<O>(s);
+    for (int64_t c0 = 0; c0 < R; c0 += chunk) {
+      const int64_t c1 = std::min<int64_t>(R, c0 + chunk);
+      for (int64_t nb = b0; nb < b1; ++nb) {
+        const int64_t n0 = nb * OUT_BLOCK, nn = std::min<int64_t>(OUT_BLOCK, N - n0);
+        const T* wr[OUT_BLOCK];
+        for (int j = 0; j < OUT_BLOCK; ++j) wr[j] = w + (n0 + std::min<int64_t>(j, nn - 1)) * K;
+        for (int64_t r0 = c0; r0 < c1; r0 += ROW_BLOCK) {
+          const int64_t nr = std::min<int64_t>(ROW_BLOCK, c1 - r0);
+          const float* xr[ROW_BLOCK];
+          for (int i = 0; i < ROW_BLOCK; ++i) xr[i] = xf + (r0 + std::min<int64_t>(i, nr - 1)) * Kp;
+          vf acc[ROW_BLOCK][OUT_BLOCK] = {};
+          switch (nr) {
+            case 1: dot_block<1>(xr, wr, K, acc); break;
+            case 2: dot_block<2>(xr, wr, K, acc); break;
+            case 3: dot_block<3 <= ROW_BLOCK ? 3 : 1>(xr, wr, K, acc); break;
+            default: dot_block<ROW_BLOCK>(xr, wr, K, acc); break;
+          }
+          for (int64_t i = 0; i < nr; ++i) {
+            for (int64_t j = 0; j < nn; ++j) {
+              float s = hsum(acc[i][j]);
+              if (bias) s += bias[n0 + j];
+              out[(r0 + i) * N + n0 + j] = static_cast<O>(s);
+            }
           }
         }
       }

@@ -21,7 +21,7 @@ PATHS = [p for p in cpu_kernels.PATHS if cpu_kernels.cpu_has(p)]
 LINEAR_SHAPES = [(576 * 3 // 1, 576), (1536 * 2, 576), (576, 1536), (4096, 576),  # SmolLM2 (qkv ~, gate_up, down)
                  (2048, 1536), (17920, 1536), (1536, 8960), (4096, 1536),  # Qwen 1.5B (qkv, gate_up, down, lm_head)
                  (9728, 896), (896, 4864), (37, 19)]  # Qwen 0.5B, an odd one (tails)
-ROW_COUNTS = (1, 9, 72)  # decode; k = 8 verify; 8 requests x (k + 1)
+ROW_COUNTS = (1, 9, 72, 200)  # decode; k = 8 verify; 8 requests x (k + 1); a prefill past the linear's L2 row chunk
 
 
 def rows_module(path: str, dtype: torch.dtype) -> object:
