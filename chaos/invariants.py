@@ -7,7 +7,7 @@
         the gRPC and SSE chunks) equals the tokens the client received before it (smaller: a repeat; larger: a
         skip); a greedy stream is a prefix of the baseline, a sampled stream is never longer than max_tokens and a
         completed one exactly max_tokens long. Text that repeats itself (equal consecutive chunks) is not a repeat.
-    KV: audit clean, nothing reserved or committed once idle, the ledger reconciled with the engine
+    KV: audit clean, nothing reserved or committed once idle, the ledger checked against the engine
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Verdict:
     missing: int = 0  # a completed stream with fewer tokens than asked, or a chunk past a gap (by its offset)
     leaked_blocks: int = 0
     held_blocks: int = 0
-    reconcile: str | None = None
+    ledger_check: str | None = None
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -90,13 +90,13 @@ def judge(records: list[RequestRecord], specs: dict[str, RequestSpec], baseline:
     if kv is not None:
         verdict.leaked_blocks = kv["leaked_blocks"]
         verdict.held_blocks = kv["held_blocks"]
-        verdict.reconcile = kv["reconcile"]
+        verdict.ledger_check = kv["ledger_check"]
         if kv["leaked_blocks"] or kv["audit_errors"]:
             verdict.violations.append(f"KV audit: {kv['leaked_blocks']} leaked blocks, errors {kv['audit_errors']}")
         if kv["held_blocks"]:
             verdict.violations.append(f"KV: {kv['held_blocks']} blocks still reserved/committed once idle: {kv['counts']}")
-        if kv["reconcile"] is not None:
-            verdict.violations.append(f"KV ledger vs engine: {kv['reconcile']}")
+        if kv["ledger_check"] is not None:
+            verdict.violations.append(f"KV ledger vs engine: {kv['ledger_check']}")
     return verdict
 
 

@@ -57,10 +57,10 @@ def kv_report(timeout_s: float = 120.0) -> dict[str, Any]:
     counts = {ns: {"reserved": c.reserved, "committed": c.committed} for ns, c in report.counts.items()}
     return {"leaked_blocks": len(report.leaked_blocks), "audit_errors": list(report.errors), "counts": counts,
             "held_blocks": sum(c["reserved"] + c["committed"] for c in counts.values()),
-            "reconcile": call("Scheduler", "reconcile")}
+            "ledger_check": call("Scheduler", "check_ledger")}
 
 
 def kv_clean(timeout_s: float = 120.0) -> bool:
     report = kv_report(timeout_s)
     return (report["leaked_blocks"] == 0 and not report["audit_errors"] and report["held_blocks"] == 0
-            and report["reconcile"] is None)
+            and report["ledger_check"] is None)

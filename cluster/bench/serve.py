@@ -31,8 +31,8 @@ from cluster.bench.runtime import environment, progress, set_threads
 from cluster.bench.serve_metrics import SLO, RequestTiming, summarize
 from cluster.bench.spec import CATEGORIES, load_prompts
 from cluster.client import SpecServeClient
+from cluster.engine.acceptance_stats import AcceptanceStats
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
-from verifier_service.acceptance_stats import AcceptanceStats
 
 WARMUP_TOKENS = 8
 MODES = ("spec", "plain")

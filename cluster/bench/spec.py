@@ -37,6 +37,7 @@ from cluster.bench.llamacpp import LlamaCppJob, LlamaCppSettings, require_llama_
 from cluster.bench.llamacpp_native import NativeLlamaCpp, require_binaries
 from cluster.bench.llamacpp_process import LlamaCppProcess
 from cluster.bench.runtime import environment, hf_model_sharing_weights, progress, set_threads
+from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.engine import SpecEngine
 from cluster.engine.factory import tokenize_prompt
 from cluster.engine.kv_client import LocalKV
@@ -45,7 +46,6 @@ from cluster.engine.round_spans import RoundSpans
 from kv_manager.ledger import BlockLedger
 from model_runtime.model import CausalLM
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
-from verifier_service.acceptance_stats import AcceptanceStats
 
 PROMPTS_PATH = Path(__file__).parent / "prompts" / "bench_prompts.jsonl"
 CATEGORIES = ("prose", "code", "qa", "summarisation", "copy-edit")
@@ -203,15 +203,14 @@ class SpecBench:
     def _fresh_engine(self, config: Config) -> SpecEngine:
         base = self.base
         namespaces = [pool.config for pool in base.kv.inner.ledger.pools.values()]
-        engine = SpecEngine(base.verifier, base.drafter, LocalKV(BlockLedger(namespaces)), base.tokenizer,
-                            tuple(base.eos_token_ids), base.vocab_size,
-                            dataclasses.replace(base.config, max_batch=config.batch),
-                            model_name=base.model_name, draft_name=base.draft_name)
-        if config in self.policy:
-            engine.cost, engine.acceptance = self.policy[config]
-        else:  # the costs the base engine measured in its warm-up (cluster/engine/warmup.py)
-            engine.cost = copy.deepcopy(base.cost)
-        return engine
+        # the auto policy's state carried per config; else the costs the base engine measured in its warm-up
+        cost, acceptance = self.policy.get(config, (copy.deepcopy(base.cost), None))
+        return SpecEngine(base.verifier, base.drafter, LocalKV(BlockLedger(namespaces)), base.tokenizer,
+                          tuple(base.eos_token_ids), base.vocab_size,
+                          dataclasses.replace(base.config, max_batch=config.batch),
+                          model_name=base.model_name, draft_name=base.draft_name, dtypes=base.dtypes,
+                          observer=RoundSpans(self.tracer) if config.traced else None, cost=cost,
+                          acceptance=acceptance)
 
     def _request(self, config: Config, prompt: BenchPrompt, index: int, max_tokens: int) -> GenerationRequest:
         greedy = config.temperature == 0
@@ -223,11 +222,9 @@ class SpecBench:
 
     def run_ours(self, config: Config, prompts: list[BenchPrompt], warmup: bool = False) -> None:
         """One engine run of `prompts` (all submitted at once); a warm-up run records nothing."""
-        engine = self._fresh_engine(config)
+        engine = self._fresh_engine(config)  # traced: round spans per step, as a traced server pays
         max_tokens = WARMUP_TOKENS if warmup else self.s.max_tokens
         spans: dict[str, RequestSpan] = {}
-        if config.traced:  # what a traced server pays: a request span per request, round spans per step
-            engine.observer = RoundSpans(self.tracer)
         start = time.perf_counter()
         for p in prompts:
             request = self._request(config, p, self.prompts.index(p), max_tokens)

@@ -152,9 +152,9 @@ def _run_in_process(args: argparse.Namespace) -> int:
     draft_kind = draft if draft in NON_MODEL_DRAFTS else "model"
     settings = in_process_config(args, draft)
     print(f"loading {args.model} (draft: {draft}) ...", file=sys.stderr)
-    engine = build_local_engine(args.model, draft, settings.engine_config(), settings.local_runtime())
-    if configure_tracing(settings.tracing_settings(), "specserve-generate") is not None:
-        engine.observer = RoundSpans()
+    traced = configure_tracing(settings.tracing_settings(), "specserve-generate") is not None
+    engine = build_local_engine(args.model, draft, settings.engine_config(), settings.local_runtime(),
+                                observer=RoundSpans() if traced else None)
     prompt_ids = tokenize_prompt(engine.tokenizer, args.prompt, args.chat)
     requests = build_requests(args, prompt_ids, draft_kind)
     span = RequestSpan.start("chat" if args.chat else "text_completion", args.model, requests[0].sampling,

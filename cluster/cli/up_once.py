@@ -4,7 +4,7 @@
                 -> statistics JSON (one line) -> shut down Serve and Ray -> exit 0
     up --once --json:  the same run, stdout is one JSON object {addresses, text, token_ids, stats}
 
-Statistics (glossary in verifier_service/acceptance_stats.py):
+Statistics (glossary in cluster/engine/acceptance_stats.py):
   acceptance                 rounds that drafted, drafts proposed / accepted, s_k per draft position
   expected_tokens_per_round  E[Y] = 1 + sum_k s_k over the positions drafted (docs/ARCHITECTURE.md §5)
   mean_tokens_per_round      output tokens / rounds actually run (plain rounds count 1)
@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from cluster.client import Credentials, SpecServeClient
+from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.serving.config import ClusterConfig
-from verifier_service.acceptance_stats import AcceptanceStats
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
 

@@ -105,7 +105,7 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
 
 def _commit_prefill(plan: RoundPlan, outcome: RoundOutcome, verifier_holder: Holder,
                     drafter_holder: Holder | None) -> None:
-    """A carrier's prefill-only round (shared_prompts.py): the prefix's KV is kept in both caches; nothing
+    """A prefiller's prefill-only round (shared_prompts.py): the prefix's KV is kept in both caches; nothing
     is appended, emitted or counted (the request's own first round starts from its last prompt token)."""
     s = plan.state
     outcome.commits.append(CommitItem(TARGET_NAMESPACE, s.request_id, len(plan.target_pending),

@@ -27,10 +27,12 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from cluster.engine.accept import RoundOutcome, accept_round
+from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.backends import DrafterBackend, VerifierBackend
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
 from cluster.engine.held_commit import HeldCommitKV
@@ -53,7 +55,6 @@ from specserve_types.api import GenerationRequest, InvalidRequestError, TokenChu
 from specserve_types.faults import FAULTS
 from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
 from specserve_types.tracing import CURRENT_CARRIER
-from verifier_service.acceptance_stats import AcceptanceStats
 
 log = logging.getLogger("specserve.engine")
 
@@ -70,8 +71,13 @@ class SpecEngine:
     def __init__(
         self, verifier: VerifierBackend, drafter: DrafterBackend | None, kv: KVClient, tokenizer: Any,
         eos_token_ids: tuple[int, ...], vocab_size: int, config: EngineConfig,
-        model_name: str = "", draft_name: str = "none",
+        model_name: str = "", draft_name: str = "none", *, dtypes: Mapping[str, str] | None = None,
+        observer: EngineObserver | None = None, cost: CostModel | None = None,
+        acceptance: AcceptanceStats | None = None,
     ) -> None:
+        """Complete at construction: `dtypes` ({"target": "bfloat16", "draft": ...}, as the workers resolved them),
+        the `observer` (traces, metrics), and a carried-over policy state (`cost`, `acceptance`) come in here;
+        nothing outside sets an attribute later."""
         self.verifier = verifier
         self.drafter = drafter
         self.kv = HeldCommitKV(kv, self._check_commits)  # the ledger (in process or its actor's client)
@@ -81,9 +87,9 @@ class SpecEngine:
         self.config = config
         self.model_name = model_name
         self.draft_name = draft_name
-        self.dtypes: dict[str, str] = {}  # {"target": "bfloat16", "draft": ...}: set by who builds the engine
-        self.cost = CostModel()
-        self.acceptance = AcceptanceStats()
+        self.dtypes: dict[str, str] = dict(dtypes or {})
+        self.cost = cost if cost is not None else CostModel()
+        self.acceptance = acceptance if acceptance is not None else AcceptanceStats()
         self.waiting: collections.deque[RequestState] = collections.deque()
         self.running: list[RequestState] = []
         self.totals: dict[str, float] = collections.defaultdict(float)
@@ -101,7 +107,7 @@ class SpecEngine:
         self._turns_without_plans = 0  # overlap: consecutive turns in which no plan got a reservation
         self.inbox = RequestInbox(config.max_waiting)  # shared with submit/abort callers; step drains it
         self.shared = SharedPrompts(self.kv, self.inbox)  # prompt groups: n completions prefill once
-        self.observer: EngineObserver | None = None  # traces, metrics: gets a StepRecord per step (step_record.py)
+        self.observer = observer  # traces, metrics: gets a StepRecord per step (step_record.py)
         self._record: StepRecord | None = None  # this step's, while an observer is attached
         self._fallbacks_seen = 0  # fallback events already handed to the observer
 
@@ -124,6 +130,15 @@ class SpecEngine:
 
     def abort(self, request_id: str) -> None:
         self.inbox.abort(request_id)
+
+    @contextmanager
+    def unobserved(self) -> Iterator[None]:
+        """Steps inside are not handed to the observer (warm-up: its rounds are not the users')."""
+        observer, self.observer = self.observer, None
+        try:
+            yield
+        finally:
+            self.observer = observer
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting or self.inbox.pending())
@@ -161,19 +176,19 @@ class SpecEngine:
             return chunks
         if self.predraft is not None:
             draft_seconds += self._land_predrafts(plans)
-        reconcile_start = time.perf_counter()
+        accept_start = time.perf_counter()
         with self._phase("accept"):
             outcome = accept_round(plans, verified.outputs, self.health.verifier_holder, self.health.drafter_holder)
         if self.predraft is not None:  # kept ones are the next round's drafts; dropped ones went back in the commit
             self.predraft.keep(outcome.predrafts_kept, outcome.predraft_results)
         self._commit(outcome)
-        self.shared.after_commit(plans)  # carriers' prefixes become their groups' shared prompts
+        self.shared.after_commit(plans)  # prefillers' prefixes become their groups' shared prompts
         with self._phase("emit", chunks=len(outcome.chunks)):
             chunks.extend(self._emit(outcome))
         if self._record is not None:
             self._record_rounds(self._record, plans, outcome)
         now = time.perf_counter()
-        add_round_times(self.totals, plans, draft_seconds, verified.seconds, now - reconcile_start, now - round_start)
+        add_round_times(self.totals, plans, draft_seconds, verified.seconds, now - accept_start, now - round_start)
         return chunks
 
     def _take_requests(self) -> list[TokenChunk]:
@@ -499,7 +514,7 @@ class SpecEngine:
                 self._note_rollback(state, "aborted")
                 if not (FAULTS.active and FAULTS.take("engine.skip_abort_rollback") is not None):  # chaos control
                     self.kv.release(request_id, self._namespaces)
-                self.shared.leave(state, self.waiting)  # a carrier aborted during its group's prefill
+                self.shared.leave(state, self.waiting)  # a prefiller aborted during its group's prefill
                 return [self._aborted_chunk(state)]
         for state in list(self.waiting):
             if state.request_id == request_id:  # a waiting request holds nothing in the ledger: nothing to release
@@ -563,7 +578,7 @@ class SpecEngine:
             log.exception("engine observer failed; its step record is dropped")
 
     # ------------------------------------------------------------------ checks, statistics, shutdown
-    def reconcile_ledger(self) -> None:
+    def check_ledger(self) -> None:
         """Assert that the ledger holds entries only for running requests (in-flight ones included): none for a
         waiting or ended request, none at all once every request ended. One ledger call per namespace."""
         running = {state.request_id for state in self.running}

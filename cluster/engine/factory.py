@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ import torch
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
 from cluster.engine.engine import SpecEngine
 from cluster.engine.kv_client import LocalKV
+from cluster.engine.step_record import EngineObserver
 from cluster.engine.warmup import warm_up
 from drafter_service.worker import DraftWorker
 from kv_manager.ledger import BlockLedger
@@ -103,7 +104,8 @@ def check_draft_compatible(target_cfg: ModelConfig, target_tok: Any, draft_cfg: 
 def assemble_engine(
     model: str, draft: str, config: EngineConfig, num_blocks: int, block_size: int,
     make_verifier: Callable[[Path], Any], make_drafter: Callable[[Path], Any] | None,
-    make_kv: Callable[[list[NamespaceConfig]], Any], tokenizer: Any = "auto",
+    make_kv: Callable[[list[NamespaceConfig]], Any], tokenizer: Any = "auto", dtypes: Mapping[str, str] | None = None,
+    observer: EngineObserver | None = None,
 ) -> SpecEngine:
     """The one place an engine is wired: models, compatibility check, namespaces, EOS ids, context.
 
@@ -126,11 +128,13 @@ def assemble_engine(
     log.info("engine: target %s, draft %s, %d KV blocks of %d", model, draft, num_blocks, block_size)
     return SpecEngine(make_verifier(target_dir), drafter, make_kv(namespaces), tok,
                       eos_token_ids(target_dir, target_cfg, tok), target_cfg.vocab_size, config,
-                      model_name=model, draft_name=draft)
+                      model_name=model, draft_name=draft,
+                      dtypes={name: d for name, d in (dtypes or {}).items() if name == "target" or drafter is not None},
+                      observer=observer)
 
 
 def build_local_engine(model: str, draft: str, config: EngineConfig, runtime: LocalRuntime,
-                       tokenizer: Any = "auto") -> SpecEngine:
+                       tokenizer: Any = "auto", observer: EngineObserver | None = None) -> SpecEngine:
     """`model` and a model-valued `draft` are registry names or local HF checkpoint dirs; `config` and
     `runtime` come from a ClusterConfig (`engine_config()`, `local_runtime()`)."""
 
@@ -143,8 +147,8 @@ def build_local_engine(model: str, draft: str, config: EngineConfig, runtime: Lo
         make_verifier=lambda d: VerifierWorker(runner(d, target)),
         make_drafter=lambda d: DraftWorker(runner(d, drafts)),
         make_kv=lambda namespaces: LocalKV(BlockLedger(namespaces)), tokenizer=tokenizer,
+        dtypes={"target": dtype_name(target), "draft": dtype_name(drafts)}, observer=observer,
     )
-    engine.dtypes = {"target": dtype_name(target)} | ({"draft": dtype_name(drafts)} if engine.drafter else {})
     if runtime.warm_up:
         warm_up(engine)
     return engine

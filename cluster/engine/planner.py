@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.request_state import RequestState
 from cluster.engine.round_plan import RoundPlan
 from cluster.engine.spec_policy import (
@@ -24,7 +25,6 @@ from cluster.engine.spec_policy import (
     choose_k_seeded,
 )
 from drafter_service.ngram import propose_ngram
-from verifier_service.acceptance_stats import AcceptanceStats
 
 
 @dataclass(frozen=True)

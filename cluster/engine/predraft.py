@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.config import DRAFT_NAMESPACE
 from cluster.engine.held_commit import HeldCommitKV
 from cluster.engine.overlap import PREDRAFT, DraftPipeline
@@ -49,7 +50,6 @@ from cluster.engine.spec_policy import FLOAT32_COSTS, NominalCosts, SeededInputs
 from cluster.engine.worker_health import WorkerHealth
 from kv_manager.schema import Holder, Reservation
 from specserve_types.round_messages import ProposeBatch, ProposeItem
-from verifier_service.acceptance_stats import AcceptanceStats
 
 
 @dataclass

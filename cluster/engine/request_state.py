@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.prompt_group import PromptGroup
 from specserve_types.api import FinishReason, GenerationRequest, InvalidRequestError
-from verifier_service.acceptance_stats import AcceptanceStats
 
 
 @dataclass

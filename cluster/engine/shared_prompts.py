@@ -1,10 +1,10 @@
 """The moves of prompt groups (prompt_group.py): n completions of one request prefill their prompt once.
 
-    submit_group  -> group_states: one PromptGroup, its first member the carrier
+    submit_group  -> group_states: one PromptGroup, its first member the prefiller
     admit         -> fork: a member whose group's prompt is ready is forked from the group's entry (no prefill)
-    plan          -> prefill_plan: the carrier's first round writes the KV of the prompt but its last token
-    commit        -> after_commit: the carrier's prefix is forked into the group's own entry (`key`)
-    abort         -> leave: an unforked member goes; a carrier hands its role to the next member waiting
+    plan          -> prefill_plan: the prefiller's first round writes the KV of the prompt but its last token
+    commit        -> after_commit: the prefiller's prefix is forked into the group's own entry (`key`)
+    abort         -> leave: an unforked member goes; a prefiller hands its role to the next member waiting
     KV lost       -> target_lost / draft_lost: the group's entry went with the worker's epoch
 
 The group's entry is released when its last member is forked or has gone. Owner: the engine thread
@@ -36,9 +36,9 @@ def group_states(states: Sequence[RequestState]) -> PromptGroup | None:
     return group
 
 
-def is_carrier(state: RequestState) -> bool:
+def is_prefiller(state: RequestState) -> bool:
     group = state.prompt_group
-    return group is not None and group.carrier_id == state.request_id
+    return group is not None and group.prefiller_id == state.request_id
 
 
 class SharedPrompts:
@@ -52,11 +52,11 @@ class SharedPrompts:
 
     # ------------------------------------------------------------------ admission
     def fork(self, state: RequestState, lookahead: int, verifier_holder: Holder) -> bool | None:
-        """None: `state` is admitted as usual (no group, or its carrier). False: it waits (its group's prompt
+        """None: `state` is admitted as usual (no group, or its prefiller). False: it waits (its group's prompt
         is being prefilled, or the pool cannot hold its first round now). True: forked from the group's entry:
         it holds the shared prompt but its last token, in every namespace the entry has."""
         group = state.prompt_group
-        if group is None or group.carrier_id == state.request_id:
+        if group is None or group.prefiller_id == state.request_id:
             return None
         if not group.namespaces:
             return False
@@ -70,12 +70,12 @@ class SharedPrompts:
         self._forked(state)
         return True
 
-    # ------------------------------------------------------------------ the carrier's round
+    # ------------------------------------------------------------------ the prefiller's round
     def prefill_plan(self, state: RequestState, drafter_usable: bool) -> RoundPlan | None:
-        """The carrier's prefill-only plan (None for any other state). A model-drafted group also fills the
+        """The prefiller's prefill-only plan (None for any other state). A model-drafted group also fills the
         draft cache: one draft step (k=1) writes the prefix's draft KV; its draft is never verified."""
         group = state.prompt_group
-        if group is None or group.carrier_id != state.request_id:
+        if group is None or group.prefiller_id != state.request_id:
             return None
         if state.target_cached >= group.prefix_len:  # a prefix-cache hit covers it: nothing to prefill
             self._hold(state, with_draft=False)
@@ -88,33 +88,33 @@ class SharedPrompts:
         return plan
 
     def after_commit(self, plans: Iterable[RoundPlan]) -> None:
-        """Carriers whose prefill committed this round: their prefix becomes the group's entry."""
+        """Prefillers whose prefill committed this round: their prefix becomes the group's entry."""
         for plan in plans:
             if plan.prefill_to is not None and plan.state.target_cached == plan.prefill_to:
                 self._hold(plan.state, with_draft=plan.uses_model_drafter)
 
-    def _hold(self, carrier: RequestState, with_draft: bool) -> None:
-        group = carrier.prompt_group
-        assert group is not None and group.carrier_id == carrier.request_id
+    def _hold(self, prefiller: RequestState, with_draft: bool) -> None:
+        group = prefiller.prompt_group
+        assert group is not None and group.prefiller_id == prefiller.request_id
         self.kv.send_held()  # a held commit reaches the ledger first (a refused draft commit restarts the cache)
         namespaces = [TARGET_NAMESPACE]
-        if with_draft and carrier.draft_admitted and carrier.draft_cached == group.prefix_len:
+        if with_draft and prefiller.draft_admitted and prefiller.draft_cached == group.prefix_len:
             namespaces.append(DRAFT_NAMESPACE)
-        group.carrier_id = None
-        self._forked(carrier)
+        group.prefiller_id = None
+        self._forked(prefiller)
         if group.unforked:  # someone still needs it
-            self.kv.fork([(namespace, carrier.request_id, group.key) for namespace in namespaces])
+            self.kv.fork([(namespace, prefiller.request_id, group.key) for namespace in namespaces])
             group.namespaces = tuple(namespaces)
             self.holding[group.key] = group
 
     # ------------------------------------------------------------------ members going, KV lost
     def leave(self, state: RequestState, waiting: Iterable[RequestState]) -> None:
-        """`state` ended before it was forked (aborted): a carrier hands its role to the first member waiting."""
+        """`state` ended before it was forked (aborted): a prefiller hands its role to the first member waiting."""
         group = state.prompt_group
         if group is None:
             return
-        if group.carrier_id == state.request_id:
-            group.carrier_id = next((s.request_id for s in waiting if s.prompt_group is group and s is not state),
+        if group.prefiller_id == state.request_id:
+            group.prefiller_id = next((s.request_id for s in waiting if s.prompt_group is group and s is not state),
                                     None)
         self._forked(state)
 
@@ -125,7 +125,7 @@ class SharedPrompts:
             if DRAFT_NAMESPACE in group.namespaces:
                 self.kv.release(group.key, [DRAFT_NAMESPACE])
             self._drop(group)
-            group.carrier_id = next(s.request_id for s in waiting if s.prompt_group is group)
+            group.prefiller_id = next(s.request_id for s in waiting if s.prompt_group is group)
 
     def draft_lost(self) -> None:
         """The drafter's epoch expired: the groups' draft entries are gone (members re-prefill their draft)."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from verifier_service.acceptance_stats import AcceptanceStats
+from cluster.engine.acceptance_stats import AcceptanceStats
 
 PRIOR_SURVIVAL = 0.6  # assumed s_1 before any measurement; s_i = PRIOR_SURVIVAL ** i
 PRIOR_ROUNDS = 4  # weight of the prior, in rounds

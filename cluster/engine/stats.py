@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.round_plan import RoundPlan
 from cluster.engine.spec_policy import CostModel
-from verifier_service.acceptance_stats import AcceptanceStats
 
 
 def busy_fractions(totals: Mapping[str, float]) -> dict[str, float]:

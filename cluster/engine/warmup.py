@@ -37,17 +37,18 @@ def warm_up(engine: SpecEngine, rounds_per_k: int = 3) -> dict[str, object]:
     prompt = tuple(pattern * REPEATS)
     draft = "model" if engine.drafter is not None else "ngram"
     engine.cost.warm_up_samples = {}  # estimates are the medians of the samples (spec_policy.CostModel)
-    try:
-        for k in range(engine.config.k_max + 1):
-            request = GenerationRequest(
-                f"_warm-up-{k}-{time.monotonic_ns()}", prompt,
-                SamplingParams(max_tokens=(k + 1) * rounds_per_k + 1, ignore_eos=True),
-                SpecParams(contract="greedy", k=k, draft=draft if k else "none"))
-            engine.submit(request)
-            while engine.has_unfinished():
-                engine.step()
-    finally:
-        engine.cost.warm_up_samples = None
+    with engine.unobserved():  # its rounds are not the users': no spans, no metrics
+        try:
+            for k in range(engine.config.k_max + 1):
+                request = GenerationRequest(
+                    f"_warm-up-{k}-{time.monotonic_ns()}", prompt,
+                    SamplingParams(max_tokens=(k + 1) * rounds_per_k + 1, ignore_eos=True),
+                    SpecParams(contract="greedy", k=k, draft=draft if k else "none"))
+                engine.submit(request)
+                while engine.has_unfinished():
+                    engine.step()
+        finally:
+            engine.cost.warm_up_samples = None
     engine.reset_statistics()
     costs = {"draft_token_seconds": engine.cost.draft_token,
              "verify_seconds_by_tokens": dict(sorted(engine.cost.verify_by_tokens.items()))}

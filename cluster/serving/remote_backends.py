@@ -20,6 +20,7 @@ from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from cluster.engine.backends import DrafterUnavailable
 from cluster.engine.engine import SpecEngine
+from cluster.engine.step_record import EngineObserver
 from cluster.serving.config import ClusterConfig
 from kv_manager.errors import KVError, RetriableKVError, UnknownRequest
 from kv_manager.schema import (
@@ -182,10 +183,12 @@ class RemoteKV:
                 raise outcome
 
 
-def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any) -> SpecEngine:
-    """The scheduler's engine: remote workers, the KV manager actor, the target's tokenizer."""
+def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any,
+                         observer: EngineObserver | None = None) -> SpecEngine:
+    """The scheduler's engine: remote workers, the KV manager actor, the target's tokenizer, its observer."""
     from cluster.engine.factory import assemble_engine
     from kv_manager.actor import KVManagerActor
+    from model_runtime.precision import draft_dtype, dtype_name, target_dtype
 
     log.info("cluster engine: target %s, draft %s, max_batch %d", config.model, config.draft, config.max_batch)
     env = config.tracing_settings().env()  # the actor continues traced steps (kv_manager/actor.py `traced`)
@@ -195,12 +198,11 @@ def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any) -> 
         config.block_size, make_verifier=lambda _dir: HandleVerifier(verifier),
         make_drafter=(lambda _dir: HandleDrafter(drafter, config.drafter_timeout_s)) if drafter is not None else None,
         make_kv=lambda namespaces: RemoteKV(KVManagerActor.options(name=None, **kv_tracing).remote(namespaces)),
+        # resolved as the workers resolve them (same function, same device name; a node pool of one CPU type)
+        dtypes={"target": dtype_name(target_dtype(config.dtype, config.device)),
+                "draft": dtype_name(draft_dtype(config.draft_dtype, config.device))},
+        observer=observer,
     )
-    from model_runtime.precision import draft_dtype, dtype_name, target_dtype
-
-    # resolved as the workers resolve them (same function, same device name; a node pool of one CPU type)
-    engine.dtypes = {"target": dtype_name(target_dtype(config.dtype, config.device))} | (
-        {"draft": dtype_name(draft_dtype(config.draft_dtype, config.device))} if drafter is not None else {})
     if config.warm_up:
         from cluster.engine.warmup import warm_up
 

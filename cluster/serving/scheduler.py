@@ -41,7 +41,7 @@ from specserve_types.tracing import configure_tracing, shutdown_tracing
 logger = logging.getLogger("ray.serve")
 
 # (config, drafter handle or None, verifier handle) -> engine; runs in the engine thread
-EngineBuilder = Callable[[ClusterConfig, Any, Any], Engine]
+EngineBuilder = Callable[[ClusterConfig, Any, Any, EngineObserver | None], Engine]  # config, drafter, verifier, observer
 
 
 def encode_prompt(tokenizer: Any, args: GenerateArgs) -> tuple[int, ...]:
@@ -74,10 +74,11 @@ def engine_observers(config: ClusterConfig, metrics: SpecMetrics) -> list[Engine
     return observers
 
 
-def observed(engine: Engine, observers: list[EngineObserver]) -> Engine:
-    if observers:
-        engine.observer = observers[0] if len(observers) == 1 else Observers(observers)
-    return engine
+def one_observer(observers: list[EngineObserver]) -> EngineObserver | None:
+    """The engine's observer (it takes one, at construction): none, the one, or all of them in turn."""
+    if not observers:
+        return None
+    return observers[0] if len(observers) == 1 else Observers(observers)
 
 
 def completion_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -94,8 +95,8 @@ class Scheduler(FaultHooks):
             from cluster.serving.remote_backends import build_cluster_engine as engine_builder
         self._config = config
         self.metrics = SpecMetrics(ray_metrics=ray.is_initialized())
-        observers = engine_observers(config, self.metrics)
-        self._loop = EngineLoop(lambda: observed(engine_builder(config, drafter, verifier), observers))
+        observer = one_observer(engine_observers(config, self.metrics))
+        self._loop = EngineLoop(lambda: engine_builder(config, drafter, verifier, observer))
         self._live = 0  # admitted completions not yet finished or aborted
         self._pending: dict[str, dict[str, int]] = {}  # client request id -> unfinished engine ids (event loop)
         self._counters = {"admitted": 0, "rejected_capacity": 0, "rejected_invalid": 0, "aborted": 0,
@@ -208,12 +209,12 @@ class Scheduler(FaultHooks):
         """The KV ledger's audit (kv_manager.schema.AuditReport): counts per namespace, leaked blocks."""
         return await self._loop.acall(lambda engine: engine.kv.audit())
 
-    async def reconcile(self) -> str | None:
-        """The ledger against the engine's live requests (SpecEngine.reconcile_ledger): None if they agree,
+    async def check_ledger(self) -> str | None:
+        """The ledger against the engine's live requests (SpecEngine.check_ledger): None if they agree,
         else what the ledger holds that no running request owns."""
         def check(engine: Any) -> str | None:
             try:
-                engine.reconcile_ledger()
+                engine.check_ledger()
             except AssertionError as exc:
                 return str(exc)
             return None

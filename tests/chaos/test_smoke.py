@@ -73,6 +73,6 @@ def test_negative_control_reports_the_leak(smoke: ChaosRun, tmp_path: Path) -> N
     assert verdict.cancelled > 0 and skipped > 0, (verdict, result.figures["fired"])
     assert not verdict.ok
     assert verdict.held_blocks > 0, verdict
-    assert verdict.reconcile is not None and "not running" in verdict.reconcile, verdict.reconcile
+    assert verdict.ledger_check is not None and "not running" in verdict.ledger_check, verdict.ledger_check
     assert any(v.startswith("KV:") for v in verdict.violations), verdict.violations
     assert (verdict.lost, verdict.diverged, verdict.duplicated) == (0, 0, 0), verdict.violations

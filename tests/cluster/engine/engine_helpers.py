@@ -44,12 +44,13 @@ def engine_config(**fields: Any) -> EngineConfig:
     return engine_settings(**fields).engine_config()
 
 
-def local_engine(target: Path | str, draft: Path | str, tokenizer: Any = "auto", **fields: Any) -> SpecEngine:
+def local_engine(target: Path | str, draft: Path | str, tokenizer: Any = "auto", observer: Any = None,
+                 **fields: Any) -> SpecEngine:
     """build_local_engine(target, draft) with the settings of `engine_settings(**fields)`; `draft` is a
     checkpoint, 'ngram' or 'none'."""
     settings = engine_settings(**fields)
     return build_local_engine(str(target), str(draft), settings.engine_config(), settings.local_runtime(),
-                              tokenizer=tokenizer)
+                              tokenizer=tokenizer, observer=observer)
 
 
 def load_target(checkpoint: Path | str, dtype: str = "auto") -> CausalLM:
@@ -89,7 +90,7 @@ def run(engine: SpecEngine, requests: list[GenerationRequest]) -> dict[str, list
     for r in requests:
         engine.submit(r)
     chunks = engine.run_to_completion()
-    engine.reconcile_ledger()  # every request ended: nothing left in any namespace
+    engine.check_ledger()  # every request ended: nothing left in any namespace
     engine.kv.audit().assert_no_leaks()
     return {rid: [t for c in cs for t in c.token_ids] for rid, cs in chunks.items()}
 
@@ -158,7 +159,7 @@ class FakeRunner:
 
 def fake_engine(num_blocks: int = 256, block_size: int = 4, max_batch: int = 4, overlap: bool = False,
                 k_max: int = 4, predraft: bool = False,
-                draft_rule: Callable[[list[int]], int] = fake_draft_token) -> SpecEngine:
+                draft_rule: Callable[[list[int]], int] = fake_draft_token, observer: Any = None) -> SpecEngine:
     """The real engine, ledger (in process) and workers over FakeRunners, with a draft model (drafting by
     `draft_rule`); no EOS."""
     config = engine_config(max_batch=max_batch, queue_capacity=64, max_context=1024, k_max=k_max, overlap=overlap,
@@ -168,4 +169,4 @@ def fake_engine(num_blocks: int = 256, block_size: int = 4, max_batch: int = 4, 
     return SpecEngine(VerifierWorker(FakeRunner(fake_next_token, block_size)),
                       DraftWorker(FakeRunner(draft_rule, block_size)), LocalKV(BlockLedger(namespaces)),
                       tokenizer=None, eos_token_ids=(), vocab_size=FAKE_VOCAB, config=config,
-                      model_name="fake", draft_name="fake-draft")
+                      model_name="fake", draft_name="fake-draft", observer=observer)

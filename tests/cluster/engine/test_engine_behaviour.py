@@ -192,4 +192,4 @@ def test_each_chunk_carries_its_offset_in_the_output() -> None:
             sent += len(chunk.token_ids)
         assert sent == 17 + int(rid[1:])
     engine.kv.audit().assert_no_leaks()
-    engine.reconcile_ledger()
+    engine.check_ledger()

@@ -28,7 +28,7 @@ def check_equals_plain(smollm2_dir: Path, dtype: str, k: int, batch: int, draft:
     for r, p in zip(reqs, prompts, strict=True):
         assert got[r.request_id] == plain_greedy(smollm2_dir, p, r.sampling.max_tokens, eos, dtype), r.request_id
     engine.kv.audit().assert_no_leaks()
-    engine.reconcile_ledger()
+    engine.check_ledger()
 
 
 PATHS = [p for p in cpu_kernels.PATHS if cpu_kernels.cpu_has(p)]

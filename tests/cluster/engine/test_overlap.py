@@ -1,6 +1,6 @@
 """Overlap (two groups in ping-pong) with the KV pool exhausted: a request refused a reservation must
 neither stay "in flight" nor block preemption or an abort. Model-free engine (engine_helpers.fake_engine);
-every test ends with the ledger reconciled (empty) and no leaked block."""
+every test ends with the ledger checked (empty) and no leaked block."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_tiny_pool_finishes_by_preemption_like_plain_decoding(overlap: bool) -> 
             assert out[rid][-1].finish_reason == "length", (seed, rid)
             assert tokens_of(out[rid]) == fake_greedy(prompt, max_tokens[rid]), (seed, rid)
         assert preemptions(engine) > 0, seed
-        engine.reconcile_ledger()
+        engine.check_ledger()
         engine.kv.audit().assert_no_leaks()
 
 
@@ -105,7 +105,7 @@ def test_abort_under_overlap_while_out_of_blocks_completes() -> None:
     for rid, prompt in prompts.items():
         if rid != victim:
             assert tokens_of(out[rid]) == fake_greedy(prompt, 30), rid
-    engine.reconcile_ledger()
+    engine.check_ledger()
     engine.kv.audit().assert_no_leaks()
 
 
@@ -135,7 +135,7 @@ class Faults:
 @pytest.mark.parametrize("seed", range(4))
 def test_worker_failures_under_overlap_lose_nothing(seed: int) -> None:
     """Verifier failures while the other group's drafts are in flight, and drafter failures landing on the
-    engine thread: every request still ends with the plain greedy output, the ledger reconciles empty.
+    engine thread: every request still ends with the plain greedy output, the ledger checks empty.
     (Before the groups in flight were drained on a verifier failure, their target commit raised
     UnknownRequest: the verifier's expired epoch had dropped their entries.)"""
     rng = random.Random(seed)
@@ -157,5 +157,5 @@ def test_worker_failures_under_overlap_lose_nothing(seed: int) -> None:
     events = [e["event"] for e in engine.stats()["fallback_events"]]
     assert events.count("verifier recovery") == 2 and "drafter unavailable" in events, events
     assert faults.drafter_threads == {"specserve-draft_0"}, faults.drafter_threads
-    engine.reconcile_ledger()
+    engine.check_ledger()
     engine.kv.audit().assert_no_leaks()

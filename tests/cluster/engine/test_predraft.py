@@ -2,7 +2,7 @@
 
 Model-free engines (engine_helpers.fake_engine) with drafters of chosen accuracy: a draft KV slot written in
 the wrong place shows as a wrong draft (a perfect drafter then loses acceptance), a wrong token as a wrong
-output. Every test ends with the ledger reconciled and no leaked block; the ledger's own reservation
+output. Every test ends with the ledger checked and no leaked block; the ledger's own reservation
 lengths show that a dropped pre-draft's slots went back and a kept one's are held into its round.
 """
 
@@ -68,7 +68,7 @@ def reserved_blocks(engine: SpecEngine) -> int:
 def finish(engine: SpecEngine, out: dict[str, list[TokenChunk]]) -> None:
     drive(engine, out)
     engine.close()
-    engine.reconcile_ledger()
+    engine.check_ledger()
     engine.kv.audit().assert_no_leaks()
     assert reserved_blocks(engine) == 0
 
@@ -304,7 +304,7 @@ def sample_second_and_third(checkpoint: Path, samples: int = EXACT_SAMPLES) -> t
                               seed=7000 + i, ignore_eos=True))
     chunks = engine.run_to_completion()
     engine.close()
-    engine.reconcile_ledger()
+    engine.check_ledger()
     engine.kv.audit().assert_no_leaks()
     cells = []
     for i in range(samples):

@@ -120,13 +120,13 @@ def test_abort_while_waiting_after_verifier_failure_leaves_nothing_in_the_ledger
     engine.abort("w1")
     chunks = engine.step()
     assert [c.finish_reason for c in chunks if c.request_id == "w1"] == ["abort"]
-    engine.reconcile_ledger()
+    engine.check_ledger()
     for chunk in chunks:
         out[chunk.request_id] += chunk.token_ids
     out["w1"] = []  # its successor starts over
     engine.submit(request("w1", prompts["w1"], max_tokens=16, k=3))  # the id is free again
     rest = engine.run_to_completion()
-    engine.reconcile_ledger()
+    engine.check_ledger()
     engine.kv.audit().assert_no_leaks()
     for rid, prompt in prompts.items():
         assert out[rid] + [t for c in rest[rid] for t in c.token_ids] == fake_greedy(prompt, 16), rid

@@ -3,7 +3,7 @@
 Model-free engine (engine_helpers.fake_engine: a paged token pool, so a wrong block, a missing copy or a
 stale slot shows up as a wrong token) for the ledger moves, aborts and lost workers; SmolLM2 for the
 outputs of sampled completions against independent runs with the same seeds. Every test ends with no
-leaked block and nothing in the ledger (reconcile_ledger, audit).
+leaked block and nothing in the ledger (check_ledger, audit).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def checked_step(engine: SpecEngine, out: dict[str, list[int]], finish: dict[str
         out.setdefault(chunk.request_id, []).extend(chunk.token_ids)
         if chunk.finished:
             finish[chunk.request_id] = chunk.finish_reason
-    engine.reconcile_ledger()
+    engine.check_ledger()
     engine.kv.audit().assert_no_leaks()
 
 
@@ -74,7 +74,7 @@ def test_members_fork_the_prompt_blocks_and_copy_the_partial_one_on_write(overla
     key, ledger = group_key("g0"), ledger_of(engine)
     out: dict[str, list[int]] = {}
     finish: dict[str, str] = {}
-    checked_step(engine, out, finish)  # the carrier's prefill-only round: nothing emitted
+    checked_step(engine, out, finish)  # the prefiller's prefill-only round: nothing emitted
     assert not any(out.values())
     (prefill,) = recorder.batches[0].items
     assert prefill.input_ids == PROMPT[:10] and prefill.draft_ids == []
@@ -97,16 +97,16 @@ def test_members_fork_the_prompt_blocks_and_copy_the_partial_one_on_write(overla
     assert all(not ledger.requests[ns] for ns in engine._namespaces)
 
 
-def test_abort_of_members_waiting_running_and_of_the_carrier() -> None:
+def test_abort_of_members_waiting_running_and_of_the_prefiller() -> None:
     engine = fake_engine(num_blocks=64, block_size=4, max_batch=2)
     engine.submit_group(group("g", 6))
     key, ledger = group_key("g0"), ledger_of(engine)
     out: dict[str, list[int]] = {}
     finish: dict[str, str] = {}
-    checked_step(engine, out, finish)  # the carrier prefilled; its group's entry holds the prefix
+    checked_step(engine, out, finish)  # the prefiller prefilled; its group's entry holds the prefix
     assert key in ledger.request_ids(TARGET_NAMESPACE)
     checked_step(engine, out, finish)  # one member forked (the batch holds 2)
-    engine.abort("g0")  # the carrier, running, after its fork
+    engine.abort("g0")  # the prefiller, running, after its fork
     engine.abort("g4")  # a member still waiting, never forked
     run_checked(engine, out, finish)
     assert finish["g0"] == finish["g4"] == "abort"
@@ -117,7 +117,7 @@ def test_abort_of_members_waiting_running_and_of_the_carrier() -> None:
     run_checked(engine)
 
 
-def test_carrier_aborted_before_its_prefill_hands_over_and_the_last_abort_frees_the_entry() -> None:
+def test_prefiller_aborted_before_its_prefill_hands_over_and_the_last_abort_frees_the_entry() -> None:
     engine = fake_engine(num_blocks=64, block_size=4, max_batch=1)
     engine.submit_group(group("a", 4))
     engine.abort("a0")  # waiting: a1 carries the group instead
@@ -156,7 +156,7 @@ def test_lost_verifier_and_replaced_drafter_in_mid_group() -> None:
 
 def test_a_cached_prefix_needs_no_prefill_round() -> None:
     """Prompt of 9, block_size 4: the prefix (8) is two full blocks; once a first group committed them, a second
-    group's carrier finds them cached and the group's entry is made at once, without a prefill round."""
+    group's prefiller finds them cached and the group's entry is made at once, without a prefill round."""
     prompt = PROMPT[:9]
     engine = fake_engine(num_blocks=64, block_size=4, max_batch=2)
     recorder = engine.verifier = RecordingVerifier(engine.verifier)

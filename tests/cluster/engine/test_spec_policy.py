@@ -7,6 +7,7 @@ from dataclasses import fields
 
 import pytest
 
+from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.spec_policy import (
     BFLOAT16_COSTS,
     FIT_WEIGHT,
@@ -21,7 +22,6 @@ from cluster.engine.spec_policy import (
     depth_ratios,
     nominal_costs,
 )
-from verifier_service.acceptance_stats import AcceptanceStats
 
 
 def stats_with(survival_per_round: list[int], proposed: int, rounds: int) -> AcceptanceStats:

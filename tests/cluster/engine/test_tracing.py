@@ -42,8 +42,7 @@ def children(spans: list[ReadableSpan], parent: ReadableSpan) -> list[ReadableSp
 
 def test_one_greedy_request_span_tree(smollm2_dir: Path, traced: tuple[Tracer, InMemorySpanExporter]) -> None:
     tracer, exporter = traced
-    engine = local_engine(smollm2_dir, "ngram", max_batch=2, max_context=256)
-    engine.observer = RoundSpans(tracer)
+    engine = local_engine(smollm2_dir, "ngram", observer=RoundSpans(tracer), max_batch=2, max_context=256)
     ids = tuple(engine.tokenizer(PROMPT)["input_ids"])
     sampling = SamplingParams(max_tokens=24)
     with tracer.start_as_current_span("client") as client:
@@ -90,8 +89,7 @@ def test_one_greedy_request_span_tree(smollm2_dir: Path, traced: tuple[Tracer, I
 def test_a_shared_verify_is_one_span_linked_from_each_round(smollm2_dir: Path,
                                                             traced: tuple[Tracer, InMemorySpanExporter]) -> None:
     tracer, exporter = traced
-    engine = local_engine(smollm2_dir, "ngram", max_batch=2, max_context=256)
-    engine.observer = RoundSpans(tracer)
+    engine = local_engine(smollm2_dir, "ngram", observer=RoundSpans(tracer), max_batch=2, max_context=256)
     ids = tuple(engine.tokenizer(PROMPT)["input_ids"])
     parents = {}
     for rid in ("a", "b"):
@@ -115,4 +113,4 @@ def test_a_shared_verify_is_one_span_linked_from_each_round(smollm2_dir: Path,
     (rollback,) = [s for s in spans if s.name == "kv.rollback"]
     assert rollback.attributes["specserve.kv.rollback_reason"] == "aborted"
     assert rollback.context.trace_id == parents["b"].trace_id
-    engine.reconcile_ledger()
+    engine.check_ledger()

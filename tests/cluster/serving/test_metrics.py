@@ -24,9 +24,8 @@ def scrape(metrics: SpecMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]]
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_vllm_counters_equal_the_sums_of_the_per_request_figures(overlap: bool) -> None:
-    engine = fake_engine(max_batch=4, overlap=overlap)
     metrics = SpecMetrics(ray_metrics=False)
-    engine.observer = metrics
+    engine = fake_engine(max_batch=4, overlap=overlap, observer=metrics)
     requests = [request(f"m{i}", [3 + i, 5, 7, 11] * 3, max_tokens=9 + 5 * i, k=1 + i % 4) for i in range(6)]
     requests += [request(f"n{i}", [2, 4, 6, 8] * 4, max_tokens=12, k=3, draft="ngram") for i in range(2)]
     requests += [request("plain", [9, 9, 9], max_tokens=5, k=0)]
@@ -63,7 +62,7 @@ def test_vllm_counters_equal_the_sums_of_the_per_request_figures(overlap: bool) 
         1 for c in finals.values() if c.stats and c.stats["ttft_seconds"] is not None)
     assert {labels for name, labels in samples if name == "specserve_round_phase_seconds_total"} == {
         (("phase", p),) for p in ("draft", "verify", "kv", "other")}
-    engine.reconcile_ledger()
+    engine.check_ledger()
 
 
 def test_gauges_take_the_engine_and_pool_figures() -> None:

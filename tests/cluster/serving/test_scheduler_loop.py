@@ -101,7 +101,7 @@ class ScriptedEngine:
 
 def make_scheduler(engine: ScriptedEngine, queue_capacity: int = 8) -> Scheduler:
     config = load_config(model="smollm2-135m", draft="ngram", queue_capacity=queue_capacity, max_batch=1)
-    return Scheduler(config, None, None, engine_builder=lambda cfg, drafter, verifier: engine)
+    return Scheduler(config, None, None, engine_builder=lambda cfg, drafter, verifier, observer: engine)
 
 
 def args(rid: str, prompt: str = "abc", max_tokens: int = 3, n: int = 1, seed: int | None = None) -> GenerateArgs:
@@ -208,7 +208,7 @@ def test_failed_round_fails_live_requests_and_the_loop_goes_on() -> None:
 def test_engine_construction_failure_is_reported() -> None:
     config = load_config(model="smollm2-135m", draft="ngram")
 
-    def broken(cfg: Any, drafter: Any, verifier: Any) -> ScriptedEngine:
+    def broken(cfg: Any, drafter: Any, verifier: Any, observer: Any) -> ScriptedEngine:
         raise FileNotFoundError("weights missing")
 
     with pytest.raises(RuntimeError, match="weights missing"):

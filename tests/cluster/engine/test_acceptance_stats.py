@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from verifier_service.acceptance_stats import AcceptanceStats
+from cluster.engine.acceptance_stats import AcceptanceStats
 
 
 def _stats(rounds: list[tuple[int, int]], contract: str = "exact") -> AcceptanceStats:
