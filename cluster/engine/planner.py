@@ -46,13 +46,13 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
     spec, sampling = state.request.spec, state.request.sampling
     remaining = sampling.max_tokens - state.num_output
     k_cap = max(0, min(ctx.k_max if spec.k is None else spec.k, remaining - 1))
-    plan = RoundPlan(state=state, k=0, target_pending=state.token_ids[state.target_cached:])
+    pending = state.token_ids[state.target_cached:]
     if spec.draft == "none" or k_cap == 0:
         state.record_k(0, "no speculation requested" if spec.draft == "none" or spec.k == 0 else "end of output")
-        return plan
+        return RoundPlan(state=state, k=0, target_pending=pending)
     if spec.draft == "model" and not ctx.drafter_usable:
         state.record_k(0, "fallback: drafter unavailable, plain decoding")
-        return plan
+        return RoundPlan(state=state, k=0, target_pending=pending)
     if spec.k is not None:
         k, reason = k_cap, "fixed k"
     elif sampling.seed is not None and not sampling.is_greedy:
@@ -62,18 +62,17 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
         k, reason = decision.k, decision.reason
     else:
         decision = choose_k(AutoInputs(
-            state.acceptance, ctx.engine_acceptance, ctx.cost, k_cap, len(plan.target_pending),
+            state.acceptance, ctx.engine_acceptance, ctx.cost, k_cap, len(pending),
             state.rounds_at_zero, ctx.probe_every, ctx.free_fraction, ctx.pressure_free_fraction,
             draft_cost_per_token=0.0 if spec.draft == "ngram" else ctx.cost.draft_token, batch=ctx.batch))
         k, reason = decision.k, decision.reason
     state.rounds_at_zero = state.rounds_at_zero + 1 if k == 0 else 0
+    drafts: list[int] = []
     if spec.draft == "ngram" and k > 0:
-        plan.drafts = propose_ngram(state.token_ids, k)
-        k = len(plan.drafts)
+        drafts = propose_ngram(state.token_ids, k)
+        k = len(drafts)
         if k == 0:
             reason = "n-gram: no match"
-    elif spec.draft == "model" and k > 0:
-        plan.uses_model_drafter = True
-    plan.k = k
     state.record_k(k, reason)
-    return plan
+    return RoundPlan(state=state, k=k, target_pending=pending, drafts=drafts,
+                     uses_model_drafter=spec.draft == "model" and k > 0)

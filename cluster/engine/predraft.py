@@ -36,16 +36,21 @@ calls leave the critical path. Ownership: the engine thread; the draft thread on
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.config import DRAFT_NAMESPACE
-from cluster.engine.held_commit import HeldCommitKV
 from cluster.engine.overlap import PREDRAFT, DraftPipeline
 from cluster.engine.request_state import RequestState
-from cluster.engine.round_plan import PreDraft, RoundPlan, penalty_history
+from cluster.engine.round_plan import (
+    PreDraft,
+    RoundPlan,
+    penalty_history,
+    with_predraft_k,
+    without_draft_grant,
+)
 from cluster.engine.spec_policy import FLOAT32_COSTS, NominalCosts, SeededInputs, choose_k_seeded
 from cluster.engine.worker_health import WorkerHealth
 from kv_manager.schema import Holder, Reservation
@@ -119,28 +124,27 @@ def settle(plan: RoundPlan, tokens: Sequence[int], accepted_len: int, kept: Sequ
 def plan_from_kept(state: RequestState, kept: KeptPreDraft) -> RoundPlan:
     """Round r + 1 of a kept pre-draft: its drafts and draft reservation exist; `draft_pending` (set by the
     engine's plan as for any model-drafted round) is round r's catch-up + d_1..d_k + b."""
-    plan = RoundPlan(state=state, k=len(kept.drafts), target_pending=state.token_ids[state.target_cached:])
-    plan.drafts, plan.draft_probs, plan.draft_grant = list(kept.drafts), kept.probs, kept.grant
-    plan.uses_model_drafter = plan.predrafted = True
     state.rounds_at_zero = 0
-    state.record_k(plan.k, "pre-drafted during the last verify")
-    return plan
+    state.record_k(len(kept.drafts), "pre-drafted during the last verify")
+    return RoundPlan(state=state, k=len(kept.drafts), target_pending=state.token_ids[state.target_cached:],
+                     drafts=list(kept.drafts), draft_probs=kept.probs, draft_grant=kept.grant, uses_model_drafter=True,
+                     predrafted=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Landing:
     seconds: float  # the pre-draft call's wall time (on the draft thread, beside the verify)
     failure: BaseException | None = None  # the drafter failed: the caller expires its epoch
     lost: bool = False  # every draft grant of the round is gone (failure, replaced drafter, epoch changed)
+    predrafts: dict[str, PreDraft] = field(default_factory=dict)  # request id -> its landed pre-draft
 
 
 class PreDrafter:
     """The engine's pre-drafting: plans from kept pre-drafts, the budget of fresh plans, the draft-thread
     call and its landing. Counters in `counts` (engine stats `overlap.predraft`)."""
 
-    def __init__(self, pipeline: DraftPipeline, kv: HeldCommitKV, health: WorkerHealth, vocab_size: int) -> None:
+    def __init__(self, pipeline: DraftPipeline, health: WorkerHealth, vocab_size: int) -> None:
         self.pipeline = pipeline
-        self.kv = kv
         self.health = health
         self.vocab_size = vocab_size
         self.kept: dict[str, KeptPreDraft] = {}  # request id -> its next round's drafts (one step long)
@@ -148,11 +152,13 @@ class PreDrafter:
             ("made", "kept", "rejected", "guess_missed", "finished", "lost", "rounds", "drafter_calls_saved"), 0)
 
     # ---------------------------------------------------------------- plan, reserve
-    def plans(self, states: Sequence[RequestState], plan_one: Callable[[RequestState], RoundPlan]) -> list[RoundPlan]:
-        """A plan per state: from its kept pre-draft if it is still good, else `plan_one(state)`. Kept pre-drafts
-        live one step: those not used now are dropped (a stale one still reserved is rolled back)."""
+    def plans(self, states: Sequence[RequestState], plan_one: Callable[[RequestState], RoundPlan]
+              ) -> tuple[list[RoundPlan], list[tuple[str, str]]]:
+        """A plan per state: from its kept pre-draft if it is still good, else `plan_one(state)`; and the
+        reservations to roll back (an intent the engine applies): kept pre-drafts live one step, and a stale one
+        the ledger still holds goes back."""
         kept, self.kept = self.kept, {}
-        plans = []
+        plans, void = [], []
         for state in states:
             entry = kept.pop(state.request_id, None)
             if entry is not None and self._usable(state, entry):
@@ -160,21 +166,21 @@ class PreDrafter:
                 plans.append(plan_from_kept(state, entry))
                 continue
             if entry is not None and entry.holder == self.health.drafter_holder and state.draft_admitted:
-                self.kv.rollback([(DRAFT_NAMESPACE, state.request_id)])  # the ledger still holds it
+                void.append((DRAFT_NAMESPACE, state.request_id))  # the ledger still holds it
             plans.append(plan_one(state))
         # the rest belong to requests no longer running: their entries were released with them
-        return plans
+        return plans, void
 
     def _usable(self, state: RequestState, entry: KeptPreDraft) -> bool:
         return (state.draft_admitted and entry.holder == self.health.drafter_holder
                 and entry.draft_cached == state.draft_cached and state.finish_reason is None)
 
-    def budget(self, plans: Sequence[RoundPlan], k_max: int, probe_every: int,
-               costs: NominalCosts = FLOAT32_COSTS) -> None:
+    @staticmethod
+    def budget(plans: Sequence[RoundPlan], k_max: int, probe_every: int,
+               costs: NominalCosts = FLOAT32_COSTS) -> list[RoundPlan]:
         """Fresh model-drafted plans get k' (their reservation then holds the pre-draft's slots too)."""
-        for plan in plans:
-            if plan.uses_model_drafter and plan.k > 0 and not plan.predrafted and plan.prefill_to is None:
-                plan.predraft_k = next_k(plan, k_max, probe_every, costs)
+        return [with_predraft_k(plan, next_k(plan, k_max, probe_every, costs))
+                if plan.needs_propose and plan.prefill_to is None else plan for plan in plans]
 
     def forget(self) -> None:
         """Every draft cache restarted (its epoch expired): no kept pre-draft is usable."""
@@ -195,7 +201,8 @@ class PreDrafter:
                              self.health.drafter_holder)
 
     def land(self) -> Landing:
-        """After the verify, before accept: the pre-drafts on their plans (`plan.predraft`), or why none."""
+        """After the verify, before accept: the pre-drafts by request id (the engine puts them on the plans), or
+        why none."""
         flight = self.pipeline.take(PREDRAFT)
         if flight is None or flight.future is None:
             return Landing(0.0)
@@ -208,13 +215,14 @@ class PreDrafter:
             self.counts["lost"] += len(flight.plans)  # a new epoch: the round's draft grants are gone
             return Landing(seconds, lost=True)
         by_id = {o.request_id: o for o in result.outputs}
+        predrafts = {}
         for plan in flight.plans:
             out = by_id.get(plan.state.request_id)
             if out is not None and self._valid(plan, out.draft_ids, out.draft_probs):
-                plan.predraft = PreDraft([int(t) for t in out.draft_ids], out.draft_probs)
+                predrafts[plan.request_id] = PreDraft([int(t) for t in out.draft_ids], out.draft_probs)
             else:
                 self.counts["lost"] += 1  # never trusted; the round commits as without it
-        return Landing(seconds)
+        return Landing(seconds, predrafts=predrafts)
 
     def _valid(self, plan: RoundPlan, ids: Sequence[int], probs: np.ndarray | None) -> bool:
         want = plan.predraft_k + 1
@@ -232,11 +240,10 @@ class PreDrafter:
         return dict(self.counts)
 
 
-def void_draft_grants(plans: Sequence[RoundPlan]) -> None:
+def void_draft_grants(plans: Sequence[RoundPlan]) -> list[RoundPlan]:
     """The drafter's epoch changed during the round: its grants are gone, so nothing commits to them (the
     drafts already verified stay verified; the draft caches restart)."""
-    for plan in plans:
-        plan.draft_grant, plan.predraft = None, None
+    return [without_draft_grant(plan) for plan in plans]
 
 
 __all__ = ["KeptPreDraft", "Landing", "PreDrafter", "next_k", "plan_from_kept", "predraft_item",

@@ -142,6 +142,11 @@ class RequestState:
         self.target_cached = self.draft_cached = 0
         self.admitted = self.draft_admitted = False
 
+    def forget_draft_kv(self) -> None:
+        """Its draft KV is gone (the drafter restarted, or the ledger refused its draft commit): it re-enters the
+        draft namespace and re-prefills its draft cache."""
+        self.draft_cached, self.draft_admitted = 0, False
+
     def record_k(self, k: int, reason: str) -> None:
         if k != self.k or not self.policy_events:
             self.policy_events.append(PolicyEvent(time.monotonic() - self.arrival, k, reason))

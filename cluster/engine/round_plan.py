@@ -1,11 +1,21 @@
-"""One request's plan within one round, and the worker messages built from it.
+"""One request's plan within one round, as a frozen value, its transitions, and the worker messages built from it.
 
-    plan (k) -> reserve (target_grant, draft_grant) -> propose_item -> drafts -> verify_item -> verdict
+    plan_request / prefill_plan / plan_from_kept -> RoundPlan(k, target_pending, n-gram drafts)
+      -> with_draft_pending (draft namespace entered) -> with_predraft_k (pre-drafting's budget)
+      -> with_grants (reserve) -> with_drafts (propose) -> with_predraft (a pre-draft landed)
+      -> verify_item -> accept_round (accept.py)
+    plain(plan, reason): "decode plainly this round" at any point before the verify; without_draft_grant: the
+    drafter's epoch changed during the round.
+
+A phase never changes a plan: it returns new ones (`dataclasses.replace` here, and only here), so a plan seen
+by one phase stays what it was. Owner: the engine thread (docs/ARCHITECTURE.md §3).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -14,34 +24,104 @@ from kv_manager.schema import Reservation
 from specserve_types.round_messages import ProposeItem, VerifyItem
 
 
-@dataclass
-class RoundPlan:
-    """Scratch state of one request within one round (owned by the round that made it)."""
-
-    state: RequestState
-    k: int
-    target_pending: list[int]  # committed tokens without target KV (catch-up), then drafts follow
-    draft_pending: list[int] = field(default_factory=list)
-    drafts: list[int] = field(default_factory=list)
-    draft_probs: np.ndarray | None = None
-    uses_model_drafter: bool = False
-    target_grant: Reservation | None = None
-    draft_grant: Reservation | None = None
-    prefill_to: int | None = None  # a prompt group's carrier: prefill up to here only, nothing sampled
-    # pre-drafting (predraft.py): the next round's k' drafted during this verify; this round's drafts were
-    # pre-drafted during the last one (no propose); the pre-draft, once landed
-    predraft_k: int = 0
-    predrafted: bool = False
-    predraft: PreDraft | None = None
-
-
-@dataclass
+@dataclass(frozen=True)
 class PreDraft:
     """A pre-draft made during its round's verify (predraft.py): the guess g_1 of the bonus token, then the
     next round's drafts g_2..g_{k'+1}, with their q rows when the contract needs them."""
 
     tokens: list[int]
     probs: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """One request within one round: what it verifies, what it drafted, what it was granted."""
+
+    state: RequestState
+    k: int
+    target_pending: list[int]  # committed tokens without target KV (catch-up), then drafts follow
+    draft_pending: list[int] = field(default_factory=list)  # committed tokens without draft KV (model drafts)
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: np.ndarray | None = None
+    uses_model_drafter: bool = False
+    target_grant: Reservation | None = None
+    draft_grant: Reservation | None = None
+    prefill_to: int | None = None  # a prompt group's prefiller: prefill up to here only, nothing sampled
+    # pre-drafting (predraft.py): the next round's k' drafted during this verify; this round's drafts were
+    # pre-drafted during the last one (no propose); the pre-draft, once landed
+    predraft_k: int = 0
+    predrafted: bool = False
+    predraft: PreDraft | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+    @property
+    def needs_propose(self) -> bool:
+        """Its drafts come from the drafter call of this round (not n-gram, not a kept pre-draft)."""
+        return self.uses_model_drafter and self.k > 0 and not self.predrafted
+
+
+def plain(plan: RoundPlan, reason: str) -> RoundPlan:
+    """This round decodes plainly: no drafts, no draft grant (the state records k = 0 and why)."""
+    plan.state.record_k(0, reason)
+    return replace(plan, uses_model_drafter=False, k=0, drafts=[], draft_probs=None, draft_grant=None)
+
+
+def plain_proposed(plans: Iterable[RoundPlan], reason: str) -> list[RoundPlan]:
+    """Those of `plans` whose drafts this round's drafter call makes decode plainly; the others as they are."""
+    return [plain(p, reason) if p.needs_propose else p for p in plans]
+
+
+def with_draft_pending(plan: RoundPlan) -> RoundPlan:
+    """The request holds a draft entry: its catch-up is what the draft cache lacks (up to a prefill's end)."""
+    s = plan.state
+    return replace(plan, draft_pending=s.token_ids[s.draft_cached:plan.prefill_to])
+
+
+def with_predraft_k(plan: RoundPlan, predraft_k: int) -> RoundPlan:
+    return replace(plan, predraft_k=predraft_k)
+
+
+def with_grants(plan: RoundPlan, target: Reservation, draft: Reservation | None) -> RoundPlan:
+    return replace(plan, target_grant=target, draft_grant=draft if plan.uses_model_drafter else None)
+
+
+def with_drafts(plan: RoundPlan, drafts: Sequence[int], probs: np.ndarray | None) -> RoundPlan:
+    return replace(plan, drafts=list(drafts), draft_probs=probs)
+
+
+def with_predraft(plan: RoundPlan, predraft: PreDraft) -> RoundPlan:
+    return replace(plan, predraft=predraft)
+
+
+def without_draft_grant(plan: RoundPlan) -> RoundPlan:
+    """The drafter's epoch changed during the round: its grants are gone, so nothing commits to them (the
+    drafts already verified stay verified; the draft caches restart)."""
+    return replace(plan, draft_grant=None, predraft=None)
+
+
+def updated(plans: Sequence[RoundPlan], new: Iterable[RoundPlan]) -> list[RoundPlan]:
+    """`plans` with each request's plan replaced by its plan in `new`, where it has one (same order)."""
+    by_id = {p.request_id: p for p in new}
+    return [by_id.get(p.request_id, p) for p in plans]
+
+
+def invalid_drafts(plans: Sequence[RoundPlan], by_id: Mapping[str, Any], vocab_size: int) -> str | None:
+    """Why the drafter's answer cannot be used (None if it can): every planned request answered, with
+    exactly k ids, each in [0, vocab_size), and draft probabilities (when sent) with one row per draft."""
+    for p in plans:
+        out = by_id.get(p.request_id)
+        if out is None:
+            return f"no drafts for {p.request_id}"
+        if len(out.draft_ids) != p.k:
+            return f"{p.request_id}: {len(out.draft_ids)} drafts, asked for k={p.k}"
+        if any(not 0 <= int(t) < vocab_size for t in out.draft_ids):
+            return f"{p.request_id}: draft ids outside [0, {vocab_size})"
+        if out.draft_probs is not None and len(out.draft_probs) != p.k:
+            return f"{p.request_id}: {len(out.draft_probs)} draft probability rows for k={p.k}"
+    return None
 
 
 def penalty_history(state: RequestState) -> tuple[list[int], list[int]]:

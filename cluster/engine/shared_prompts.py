@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from cluster.engine.admission import forked
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE
 from cluster.engine.held_commit import HeldCommitKV
 from cluster.engine.inbox import RequestInbox
@@ -64,9 +65,7 @@ class SharedPrompts:
         if not self.kv.can_admit([own], lookahead):
             return False
         self.kv.fork([(namespace, group.key, state.request_id) for namespace in group.namespaces])
-        state.target_cached = group.prefix_len
-        if DRAFT_NAMESPACE in group.namespaces:
-            state.draft_cached, state.draft_admitted = group.prefix_len, True
+        forked(state, group.prefix_len, group.namespaces)
         self._forked(state)
         return True
 
@@ -80,12 +79,10 @@ class SharedPrompts:
         if state.target_cached >= group.prefix_len:  # a prefix-cache hit covers it: nothing to prefill
             self._hold(state, with_draft=False)
             return None
-        plan = RoundPlan(state=state, k=0, target_pending=state.token_ids[state.target_cached:group.prefix_len],
-                         prefill_to=group.prefix_len)
         spec = state.request.spec
-        if spec.draft == "model" and spec.k != 0 and drafter_usable:
-            plan.k, plan.uses_model_drafter = 1, True
-        return plan
+        drafted = spec.draft == "model" and spec.k != 0 and drafter_usable
+        return RoundPlan(state=state, k=1 if drafted else 0, uses_model_drafter=drafted, prefill_to=group.prefix_len,
+                         target_pending=state.token_ids[state.target_cached:group.prefix_len])
 
     def after_commit(self, plans: Iterable[RoundPlan]) -> None:
         """Prefillers whose prefill committed this round: their prefix becomes the group's entry."""

@@ -25,11 +25,11 @@ log = logging.getLogger("specserve.engine")
 
 class WorkerHealth:
     def __init__(self, kv: HeldCommitKV, has_drafter: bool, drafter_retry_seconds: float,
-                 max_verifier_failures: int, events: list[dict[str, Any]]) -> None:
+                 max_verifier_failures: int) -> None:
         self._kv = kv
         self._retry_seconds = drafter_retry_seconds
         self._max_verifier_failures = max_verifier_failures
-        self.events = events  # the engine's fallback_events (shared list; appended on this thread only)
+        self._events: list[dict[str, Any]] = []  # fallback events not yet taken by the engine (`take_events`)
         self.verifier_holder: Holder = kv.register_worker("verifier")
         self.drafter_holder: Holder | None = kv.register_worker("drafter") if has_drafter else None
         self._has_drafter = has_drafter
@@ -38,6 +38,11 @@ class WorkerHealth:
         self._verifier_failures = 0  # consecutive
         self._drafter_instance: str | None = None
         self._verifier_instance: str | None = None
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """The fallback events since the last call (the engine adds them to its own at each step's end)."""
+        events, self._events = self._events, []
+        return events
 
     # ------------------------------------------------------------------ drafter
     def drafter_usable(self) -> bool:
@@ -51,7 +56,7 @@ class WorkerHealth:
             return False
         self._drafter_down_since = None  # a replacement may be up
         self.drafter_holder = self._kv.register_worker("drafter")
-        self.events.append({"at": time.time(), "event": "drafter retried"})
+        self._events.append({"at": time.time(), "event": "drafter retried"})
         return True
 
     def drafter_failed(self, exc: BaseException) -> None:
@@ -60,7 +65,7 @@ class WorkerHealth:
         self._drafter_failures += 1
         log.error("drafter failed (%s); falling back to plain decoding", exc)
         self._drafter_down_since = time.monotonic()
-        self.events.append({"at": time.time(), "event": "drafter unavailable", "error": repr(exc)})
+        self._events.append({"at": time.time(), "event": "drafter unavailable", "error": repr(exc)})
         self._kv.expire_worker("drafter")
 
     def drafter_answered(self, instance: str) -> bool:
@@ -71,7 +76,7 @@ class WorkerHealth:
         self._drafter_instance = instance
         if replaced:
             log.warning("drafter replaced; re-prefilling draft caches")
-            self.events.append({"at": time.time(), "event": "drafter replaced"})
+            self._events.append({"at": time.time(), "event": "drafter replaced"})
             self._kv.expire_worker("drafter")
             self.drafter_holder = self._kv.register_worker("drafter")
         return replaced
@@ -95,6 +100,6 @@ class WorkerHealth:
     def renew_verifier(self, reason: str) -> None:
         """The target KV is gone: expire the verifier's epoch (the ledger drops every target entry of it)
         and hold a new one; the caller requeues every running request."""
-        self.events.append({"at": time.time(), "event": "verifier recovery", "reason": reason})
+        self._events.append({"at": time.time(), "event": "verifier recovery", "reason": reason})
         self._kv.expire_worker("verifier")
         self.verifier_holder = self._kv.register_worker("verifier")

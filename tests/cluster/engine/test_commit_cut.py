@@ -8,6 +8,7 @@ where the test puts it. Every test ends with the ledger empty and no leaked bloc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -140,12 +141,9 @@ class OverreachingEngine(SpecEngine):
     remaining - 1, so there the max_tokens cut falls on the bonus token at the latest; this planner
     puts it inside the accepted drafts."""
 
-    def _plan(self, states: list[RequestState]) -> list[RoundPlan]:
-        plans = super()._plan(states)
-        for plan in plans:
-            if plan.uses_model_drafter:
-                plan.k = plan.state.request.spec.k
-        return plans
+    def plan(self, states: list[RequestState]) -> list[RoundPlan]:
+        return [dataclasses.replace(plan, k=plan.state.request.spec.k) if plan.uses_model_drafter else plan
+                for plan in super().plan(states)]
 
 
 def test_max_tokens_inside_accepted_drafts_finishes_length_and_commits_only_kept_tokens() -> None:

@@ -66,7 +66,7 @@ def run(engine: SpecEngine, requests: list[GenerationRequest]) -> dict[str, tupl
     chunks = engine.run_to_completion()
     engine.kv.audit().assert_no_leaks()
     ledger = engine.kv.inner.ledger
-    assert all(not ledger.request_ids(ns) for ns in engine._namespaces)
+    assert all(not ledger.request_ids(ns) for ns in engine.namespaces)
     return {rid: ([t for c in cs for t in c.token_ids], cs[-1].stats) for rid, cs in chunks.items()}
 
 

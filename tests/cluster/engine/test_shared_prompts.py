@@ -58,7 +58,7 @@ def run_checked(engine: SpecEngine, out: dict[str, list[int]] | None = None,
     finish = {} if finish is None else finish
     while engine.has_unfinished():
         checked_step(engine, out, finish)
-    assert all(not ledger_of(engine).requests[ns] for ns in engine._namespaces), "the ledger holds entries"
+    assert all(not ledger_of(engine).requests[ns] for ns in engine.namespaces), "the ledger holds entries"
     return out, finish
 
 
@@ -94,7 +94,7 @@ def test_members_fork_the_prompt_blocks_and_copy_the_partial_one_on_write(overla
     assert [src for src, _ in copies].count(shared[-1]) >= 4  # each member copied the partial block it writes
     assert all(out[r.request_id] == fake_greedy(PROMPT, 9) for r in group("g", 5))
     assert set(finish.values()) == {"length"}
-    assert all(not ledger.requests[ns] for ns in engine._namespaces)
+    assert all(not ledger.requests[ns] for ns in engine.namespaces)
 
 
 def test_abort_of_members_waiting_running_and_of_the_prefiller() -> None:
