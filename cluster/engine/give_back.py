@@ -12,25 +12,52 @@ Nothing emitted is ever lost: tokens are the truth, caches are rebuilt from them
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE
+from cluster.engine.held_commit import HeldCommitKV
+from cluster.engine.inbox import RequestInbox
+from cluster.engine.overlap import InFlight
+from cluster.engine.request_state import RequestState
+from cluster.engine.shared_prompts import SharedPrompts
+from cluster.engine.step_trace import StepTrace
+from cluster.engine.worker_health import WorkerHealth
 from kv_manager.errors import KVError
 from kv_manager.schema import CommitItem
 from specserve_types.api import TokenChunk
 from specserve_types.faults import FAULTS
 
-if TYPE_CHECKING:
-    from cluster.engine.engine import SpecEngine
-    from cluster.engine.request_state import RequestState
-
 log = logging.getLogger("specserve.engine")
 
 
-def check_commits(engine: SpecEngine, commits: Sequence[CommitItem], results: Sequence[Any]) -> None:
+class ModeHooks(Protocol):
+    def draft_caches_restarted(self) -> None: ...
+
+    def drain(self) -> list[InFlight]: ...
+
+
+class EngineParts(Protocol):
+    """What giving KV back touches of the engine (SpecEngine has all of it)."""
+
+    running: list[RequestState]
+    waiting: collections.deque[RequestState]
+    kv: HeldCommitKV
+    shared: SharedPrompts
+    health: WorkerHealth
+    trace: StepTrace
+    inbox: RequestInbox
+    namespaces: list[str]
+    fallback_events: list[dict[str, Any]]
+
+    @property
+    def mode(self) -> ModeHooks: ...
+
+
+def check_commits(engine: EngineParts, commits: Sequence[CommitItem], results: Sequence[Any]) -> None:
     """Outcomes of a commit whenever it reaches the ledger (held_commit.py)."""
     for item, res in zip(commits, results, strict=True):
         if not isinstance(res, KVError):
@@ -44,7 +71,7 @@ def check_commits(engine: SpecEngine, commits: Sequence[CommitItem], results: Se
                 state.forget_draft_kv()
 
 
-def restart_draft_caches(engine: SpecEngine) -> None:
+def restart_draft_caches(engine: EngineParts) -> None:
     """The drafter's epoch changed: its grants are gone, so every request re-enters the draft namespace."""
     engine.mode.draft_caches_restarted()
     for state in engine.running:
@@ -52,7 +79,7 @@ def restart_draft_caches(engine: SpecEngine) -> None:
     engine.shared.draft_lost()
 
 
-def recover_verifier(engine: SpecEngine, reason: str) -> None:
+def recover_verifier(engine: EngineParts, reason: str) -> None:
     """The target KV is gone: groups in flight land first (their drafts are dropped), the verifier's epoch
     is renewed, and every running request gives back its draft cache and is requeued to re-prefill from
     its tokens (nothing emitted is lost; a waiting request holds nothing in the ledger)."""
@@ -72,7 +99,7 @@ def recover_verifier(engine: SpecEngine, reason: str) -> None:
     engine.shared.target_lost(engine.waiting)
 
 
-def preempt(engine: SpecEngine, state: RequestState) -> None:
+def preempt(engine: EngineParts, state: RequestState) -> None:
     """Give all of a request's KV back and requeue it; it re-prefills from its tokens (nothing is lost)."""
     log.warning("preempting %s: out of KV blocks", state.request_id)
     engine.trace.rollback(state, "preempted: out of KV blocks")
@@ -83,7 +110,7 @@ def preempt(engine: SpecEngine, state: RequestState) -> None:
     engine.fallback_events.append({"at": time.time(), "request_id": state.request_id, "event": "preempted"})
 
 
-def abort_now(engine: SpecEngine, request_id: str) -> list[TokenChunk]:
+def abort_now(engine: EngineParts, request_id: str) -> list[TokenChunk]:
     for state in list(engine.running):
         if state.request_id == request_id:
             engine.running.remove(state)
@@ -101,10 +128,10 @@ def abort_now(engine: SpecEngine, request_id: str) -> list[TokenChunk]:
     return []
 
 
-def _aborted_chunk(engine: SpecEngine, state: RequestState) -> TokenChunk:
+def _aborted_chunk(engine: EngineParts, state: RequestState) -> TokenChunk:
     state.finish_reason = "abort"
     engine.inbox.forget(state.request_id)
     return TokenChunk(state.request_id, [], "", finish_reason="abort", stats=state.stats(), offset=state.num_output)
 
 
-__all__ = ["abort_now", "check_commits", "preempt", "recover_verifier", "restart_draft_caches"]
+__all__ = ["EngineParts", "abort_now", "check_commits", "preempt", "recover_verifier", "restart_draft_caches"]

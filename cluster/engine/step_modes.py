@@ -14,38 +14,60 @@ Owner: the engine thread. A mode holds only its own state (the draft thread's fl
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from cluster.engine.give_back import preempt, restart_draft_caches
+from cluster.engine.accept import RoundOutcome
+from cluster.engine.backends import DrafterBackend
+from cluster.engine.config import EngineConfig
+from cluster.engine.give_back import EngineParts, preempt, restart_draft_caches
 from cluster.engine.overlap import DraftPipeline, InFlight
 from cluster.engine.predraft import PreDrafter, void_draft_grants
+from cluster.engine.request_state import RequestState
 from cluster.engine.round_plan import RoundPlan, plain_proposed, with_predraft
+from cluster.engine.spec_policy import NominalCosts
+from specserve_types.round_messages import ProposeBatch, ProposeResult
 
-if TYPE_CHECKING:
-    from cluster.engine.accept import RoundOutcome
-    from cluster.engine.engine import SpecEngine
-    from cluster.engine.request_state import RequestState
+PlanOne = Callable[[RequestState], RoundPlan]
 
 
-PlanOne = Callable[["RequestState"], RoundPlan]
+class RoundHost(EngineParts, Protocol):
+    """The engine's shared phases, as the modes call them (SpecEngine, engine.py)."""
+
+    drafter: DrafterBackend | None
+    config: EngineConfig
+    vocab_size: int
+
+    def prepare(self, states: list[RequestState], may_preempt: bool) -> tuple[list[RoundPlan], float]: ...
+
+    def plan(self, states: list[RequestState]) -> list[RoundPlan]: ...
+
+    def reserve(self, plans: list[RoundPlan], may_preempt: bool) -> list[RoundPlan]: ...
+
+    def propose_batch(self, plans: list[RoundPlan]) -> ProposeBatch | None: ...
+
+    def apply_drafts(self, plans: list[RoundPlan], result: ProposeResult) -> list[RoundPlan]: ...
+
+    def drafter_failed(self, plans: list[RoundPlan], exc: BaseException) -> list[RoundPlan]: ...
+
+    def nominal_costs(self) -> NominalCosts: ...
 
 
 class StepMode(Protocol):
     holds_commits: bool  # a steady round's commit waits for the next reserve (held_commit.py)
     drafts_own_step: bool  # the drafter call drafts this step's round (so it continues this step's trace)
 
-    def prepare(self, engine: SpecEngine) -> tuple[list[RoundPlan], float]:
+    def prepare(self, engine: RoundHost) -> tuple[list[RoundPlan], float]:
         """This step's plans, reserved and drafted, and the drafter seconds they cost."""
 
-    def after_verify(self, engine: SpecEngine, plans: list[RoundPlan]) -> tuple[list[RoundPlan], float]:
+    def after_verify(self, engine: RoundHost, plans: list[RoundPlan]) -> tuple[list[RoundPlan], float]:
         """The plans accept reads (with landed pre-drafts), and drafter seconds spent beside the verify."""
 
     def after_accept(self, outcome: RoundOutcome) -> None: ...
 
-    def plans_for(self, engine: SpecEngine, states: list[RequestState], plan_one: PlanOne) -> list[RoundPlan]:
+    def plans_for(self, engine: RoundHost, states: list[RequestState], plan_one: PlanOne) -> list[RoundPlan]:
         """A plan per state (before draft admission and reserve)."""
 
-    def budget(self, engine: SpecEngine, plans: list[RoundPlan]) -> list[RoundPlan]:
+    def budget(self, engine: RoundHost, plans: list[RoundPlan]) -> list[RoundPlan]:
         """The plans as they reserve (pre-drafting adds its slots)."""
 
     def in_flight_ids(self) -> set[str]:
@@ -64,19 +86,19 @@ class Serial:
     holds_commits = True
     drafts_own_step = True
 
-    def prepare(self, engine: SpecEngine) -> tuple[list[RoundPlan], float]:
+    def prepare(self, engine: RoundHost) -> tuple[list[RoundPlan], float]:
         return engine.prepare(engine.running, may_preempt=True)
 
-    def after_verify(self, engine: SpecEngine, plans: list[RoundPlan]) -> tuple[list[RoundPlan], float]:
+    def after_verify(self, engine: RoundHost, plans: list[RoundPlan]) -> tuple[list[RoundPlan], float]:
         return plans, 0.0
 
     def after_accept(self, outcome: RoundOutcome) -> None:
         pass
 
-    def plans_for(self, engine: SpecEngine, states: list[RequestState], plan_one: PlanOne) -> list[RoundPlan]:
+    def plans_for(self, engine: RoundHost, states: list[RequestState], plan_one: PlanOne) -> list[RoundPlan]:
         return [plan_one(state) for state in states]
 
-    def budget(self, engine: SpecEngine, plans: list[RoundPlan]) -> list[RoundPlan]:
+    def budget(self, engine: RoundHost, plans: list[RoundPlan]) -> list[RoundPlan]:
         return plans
 
     def in_flight_ids(self) -> set[str]:
@@ -103,7 +125,7 @@ class PingPong(Serial):
         self.pipeline = pipeline
         self._turns_without_plans = 0  # consecutive turns in which no plan got a reservation
 
-    def prepare(self, engine: SpecEngine) -> tuple[list[RoundPlan], float]:
+    def prepare(self, engine: RoundHost) -> tuple[list[RoundPlan], float]:
         """This step's group lands (its drafts were made during the last verify); the other group is
         planned and reserved here and its drafter call is started, to run during this step's verify."""
         turn = self.pipeline.next_turn()
@@ -130,7 +152,7 @@ class PingPong(Serial):
         return plans, draft_seconds
 
     @staticmethod
-    def _land(engine: SpecEngine, flight: InFlight) -> tuple[list[RoundPlan], float]:
+    def _land(engine: RoundHost, flight: InFlight) -> tuple[list[RoundPlan], float]:
         """A group's drafts, applied on the engine thread; a failed call or a drafter epoch that changed
         since the batch was reserved (failure, retry, replacement) leaves the group to plain decoding."""
         if flight.future is None:
@@ -159,23 +181,23 @@ class PreDraft(Serial):
     def __init__(self, predrafter: PreDrafter) -> None:
         self.predrafter = predrafter
 
-    def prepare(self, engine: SpecEngine) -> tuple[list[RoundPlan], float]:
+    def prepare(self, engine: RoundHost) -> tuple[list[RoundPlan], float]:
         plans, seconds = engine.prepare(engine.running, may_preempt=True)
         self.predrafter.start(plans)  # the next round's drafts, made on the draft thread during the verify
         return plans, seconds
 
-    def plans_for(self, engine: SpecEngine, states: list[RequestState], plan_one: PlanOne) -> list[RoundPlan]:
+    def plans_for(self, engine: RoundHost, states: list[RequestState], plan_one: PlanOne) -> list[RoundPlan]:
         plans, void = self.predrafter.plans(states, plan_one)  # a kept pre-draft is its request's plan
         if void:
             engine.kv.rollback(void)
         return plans
 
-    def budget(self, engine: SpecEngine, plans: list[RoundPlan]) -> list[RoundPlan]:
+    def budget(self, engine: RoundHost, plans: list[RoundPlan]) -> list[RoundPlan]:
         """Fresh model-drafted plans reserve their pre-draft's slots too."""
         cfg = engine.config
         return self.predrafter.budget(plans, cfg.k_max, cfg.probe_every, engine.nominal_costs())
 
-    def after_verify(self, engine: SpecEngine, plans: list[RoundPlan]) -> tuple[list[RoundPlan], float]:
+    def after_verify(self, engine: RoundHost, plans: list[RoundPlan]) -> tuple[list[RoundPlan], float]:
         """This step's pre-drafts, made during the verify (predraft.py). A failed or replaced drafter voids the
         round's draft grants (its epoch expired; the drafts already verified stay verified), and every draft
         cache restarts."""
@@ -211,7 +233,7 @@ class PreDraft(Serial):
         return self.predrafter.summary()
 
 
-def step_mode(engine: SpecEngine) -> StepMode:
+def step_mode(engine: RoundHost) -> StepMode:
     """The engine's mode, from its config and drafter (overlap_policy.py decided `overlap`)."""
     drafter, config = engine.drafter, engine.config
     if drafter is None or not config.overlap:
