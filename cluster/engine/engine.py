@@ -155,7 +155,8 @@ class SpecEngine:
         try:
             return self._step()
         finally:
-            self.fallback_events.extend(self.health.take_events())
+            if events := self.health.take_events():  # in time order with the step's own (preempted)
+                self.fallback_events[:] = sorted(self.fallback_events + events, key=lambda e: e["at"])
             self.trace.finish(self.fallback_events, self.health.drafter_holder, self.health.verifier_holder)
 
     def _step(self) -> list[TokenChunk]:
