@@ -41,8 +41,10 @@ class AcceptanceRecord:
     contract: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoundOutcome:
+    """What one round produced, filled by `accept_round` alone (its lists grow there; no field is reassigned)."""
+
     commits: list[CommitItem] = field(default_factory=list)
     chunks: list[TokenChunk] = field(default_factory=list)
     finished: list[RequestState] = field(default_factory=list)
