@@ -28,8 +28,6 @@ sequence has k + 1 tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -51,15 +49,6 @@ V = 6
 N = 50_000
 ALPHA = 1e-3
 POSITIONS = 8
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """The tensors here are small (N x V = 50,000 x 6): on a shared 2-core machine intra-op threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def chi_square_pvalue(tokens: torch.Tensor, target: torch.Tensor) -> float:

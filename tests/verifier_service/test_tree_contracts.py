@@ -19,7 +19,6 @@ generators are seeded, so a run is reproducible.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -33,14 +32,6 @@ V = 6
 N = 12_000
 ALPHA = 1e-3
 MIN_CELL = 400
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def rows(seed: int, n: int, zeros: dict[int, list[int]] | None = None) -> torch.Tensor:
