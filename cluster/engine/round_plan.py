@@ -102,12 +102,6 @@ def without_draft_grant(plan: RoundPlan) -> RoundPlan:
     return replace(plan, draft_grant=None, predraft=None)
 
 
-def updated(plans: Sequence[RoundPlan], new: Iterable[RoundPlan]) -> list[RoundPlan]:
-    """`plans` with each request's plan replaced by its plan in `new`, where it has one (same order)."""
-    by_id = {p.request_id: p for p in new}
-    return [by_id.get(p.request_id, p) for p in plans]
-
-
 def invalid_drafts(plans: Sequence[RoundPlan], by_id: Mapping[str, Any], vocab_size: int) -> str | None:
     """Why the drafter's answer cannot be used (None if it can): every planned request answered, with
     exactly k ids, each in [0, vocab_size), and draft probabilities (when sent) with one row per draft."""
