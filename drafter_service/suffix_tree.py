@@ -123,8 +123,8 @@ class SuffixTrie:
         return None
 
     def propose(self, context: Sequence[int], budget: int, min_score: float = 0.0,
-                max_match: int = MAX_MATCH) -> Proposal | None:
-        """Up to `budget` candidate nodes after `context`, best first (module docstring)."""
+                max_match: int = MAX_MATCH, levels: int | None = None) -> Proposal | None:
+        """Up to `budget` candidate nodes after `context`, best first, at most `levels` deep (module docstring)."""
         if budget <= 0:
             return None
         found = self.match(context, max_match)
@@ -139,7 +139,7 @@ class SuffixTrie:
 
         def push(parent_index: int, parent: _Node, parent_score: float, depth: int) -> None:
             nonlocal order
-            if depth >= self.max_depth - match_len:
+            if depth >= self.max_depth - match_len or (levels is not None and depth >= levels):
                 return
             for token, child in parent.children.items():
                 score = parent_score * child.count / parent.count
@@ -192,10 +192,12 @@ class SuffixCache:
             oldest, _ = self._outputs.popitem(last=False)
             self.global_trie.remove(oldest)
 
-    def propose(self, request_id: str, context: Sequence[int], budget: int, min_score: float = 0.0) -> Proposal | None:
+    def propose(self, request_id: str, context: Sequence[int], budget: int, min_score: float = 0.0,
+                levels: int | None = None) -> Proposal | None:
         """The better of the request's own and the global proposal (by their best node's score; ties: own)."""
         own = self.requests.get(request_id)
-        candidates = [t.propose(context, budget, min_score) for t in ((own,) if own else ()) + (self.global_trie,)]
+        candidates = [t.propose(context, budget, min_score, levels=levels)
+                      for t in ((own,) if own else ()) + (self.global_trie,)]
         found = [c for c in candidates if c is not None]
         return max(found, key=lambda c: c.best, default=None)
 

@@ -46,3 +46,16 @@ class KVPool:
         for layer_k, layer_v in zip(self.k, self.v, strict=True):
             layer_k[dst] = layer_k[src]
             layer_v[dst] = layer_v[src]
+
+    def move_slots(self, moves: list[tuple[int, int]]) -> None:
+        """Copy every layer's K/V at slot src into slot dst, for each (src, dst) in order: a token tree's
+        accepted path compacted to the front of its reservation. A path's moves never read a slot an earlier
+        move wrote (dst < src, both increasing), so one gather-then-scatter gives the in-order result."""
+        if not moves:
+            return
+        src = torch.tensor([s for s, _ in moves])
+        dst = torch.tensor([d for _, d in moves])
+        for layer_k, layer_v in zip(self.k, self.v, strict=True):
+            flat_k, flat_v = layer_k.view(-1, *layer_k.shape[2:]), layer_v.view(-1, *layer_v.shape[2:])
+            flat_k[dst] = flat_k[src]
+            flat_v[dst] = flat_v[src]

@@ -132,21 +132,24 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+DRAFT_KINDS = ("model", "ngram", "suffix", "none")
+
+
 @dataclass(frozen=True)
 class SpecParams:
     """How a request speculates. `k=None` means auto."""
 
     contract: Contract = "greedy"
     k: int | None = None
-    draft: str = "model"  # "model" (the configured draft model) | "ngram" | "none"
+    draft: str = "model"  # "model" (the configured draft model) | "ngram" | "suffix" (token trees) | "none"
 
     def __post_init__(self) -> None:
         if self.contract not in CONTRACTS:
             raise InvalidRequestError("contract", f"unknown contract {self.contract!r}; known: {', '.join(CONTRACTS)}")
         if self.k is not None and not (0 <= self.k <= MAX_K):
             raise InvalidRequestError("k", f"must be in [0, {MAX_K}] or auto, got {self.k}")
-        if self.draft not in ("model", "ngram", "none"):
-            raise InvalidRequestError("draft", f"unknown draft {self.draft!r}; known: model, ngram, none")
+        if self.draft not in DRAFT_KINDS:
+            raise InvalidRequestError("draft", f"unknown draft {self.draft!r}; known: {', '.join(DRAFT_KINDS)}")
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,9 @@ class VerifyItem:
     prompt_ids: list[int] = field(default_factory=list)  # only when penalties are active
     output_ids: list[int] = field(default_factory=list)
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # a token tree's drafts (verifier_service/tree_contracts.py): draft i's parent draft, -1 = the last input
+    # token; None = a chain. The worker keeps the accepted path's KV in the first slots after the inputs.
+    draft_parents: list[int] | None = None
 
 
 @dataclass
@@ -90,6 +93,7 @@ class VerifyOutput:
     accepted_len: int  # draft tokens accepted
     tokens: list[int]  # accepted drafts + the correction or bonus token
     bonus: bool
+    accepted_path: list[int] | None = None  # a tree's accepted drafts (indices into draft_ids), root first
 
 
 @dataclass

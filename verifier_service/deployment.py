@@ -74,7 +74,9 @@ class TPRankActor:
         self.tp_rank = TPRank(checkpoint_dir, self.rank, self.world_size, num_blocks, block_size, device, dtype)
         return self.tp_rank.model.config.vocab_size
 
-    def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]]) -> list[torch.Tensor] | None:
+    def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]],
+                slot_moves: tuple[tuple[int, int], ...] = ()) -> list[torch.Tensor] | None:
+        self.tp_rank.kv.move_slots(list(slot_moves))  # the last round's accepted tree paths first
         self.tp_rank.kv.copy_blocks(copy_blocks)
         logits = self.tp_rank.forward(seqs)
         return logits if self.rank == 0 else None  # only rank 0's answer travels back
@@ -102,8 +104,9 @@ class TPGroupRunner:
                  for r in self.ranks])
         logger.info("verifier TP group ready: %d ranks, rendezvous %s", world_size, init_method)
 
-    def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
-        refs = [rank.forward.remote(seqs, copy_blocks) for rank in self.ranks]
+    def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]],
+                slot_moves: tuple[tuple[int, int], ...] = ()) -> list[torch.Tensor]:
+        refs = [rank.forward.remote(seqs, copy_blocks, slot_moves) for rank in self.ranks]
         results = ray.get(refs)  # every rank must finish: an error on any rank fails the round
         return results[0]
 

@@ -44,12 +44,14 @@ Uniforms: the accept test of sibling j at depth d is the j-th draw of the reques
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from verifier_service.contracts import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 from verifier_service.sampling import request_generator, request_uniforms, sample_with_uniforms
 
 SiblingKind = Literal["deterministic", "sampled"]
@@ -80,11 +82,31 @@ class TokenTree:
         """Node `node`'s children (-1: the root's), in rank order."""
         return [i for i, parent in enumerate(self.parents) if parent == node]
 
-    def depth(self) -> int:
+    def depths(self) -> list[int]:
+        """Each node's depth: 1 for the root's children."""
         depths: list[int] = []
         for parent in self.parents:
             depths.append(1 if parent < 0 else depths[parent] + 1)
-        return max(depths, default=0)
+        return depths
+
+    def depth(self) -> int:
+        return max(self.depths(), default=0)
+
+    def rank(self, node: int) -> int:
+        """Node `node`'s place among its siblings (0: the proposer's first choice)."""
+        return sum(1 for i in range(node) if self.parents[i] == self.parents[node])
+
+    def is_chain(self) -> bool:
+        return all(parent == i - 1 for i, parent in enumerate(self.parents))
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N, N] bool: node i may attend to node j iff j is i or one of its ancestors (the runtime's tree mask)."""
+        mask = torch.zeros(len(self), len(self), dtype=torch.bool)
+        for i, parent in enumerate(self.parents):
+            mask[i, i] = True
+            if parent >= 0:
+                mask[i] |= mask[parent]
+        return mask
 
     def width(self) -> int:
         """The most children of one node (uniforms per level)."""
@@ -187,15 +209,39 @@ def tree_uniforms(seed: int, position: int, tree: TokenTree) -> tuple[torch.Tens
     return u_accept, request_uniforms(seed, position, levels, "residual")
 
 
+def tree_typical(tree: TokenTree, p: torch.Tensor, u_next: torch.Tensor,
+                 posterior_threshold: float = POSTERIOR_THRESHOLD,
+                 posterior_alpha: float = POSTERIOR_ALPHA) -> TreeVerdict:
+    """Medusa's typical acceptance on a tree (labeled "typical": the output distribution is NOT p). At each
+    node, accept the first child (in the proposer's order) with p(x) > min(threshold, alpha * exp(-H(p))); where
+    none passes, the next token ~ p with the uniform of that depth. On a chain: the chain's typical verdict."""
+    _check(tree, p, None)
+    node, path = -1, []
+    while True:
+        row = p[node + 1].double()
+        threshold = min(posterior_threshold, posterior_alpha * math.exp(-float(torch.special.entr(row).sum())))
+        child = next((c for c in tree.children(node) if float(row[tree.tokens[c]]) > threshold), None)
+        if child is None:
+            depth = len(path)
+            next_token = int(sample_with_uniforms(p[node + 1].unsqueeze(0), u_next[depth:depth + 1])[0])
+            return _verdict(tree, path, next_token, "typical")
+        path.append(child)
+        node = child
+
+
 def verify_tree(tree: TokenTree, p: torch.Tensor, contract: str, seed: int = 0, position: int = 0,
-                q: torch.Tensor | None = None, siblings: SiblingKind = "deterministic") -> TreeVerdict:
-    """One request's round on a tree: `greedy` (p: logits or probs) or `exact` (p: the transformed target
-    probabilities; q with sampled siblings), with the request's seeded uniforms."""
+                q: torch.Tensor | None = None, siblings: SiblingKind = "deterministic",
+                inject_bias: bool = False) -> TreeVerdict:
+    """One request's round on a tree: `greedy` (p: logits or probs), `exact` (p: the transformed target
+    probabilities; q with sampled siblings) or `typical`, with the request's seeded uniforms."""
     if contract == "greedy":
         return tree_greedy(tree, p)
     if contract == "exact":
-        return tree_exact(tree, p, q, siblings, *tree_uniforms(seed, position, tree))
-    raise ValueError(f"contract {contract!r} on a tree: greedy or exact")
+        return tree_exact(tree, p, q, siblings, *tree_uniforms(seed, position, tree), inject_bias=inject_bias)
+    if contract == "typical":
+        return tree_typical(tree, p, request_uniforms(seed, position, tree.depth() + 1, "residual"))
+    raise ValueError(f"contract {contract!r} on a tree: greedy, exact or typical")
 
 
-__all__ = ["SiblingKind", "TokenTree", "TreeVerdict", "tree_exact", "tree_greedy", "tree_uniforms", "verify_tree"]
+__all__ = ["SiblingKind", "TokenTree", "TreeVerdict", "tree_exact", "tree_greedy", "tree_typical", "tree_uniforms",
+           "verify_tree"]

@@ -7,6 +7,7 @@ that fans the same batch out to every TP rank actor).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -19,6 +20,7 @@ from model_runtime.config import ModelConfig
 from specserve_types.round_messages import VerifyBatch, VerifyItem, VerifyOutput, VerifyResult
 from verifier_service.contracts import Verdict, verify_exact, verify_greedy, verify_typical
 from verifier_service.sampling import penalized_logits_for_positions, transform_logits
+from verifier_service.tree_contracts import TokenTree, TreeVerdict, tree_greedy, verify_tree
 
 log = logging.getLogger("specserve.verifier")
 
@@ -26,7 +28,10 @@ log = logging.getLogger("specserve.verifier")
 class ForwardRunner(Protocol):
     config: ModelConfig
 
-    def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]]) -> list[torch.Tensor]: ...
+    def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]],
+                slot_moves: tuple[tuple[int, int], ...] = ()) -> list[torch.Tensor]:
+        """Move `slot_moves` (the last round's accepted tree paths), copy `copy_blocks`, then run `seqs`."""
+        ...
 
 
 class LocalRunner:
@@ -39,7 +44,9 @@ class LocalRunner:
         self.rank = TPRank(checkpoint_dir, 0, 1, num_blocks, block_size, device, dtype)
         self.config = self.rank.model.config
 
-    def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
+    def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]],
+                slot_moves: tuple[tuple[int, int], ...] = ()) -> list[torch.Tensor]:
+        self.rank.kv.move_slots(list(slot_moves))
         self.rank.kv.copy_blocks(copy_blocks)
         return self.rank.forward(seqs)
 
@@ -63,6 +70,49 @@ def decide(item: VerifyItem, logits: torch.Tensor, inject_bias: bool = False) ->
     return verify_exact(item.draft_ids, q, p, item.seed, first_draft_position, inject_bias)
 
 
+def tree_of(item: VerifyItem) -> TokenTree:
+    assert item.draft_parents is not None, "a chain item"
+    if not item.input_ids:
+        raise ValueError(f"{item.request_id}: a tree needs its root token among the inputs")
+    if item.draft_probs is not None or item.sampling.has_penalties:
+        raise ValueError(f"{item.request_id}: trees take deterministic candidates without penalties")
+    return TokenTree(tuple(item.draft_ids), tuple(item.draft_parents))
+
+
+def seq_input(item: VerifyItem) -> SeqInput:
+    """The item's forward input: its inputs then its drafts, causal for a chain; for a tree, the inputs causal
+    and each node after every input and its own ancestors, at position (the root's) + its depth."""
+    tokens = item.input_ids + item.draft_ids
+    if item.draft_parents is None:
+        return SeqInput(token_ids=tokens, past_len=item.past_len, block_table=item.block_table,
+                        slot_mapping=item.slot_mapping, logits=len(item.draft_ids) + 1)
+    tree, inputs = tree_of(item), len(item.input_ids)
+    mask = torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril()
+    mask[inputs:, inputs:] = tree.ancestor_mask()
+    root = item.past_len + inputs - 1
+    positions = list(range(item.past_len, root + 1)) + [root + d for d in tree.depths()]
+    return SeqInput(token_ids=tokens, past_len=item.past_len, block_table=item.block_table,
+                    slot_mapping=item.slot_mapping, positions=positions, attn_mask=mask, logits=len(tree) + 1)
+
+
+def decide_tree(item: VerifyItem, logits: torch.Tensor, inject_bias: bool = False) -> TreeVerdict:
+    """A tree's contract on its root's and nodes' rows (greedy sampling under any contract follows the argmax)."""
+    tree, params = tree_of(item), item.sampling
+    if item.contract == "greedy" or params.is_greedy:
+        verdict = tree_greedy(tree, logits)
+        return dataclasses.replace(verdict, contract=item.contract)
+    position = item.past_len + len(item.input_ids)
+    return verify_tree(tree, transform_logits(logits, params), item.contract, item.seed, position,
+                       inject_bias=inject_bias)
+
+
+def path_moves(item: VerifyItem, path: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(src, dst) slots that bring the accepted nodes' KV to the first draft slots, in path order."""
+    first = len(item.input_ids)
+    return [(item.slot_mapping[first + node], item.slot_mapping[first + j]) for j, node in enumerate(path)
+            if node != j]
+
+
 class VerifierWorker:
     def __init__(self, runner: ForwardRunner, inject_bias: bool = False) -> None:
         self.runner = runner
@@ -71,20 +121,33 @@ class VerifierWorker:
         # For testing the statistical check only (`specserve check exact --inject-bias`, in process): the exact
         # contract then resamples from p instead of the residual after a rejection, which is WRONG on purpose.
         self.inject_bias = inject_bias
+        # the accepted tree paths' KV compaction, run at the start of the next forward (before anything reads the
+        # pool: a request's next round, a fork's copy, a prefix hit); written only by `verify`
+        self._slot_moves: tuple[tuple[int, int], ...] = ()
 
     def verify(self, batch: VerifyBatch) -> VerifyResult:
         start = time.perf_counter()
-        seqs = [
-            SeqInput(token_ids=item.input_ids + item.draft_ids, past_len=item.past_len, block_table=item.block_table,
-                     slot_mapping=item.slot_mapping, logits=len(item.draft_ids) + 1)
-            for item in batch.items
-        ]
+        seqs = [seq_input(item) for item in batch.items]
         copies = [pair for item in batch.items for pair in item.copy_blocks]
-        all_logits = self.runner.forward(seqs, copies) if seqs else []
-        outputs = []
+        if not seqs:
+            return VerifyResult(outputs=[], seconds=time.perf_counter() - start, scored_tokens=0,
+                                worker_instance=self.instance)
+        # taken before the call: a failed verify requeues every request (it re-prefills), and a repeated move
+        # could read a slot the failed forward overwrote
+        moves_due, self._slot_moves = self._slot_moves, ()
+        all_logits = self.runner.forward(seqs, copies, moves_due)
+        outputs, moves = [], []
         for item, logits in zip(batch.items, all_logits, strict=True):
-            verdict = decide(item, logits, self.inject_bias)
-            outputs.append(VerifyOutput(item.request_id, verdict.accepted_len, verdict.tokens, verdict.bonus))
+            if item.draft_parents is None:
+                verdict = decide(item, logits, self.inject_bias)
+                outputs.append(VerifyOutput(item.request_id, verdict.accepted_len, verdict.tokens, verdict.bonus))
+                continue
+            tree_verdict = decide_tree(item, logits, self.inject_bias)
+            leaf = not tree_of(item).children(tree_verdict.path[-1] if tree_verdict.path else -1)
+            outputs.append(VerifyOutput(item.request_id, tree_verdict.accepted_len, list(tree_verdict.tokens), leaf,
+                                        accepted_path=list(tree_verdict.path)))
+            moves += path_moves(item, tree_verdict.path)
+        self._slot_moves = tuple(moves)
         scored = sum(len(s.token_ids) for s in seqs)
         return VerifyResult(outputs=outputs, seconds=time.perf_counter() - start, scored_tokens=scored,
                             worker_instance=self.instance)

@@ -17,7 +17,7 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 def generate_via_server(args: argparse.Namespace) -> int:
     """`specserve generate --server HOST:PORT`: the same flags and output as in process."""
     draft = args.draft
-    if draft is not None and draft not in ("ngram", "none"):
+    if draft is not None and draft not in ("ngram", "suffix", "none"):
         draft = "model"  # the server's draft model; which one is the server's configuration
     fields = dict(
         model="" if args.model == DEFAULT_MODEL else args.model, draft=draft or None, k=args.k,

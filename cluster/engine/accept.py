@@ -17,6 +17,7 @@ nor counted, and a round cut inside its accepted drafts counts as having propose
 stop (all accepted): the drafts after it were never needed, not rejected.
 
     target KV written this round:  [ target_pending | drafts ]      commit: pending + kept accepted drafts
+                                   (a tree: its accepted path, moved by the verifier to the first draft slots)
     draft  KV written this round:  [ draft_pending | drafts[:-1] ]  commit: pending + min(kept, k - 1)
 """
 
@@ -39,6 +40,16 @@ class AcceptanceRecord:
     accepted: int
     proposed: int
     contract: str
+    ranks: tuple[int, ...] = ()  # a tree round's accepted nodes' sibling ranks (acceptance_stats.py)
+    tree_nodes: int = 0
+
+
+def _accepted_path(out: VerifyOutput, nodes: int) -> list[int]:
+    """The verifier's accepted path through a tree of `nodes` drafts, checked: root first, each node once."""
+    path = out.accepted_path
+    assert path is not None and len(path) == out.accepted_len, f"{out.request_id}: a tree answer without its path"
+    assert all(0 <= n < nodes for n in path) and path == sorted(set(path)), f"{out.request_id}: bad path {path}"
+    return list(path)
 
 
 @dataclass(frozen=True)
@@ -63,18 +74,25 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
         if plan.prefill_to is not None:  # a prompt group's shared prefill: its token is not the request's
             _commit_prefill(plan, outcome, verifier_holder, drafter_holder)
             continue
-        proposed = len(plan.drafts)
+        tree = plan.tree
+        # a tree proposes the chain of its depth; its accepted drafts are the accepted path's nodes, whose KV the
+        # verifier moves to the first draft slots (verifier_service/worker.py), so the commit is contiguous
+        proposed = len(plan.drafts) if tree is None else tree.depth()
+        path = list(range(len(plan.drafts))) if tree is None else _accepted_path(out, len(plan.drafts))
+        accepted_drafts = [plan.drafts[node] for node in path]
         s.rounds += 1
         kept, delta = s.append_tokens(out.tokens)
         finished = s.finish_reason is not None
         kept_accepted = min(out.accepted_len, len(kept))
         counted_proposed = proposed if len(kept) == len(out.tokens) else kept_accepted
         if proposed:
-            record = AcceptanceRecord(kept_accepted, counted_proposed, s.request.spec.contract)
-            s.acceptance.record(record.accepted, record.proposed, record.contract)
+            record = AcceptanceRecord(kept_accepted, counted_proposed, s.request.spec.contract,
+                                      ranks=() if tree is None else tuple(tree.rank(n) for n in path[:kept_accepted]),
+                                      tree_nodes=0 if tree is None else len(tree))
+            s.acceptance.record(record.accepted, record.proposed, record.contract, record.ranks, record.tree_nodes)
             outcome.acceptance.append(record)
         target_len = len(plan.target_pending) + kept_accepted
-        committed = plan.target_pending + plan.drafts[:kept_accepted]
+        committed = plan.target_pending + accepted_drafts[:kept_accepted]
         assert s.token_ids[s.target_cached:s.target_cached + target_len] == committed, "commit != kept tokens"
         outcome.commits.append(CommitItem(TARGET_NAMESPACE, s.request_id, target_len, committed, verifier_holder,
                                           finished=finished))

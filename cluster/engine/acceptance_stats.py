@@ -9,6 +9,9 @@ Glossary:
   rejections   rounds that rejected a draft (accepted_len < proposed); with `accepted` it gives the
                per-draft acceptance rate accepted / (accepted + rejections), which the auto policy
                uses only to extrapolate to positions it has not measured yet.
+  tree rounds  rounds whose drafts were a token tree (suffix drafting): `proposed` counts the tree's depth (the
+               chain it stands for), `tree_nodes` its nodes; `accepted_by_rank[r]` = accepted nodes that were
+               their parent's r-th candidate (0: the proposer's first choice, which a chain would have held).
   E[Y]         expected tokens per round at k = gamma: 1 + sum_{k=1..gamma} s_k (docs/ARCHITECTURE.md §5);
                `mean_tokens_per_round` is the measured mean over the rounds actually run (mixed k).
 """
@@ -33,10 +36,20 @@ class AcceptanceStats:
     reached: list[int] = field(default_factory=list)  # index i = draft position i+1
     survived: list[int] = field(default_factory=list)
     rounds_by_contract: dict[str, int] = field(default_factory=dict)
+    tree_rounds: int = 0
+    tree_nodes: int = 0
+    accepted_by_rank: list[int] = field(default_factory=list)
 
-    def record(self, accepted_len: int, proposed: int, contract: str) -> None:
-        """Count one round that proposed `proposed` drafts and accepted the first `accepted_len` of them."""
+    def record(self, accepted_len: int, proposed: int, contract: str, ranks: tuple[int, ...] = (),
+               tree_nodes: int = 0) -> None:
+        """Count one round that proposed `proposed` drafts and accepted the first `accepted_len` of them; a tree
+        round also gives its node count and its accepted nodes' sibling ranks."""
         assert 0 <= accepted_len <= proposed, f"accepted {accepted_len} of {proposed} proposed"
+        if tree_nodes:
+            self.tree_rounds += 1
+            self.tree_nodes += tree_nodes
+            for rank in ranks:
+                self.accepted_by_rank = _add(self.accepted_by_rank, [0] * rank + [1])
         self.rounds += 1
         self.proposed += proposed
         self.accepted += accepted_len
@@ -78,6 +91,9 @@ class AcceptanceStats:
             reached=_add(self.reached, other.reached),
             survived=_add(self.survived, other.survived),
             rounds_by_contract=contracts,
+            tree_rounds=self.tree_rounds + other.tree_rounds,
+            tree_nodes=self.tree_nodes + other.tree_nodes,
+            accepted_by_rank=_add(self.accepted_by_rank, other.accepted_by_rank),
         )
 
     def speculative_decoding(self) -> dict:
@@ -107,6 +123,9 @@ class AcceptanceStats:
             "survived": list(self.survived),
             "survival": self.survival(),
             "rounds_by_contract": dict(self.rounds_by_contract),
+            "tree_rounds": self.tree_rounds,
+            "tree_nodes": self.tree_nodes,
+            "accepted_by_rank": list(self.accepted_by_rank),
         }
 
     @classmethod
@@ -121,4 +140,7 @@ class AcceptanceStats:
             reached=list(data["reached"]),
             survived=list(data["survived"]),
             rounds_by_contract=dict(data["rounds_by_contract"]),
+            tree_rounds=data.get("tree_rounds", 0),
+            tree_nodes=data.get("tree_nodes", 0),
+            accepted_by_rank=list(data.get("accepted_by_rank", [])),
         )

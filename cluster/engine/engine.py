@@ -3,7 +3,8 @@
 One round for the running batch (docs/ARCHITECTURE.md §2), as `step` reads; each phase returns new values
 (round_plan.py: a plan is frozen, its transitions live there):
 
-    plan     k per request (fixed or auto; 0 = plain decode)            planner.py, spec_policy.py
+    plan     k per request (fixed or auto; 0 = plain decode); n-gram and suffix drafts (a suffix draft may be
+             a token tree: tree_policy.py sizes it)                     planner.py, spec_policy.py
     reserve  ONE ledger call: target slots (catch-up + k), draft slots (catch-up + k - 1)
     propose  ONE drafter call for the model-drafted requests (n-gram drafts were made by the plan)
     verify   ONE verifier call: one forward scores every request's catch-up + drafts, then each
@@ -63,6 +64,7 @@ from cluster.engine.step_modes import step_mode
 from cluster.engine.step_record import EngineObserver
 from cluster.engine.step_trace import StepTrace
 from cluster.engine.worker_health import WorkerHealth
+from drafter_service.suffix_drafts import SuffixDrafter
 from kv_manager.errors import KVError
 from kv_manager.schema import ReserveItem
 from specserve_types.api import GenerationRequest, InvalidRequestError, TokenChunk
@@ -115,6 +117,7 @@ class SpecEngine:
         self.namespaces = [TARGET_NAMESPACE] + ([DRAFT_NAMESPACE] if drafter else [])
         self.inbox = RequestInbox(config.max_waiting)  # shared with submit/abort callers; step drains it
         self.shared = SharedPrompts(self.kv, self.inbox)  # prompt groups: n completions prefill once
+        self.suffix = SuffixDrafter()  # suffix drafts' tries (drafter_service/suffix_drafts.py); the planner's
         self.trace = StepTrace(observer)  # traces, metrics: the observer gets a StepRecord per step
 
     # ------------------------------------------------------------------ requests in and out (any thread)
@@ -238,7 +241,10 @@ class SpecEngine:
             free_fraction=self.kv.free_fraction(TARGET_NAMESPACE) if any(  # read by auto only
                 s.request.spec.k is None and s.request.spec.draft != "none" for s in states) else 1.0,
             drafter_usable=any(s.request.spec.draft == "model" for s in states) and self.health.drafter_usable(),
-            engine_acceptance=self.acceptance, cost=self.cost, batch=len(states), nominal=self.nominal_costs())
+            engine_acceptance=self.acceptance, cost=self.cost, batch=len(states), nominal=self.nominal_costs(),
+            suffix=self.suffix, tree_nodes=cfg.tree_nodes)
+        if self.suffix.live() > len(self.running):  # tries of requests that left (aborted, requeued) go
+            self.suffix.retain(state.request_id for state in self.running)
 
         def plan_one(state: RequestState) -> RoundPlan:
             return self.shared.prefill_plan(state, context.drafter_usable) or plan_request(state, context)
@@ -336,7 +342,7 @@ class SpecEngine:
 
     def _commit(self, outcome: RoundOutcome) -> None:
         for record in outcome.acceptance:
-            self.acceptance.record(record.accepted, record.proposed, record.contract)
+            self.acceptance.record(record.accepted, record.proposed, record.contract, record.ranks, record.tree_nodes)
         for request_id in outcome.release_draft:
             self.kv.release(request_id, [DRAFT_NAMESPACE])
         kv_start = time.perf_counter()
@@ -349,6 +355,8 @@ class SpecEngine:
         for state in outcome.finished:
             self.running.remove(state)
             self.inbox.forget(state.request_id)
+            if state.request.spec.draft == "suffix":  # its output joins the global trie of earlier outputs
+                self.suffix.finish(state.request_id, state.output_ids)
         return outcome.chunks
 
     # ------------------------------------------------------------------ checks, statistics, shutdown

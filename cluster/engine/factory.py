@@ -31,7 +31,7 @@ from verifier_service.worker import LocalRunner, VerifierWorker
 
 log = logging.getLogger("specserve.factory")
 
-NON_MODEL_DRAFTS = ("ngram", "none")
+NON_MODEL_DRAFTS = ("ngram", "suffix", "none")
 
 
 class IncompatibleDraftError(InvalidRequestError):

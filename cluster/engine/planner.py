@@ -1,9 +1,10 @@
 """Plan: how many draft tokens k one request proposes this round, and by which drafter.
 
-    plan_request(state, context) -> RoundPlan(k, target_pending, drafts (n-gram), uses_model_drafter)
+    plan_request(state, context) -> RoundPlan(k, target_pending, drafts (n-gram, suffix), uses_model_drafter)
 
 Fixed k, or auto (spec_policy.py): seeded sampled requests from their own history only, the others from
-the measured costs. n-gram drafts are made here (prompt lookup, in process). The plan is built once, on
+the measured costs. n-gram and suffix drafts are made here (in process); a suffix draft is a token tree of k
+levels whose size tree_policy.py picks, or its best chain. The plan is built once, on
 the engine thread; the engine then enters a model-drafted request in the draft namespace, sets its
 `draft_pending` and reserves the plan's maximum (docs/ARCHITECTURE.md §2).
 """
@@ -24,7 +25,10 @@ from cluster.engine.spec_policy import (
     choose_k,
     choose_k_seeded,
 )
+from cluster.engine.tree_policy import TreeDecision, TreeInputs, tree_size
 from drafter_service.ngram import propose_ngram
+from drafter_service.suffix_drafts import SuffixDrafter
+from verifier_service.tree_contracts import TokenTree
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class PlanContext:
     cost: CostModel
     batch: int  # requests verified together (the group's size under overlap)
     nominal: NominalCosts = FLOAT32_COSTS  # seeded requests' costs: by the target's dtype (spec_policy.py)
+    suffix: SuffixDrafter | None = None  # the engine's suffix drafter (its tries: the engine thread's)
+    tree_nodes: int = 0  # most nodes of a suffix tree (0: chains only)
 
 
 def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
@@ -64,15 +70,45 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
         decision = choose_k(AutoInputs(
             state.acceptance, ctx.engine_acceptance, ctx.cost, k_cap, len(pending),
             state.rounds_at_zero, ctx.probe_every, ctx.free_fraction, ctx.pressure_free_fraction,
-            draft_cost_per_token=0.0 if spec.draft == "ngram" else ctx.cost.draft_token, batch=ctx.batch))
+            draft_cost_per_token=0.0 if spec.draft in ("ngram", "suffix") else ctx.cost.draft_token,
+            batch=ctx.batch))
         k, reason = decision.k, decision.reason
     state.rounds_at_zero = state.rounds_at_zero + 1 if k == 0 else 0
     drafts: list[int] = []
+    parents: tuple[int, ...] | None = None
     if spec.draft == "ngram" and k > 0:
         drafts = propose_ngram(state.token_ids, k)
         k = len(drafts)
         if k == 0:
             reason = "n-gram: no match"
+    elif spec.draft == "suffix" and k > 0:
+        drafts, parents, reason = _suffix_drafts(state, ctx, k, len(pending), reason)
+        k = len(drafts)
     state.record_k(k, reason)
     return RoundPlan(state=state, k=k, target_pending=pending, drafts=drafts,
-                     uses_model_drafter=spec.draft == "model" and k > 0)
+                     uses_model_drafter=spec.draft == "model" and k > 0, draft_parents=parents)
+
+
+def _suffix_drafts(state: RequestState, ctx: PlanContext, k: int, catch_up: int,
+                   reason: str) -> tuple[list[int], tuple[int, ...] | None, str]:
+    """A suffix tree of k levels (tree_policy.py sizes it; fixed k: the limit), or its best chain where trees
+    are off or penalties apply (they read one history per row); no match: no drafts."""
+    assert ctx.suffix is not None, "suffix drafts need the engine's suffix drafter"
+    if state.request.sampling.has_penalties or ctx.tree_nodes <= k:
+        size = TreeDecision(k, "chain: penalties" if state.request.sampling.has_penalties else "chain: tree limit")
+    elif state.request.spec.k is not None:
+        size = TreeDecision(ctx.tree_nodes, f"tree: up to {ctx.tree_nodes} nodes (fixed k)")
+    else:
+        size = tree_size(TreeInputs(k, ctx.tree_nodes, catch_up, ctx.batch, ctx.cost, ctx.engine_acceptance))
+    # a chain is the best path of a wider proposal (best-first spends nodes on side branches)
+    proposal = ctx.suffix.propose(state.request_id, state.token_ids, max(size.nodes, 4 * k), levels=k)
+    if proposal is None:
+        return [], None, "suffix: no match"
+    if size.nodes == k or len(proposal.tree) <= k:
+        chain = proposal.chain(k)
+        return chain, None, f"{reason}; {size.reason}"
+    # the first n nodes popped best-first are the tree a budget of n would have given
+    tree = TokenTree(proposal.tree.tokens[:size.nodes], proposal.tree.parents[:size.nodes])
+    if tree.is_chain():
+        return list(tree.tokens), None, f"{reason}; {size.reason}"
+    return list(tree.tokens), tree.parents, f"{reason}; {size.reason}"

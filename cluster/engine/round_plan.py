@@ -22,6 +22,7 @@ import numpy as np
 from cluster.engine.request_state import RequestState
 from kv_manager.schema import Reservation
 from specserve_types.round_messages import ProposeItem, VerifyItem
+from verifier_service.tree_contracts import TokenTree
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,17 @@ class RoundPlan:
     predraft_k: int = 0
     predrafted: bool = False
     predraft: PreDraft | None = None
+    # the drafts as a token tree (suffix drafting): draft i's parent draft, -1 = the round's root (its last input
+    # token); None = a chain. A tree reserves a target slot per node; k counts its nodes.
+    draft_parents: tuple[int, ...] | None = None
 
     @property
     def request_id(self) -> str:
         return self.state.request_id
+
+    @property
+    def tree(self) -> TokenTree | None:
+        return None if self.draft_parents is None else TokenTree(tuple(self.drafts), self.draft_parents)
 
     @property
     def needs_propose(self) -> bool:
@@ -66,7 +74,8 @@ class RoundPlan:
 def plain(plan: RoundPlan, reason: str) -> RoundPlan:
     """This round decodes plainly: no drafts, no draft grant (the state records k = 0 and why)."""
     plan.state.record_k(0, reason)
-    return replace(plan, uses_model_drafter=False, k=0, drafts=[], draft_probs=None, draft_grant=None)
+    return replace(plan, uses_model_drafter=False, k=0, drafts=[], draft_probs=None, draft_grant=None,
+                   draft_parents=None)
 
 
 def plain_proposed(plans: Iterable[RoundPlan], reason: str) -> list[RoundPlan]:
@@ -149,4 +158,5 @@ def verify_item(plan: RoundPlan) -> VerifyItem:
         past_len=s.target_cached, block_table=list(grant.block_table), slot_mapping=list(grant.slot_mapping[:n_slots]),
         sampling=s.request.sampling, contract=s.request.spec.contract, seed=s.seed, position=len(s.token_ids),
         prompt_ids=prompt_ids, output_ids=output_ids, copy_blocks=list(grant.copy_on_write),
+        draft_parents=list(plan.draft_parents) if plan.draft_parents is not None and drafts else None,
     )

@@ -42,7 +42,7 @@ __all__ = ["ENGINE_OPTIONS", "NGRAM_DRAFT", "ClusterConfig", "ConfigError", "loa
 NGRAM_DRAFT = "ngram"  # `draft` value: n-gram (prompt lookup) drafting, no draft model
 # The fields a config file may also set under `engine_options:` (the older spelling, still accepted).
 ENGINE_OPTIONS = ("k_max", "probe_every", "pressure_free_fraction", "drafter_retry_seconds",
-                  "max_verifier_failures", "overlap", "predraft")
+                  "max_verifier_failures", "overlap", "predraft", "tree_nodes")
 
 
 class ConfigError(ValueError):
@@ -117,6 +117,9 @@ class ClusterConfig(BaseModel):
     predraft: bool = Field(False, description="under overlap, draft each request's next round during its verify "
                                               "(assuming its drafts are accepted) instead of ping-ponging two "
                                               "groups (cluster/engine/predraft.py)")
+    tree_nodes: int = Field(16, ge=0, le=64, description="most nodes of a token tree drafted by `suffix` (0: chains "
+                                                         "only); auto sizes each tree from the measured verify cost "
+                                                         "and side-branch acceptance (cluster/engine/tree_policy.py)")
 
     # Serve health checks and graceful shutdown (applied to every deployment)
     health_check_period_s: float = Field(10.0, gt=0, le=3600)
@@ -276,6 +279,7 @@ class ClusterConfig(BaseModel):
             k_max=self.k_max, probe_every=self.probe_every, pressure_free_fraction=self.pressure_free_fraction,
             drafter_retry_seconds=self.drafter_retry_seconds, max_verifier_failures=self.max_verifier_failures,
             overlap=overlap.enabled, overlap_reason=overlap.reason, predraft=self.predraft,
+            tree_nodes=self.tree_nodes,
         )
 
     def local_runtime(self) -> LocalRuntime:

@@ -124,7 +124,7 @@ class GenerationParams(Strict):
         None, description="specserve: acceptance contract; default greedy at temperature 0, else exact")
     k: Int(ge=0, le=MAX_K) | Literal["auto"] | None = Field(
         None, description="specserve: draft tokens per round (0 = plain decoding); default auto")
-    draft: Literal["model", "ngram", "none"] | None = Field(None, description="specserve: who drafts")
+    draft: Literal["model", "ngram", "suffix", "none"] | None = Field(None, description="specserve: who drafts")
     # refused unless harmless
     logit_bias: Annotated[dict[str, Any], Field(max_length=0)] | None = Field(None, description="refused")
     tools: Empty | None = Field(None, description="refused")

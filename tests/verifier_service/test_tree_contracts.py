@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.verifier_service.test_contracts import chi_square_pvalue
-from verifier_service.contracts import verify_exact, verify_greedy
+from verifier_service.contracts import verify_exact, verify_greedy, verify_typical
 from verifier_service.sampling import sample_with_uniforms
 from verifier_service.tree_contracts import TokenTree, tree_exact, verify_tree
 
@@ -84,8 +84,25 @@ def test_bad_trees_and_rows_are_refused() -> None:
         verify_tree(TokenTree((9,), (-1,)), torch.full((2, V), 1 / V), "exact")
     with pytest.raises(ValueError, match="need the q"):
         verify_tree(tree, torch.full((3, V), 1 / V), "exact", siblings="sampled")
-    with pytest.raises(ValueError, match="greedy or exact"):
-        verify_tree(tree, torch.full((3, V), 1 / V), "typical")
+    with pytest.raises(ValueError, match="greedy, exact or typical"):
+        verify_tree(tree, torch.full((3, V), 1 / V), "median")
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_typical_on_a_chain_tree_is_the_chain_typical_verdict(trial: int) -> None:
+    g = torch.Generator().manual_seed(trial)
+    k = 1 + trial % 4
+    p = torch.softmax(3 * torch.randn(k + 1, V, generator=g), -1)
+    drafts = [int(t) for t in torch.randint(0, V, (k,), generator=g)]
+    tree = verify_tree(TokenTree.chain(drafts), p, "typical", seed=trial, position=7)
+    chain = verify_typical(drafts, p, trial, 7)
+    assert list(tree.tokens) == chain.tokens and tree.accepted_len == chain.accepted_len
+
+
+def test_typical_takes_the_first_typical_sibling() -> None:
+    p = torch.tensor([[0.05, 0.5, 0.45, 0, 0, 0], [1, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0]], dtype=torch.float64)
+    verdict = verify_tree(TokenTree((0, 2), (-1, -1)), p, "typical")  # 0 is atypical, 2 passes
+    assert verdict.path == (1,) and verdict.tokens == (2, 3)
 
 
 # ------------------------------------------------------------------ statistical: the emitted tokens follow p

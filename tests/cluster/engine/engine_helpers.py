@@ -133,23 +133,29 @@ class FakeRunner:
     def _slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
+    def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]],
+                slot_moves: tuple[tuple[int, int], ...] = ()) -> list[torch.Tensor]:
         bs = self.block_size
+        moved = {dst: self.pool[src] for src, dst in slot_moves}  # every source read before any write
+        self.pool.update(moved)
         for src, dst in copy_blocks:
             for offset in range(bs):
                 if src * bs + offset in self.pool:
                     self.pool[dst * bs + offset] = self.pool[src * bs + offset]
         out = []
         for seq in seqs:
-            assert seq.positions is None and seq.attn_mask is None, "the fake runs chains only"
             n = len(seq.token_ids)
+            mask = seq.attn_mask if seq.attn_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
             for i, (token, slot) in enumerate(zip(seq.token_ids, seq.slot_mapping, strict=True)):
                 assert slot == self._slot(seq.block_table, seq.past_len + i), "slot mapping disagrees with the table"
                 self.pool[slot] = token
+            if seq.positions is not None:  # a tree: a node's position is the root's plus its depth
+                assert all(seq.positions[i] == seq.past_len + int(mask[i].sum()) - 1 for i in range(n)), "positions"
             rows = {"all": n, "last": 1, "none": 0}[seq.logits] if isinstance(seq.logits, str) else seq.logits
             logits = torch.full((rows, FAKE_VOCAB), -10.0)
             for row, i in enumerate(range(n - rows, n)):
-                slots = [self._slot(seq.block_table, p) for p in range(seq.past_len + i + 1)]
+                slots = [self._slot(seq.block_table, p) for p in range(seq.past_len)]
+                slots += [seq.slot_mapping[j] for j in range(n) if mask[i, j]]
                 missing = [s for s in slots if s not in self.pool]
                 assert not missing, f"slots {missing} were never written"
                 logits[row, self.rule([self.pool[s] for s in slots])] = 10.0
@@ -159,14 +165,15 @@ class FakeRunner:
 
 def fake_engine(num_blocks: int = 256, block_size: int = 4, max_batch: int = 4, overlap: bool = False,
                 k_max: int = 4, predraft: bool = False,
-                draft_rule: Callable[[list[int]], int] = fake_draft_token, observer: Any = None) -> SpecEngine:
+                draft_rule: Callable[[list[int]], int] = fake_draft_token, observer: Any = None,
+                target_rule: Callable[[list[int]], int] = fake_next_token, tree_nodes: int = 16) -> SpecEngine:
     """The real engine, ledger (in process) and workers over FakeRunners, with a draft model (drafting by
     `draft_rule`); no EOS."""
     config = engine_config(max_batch=max_batch, queue_capacity=64, max_context=1024, k_max=k_max, overlap=overlap,
-                           predraft=predraft)
+                           predraft=predraft, tree_nodes=tree_nodes)
     namespaces = [NamespaceConfig(TARGET_NAMESPACE, num_blocks, block_size),
                   NamespaceConfig(DRAFT_NAMESPACE, num_blocks, block_size)]
-    return SpecEngine(VerifierWorker(FakeRunner(fake_next_token, block_size)),
+    return SpecEngine(VerifierWorker(FakeRunner(target_rule, block_size)),
                       DraftWorker(FakeRunner(draft_rule, block_size)), LocalKV(BlockLedger(namespaces)),
                       tokenizer=None, eos_token_ids=(), vocab_size=FAKE_VOCAB, config=config,
                       model_name="fake", draft_name="fake-draft", observer=observer)

@@ -19,17 +19,19 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return target, draft
 
 
-@pytest.mark.parametrize("draft", ["model", "ngram", "none"])
+@pytest.mark.parametrize("draft", ["model", "ngram", "suffix", "none"])
 def test_greedy_equals_plain_decoding_batched(pair: tuple[Path, Path], draft: str) -> None:
     target, draft_dir = pair
     engine = local_engine(target, draft_dir if draft == "model" else draft, tokenizer=None,
                           max_batch=4, block_size=4, kv_blocks=256)
-    prompts = [[3, 4, 5, 3, 4, 5, 3], [10, 11], [20, 21, 22, 23, 24, 25, 26, 27, 28], [7]]
+    prompts = [[9, 3, 4, 5, 9, 3, 4, 6, 9, 3, 4], [10, 11], [20, 21, 22, 23, 24, 25, 26, 27, 28], [7]]
     reqs = [request(f"r{i}", p, max_tokens=20 + i, k=1 + i % 3, draft=draft) for i, p in enumerate(prompts)]
     got = run(engine, reqs)
     for i, p in enumerate(prompts):
         assert got[f"r{i}"] == plain_greedy(target, p, 20 + i), f"request r{i}"
     engine.kv.audit().assert_no_leaks()
+    if draft == "suffix":  # token trees ran through the runtime's tree mask and the pool's slot moves
+        assert engine.acceptance.tree_rounds > 0 and engine.acceptance.accepted > 0
 
 
 def test_overlap_two_groups_equals_plain_decoding(pair: tuple[Path, Path]) -> None:
