@@ -13,6 +13,7 @@ distribution, on the user's own models, dtypes and kernels (in process) or clust
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -52,18 +53,20 @@ def check_in_process(model: str, draft: str, texts: Sequence[str], settings: Che
                      biased: bool = False, progress: Progress | None = None) -> tuple[CheckReport, Any]:
     """The check through an engine built here (`build_local_engine`), at most `window` requests at a time, in
     prompt groups of up to `per_group` completions (one prefill each).
-    `draft` is 'ngram' or a draft model; `biased` turns on the negative control. Returns the report and the
+    `draft` is 'ngram', 'suffix' or a draft model; `biased` turns on the negative control. Returns the report and the
     target's tokenizer."""
     from cluster.engine.factory import build_local_engine, load_tokenizer, model_dir
     from cluster.serving.config import make_config
 
-    if (draft == "ngram") != (settings.draft == "ngram"):
+    if (draft if draft in ("ngram", "suffix") else "model") != settings.draft:
         raise SpecServeError(f"draft: settings.draft {settings.draft!r} does not match draft {draft!r}")
     tokenizer = load_tokenizer(model_dir(model))
     prompts = _prompts(tokenizer, texts, chat, settings)
     longest = max(len(p.prompt_ids) for p in prompts) + settings.max_tokens
     defaults = make_config()
     k_max = settings.k if settings.k is not None else defaults.k_max
+    if settings.draft == "suffix":  # a tree reserves a slot per node
+        k_max = max(k_max, defaults.tree_nodes)
     # KV pools for `window` requests of the longest prompt (ClusterConfig's block size), not for full contexts
     blocks = window * (-(-(longest + k_max + 1) // defaults.block_size) + 1) + 16
     given = {key: value for key, value in (("draft_dtype", draft_dtype), ("device", device), ("dtype", dtype))
@@ -78,6 +81,11 @@ def check_in_process(model: str, draft: str, texts: Sequence[str], settings: Che
         report = run_check(prompts, reference, settings,
                            lambda: sample_in_process(engine, prompts, settings, window, progress, per_group),
                            model, draft, "in process", biased)
+        if settings.draft == "suffix":
+            a = engine.acceptance
+            report = dataclasses.replace(report, trees={"rounds": a.rounds, "tree_rounds": a.tree_rounds,
+                                                        "tree_nodes": a.tree_nodes,
+                                                        "accepted_by_rank": list(a.accepted_by_rank)})
     finally:
         engine.close()
     return report, tokenizer

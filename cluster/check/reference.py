@@ -49,7 +49,8 @@ def engine_target_model(engine: SpecEngine) -> CausalLM:
 
 def inject_bias(engine: SpecEngine) -> None:
     """The negative control: the in-process verifier resamples from p instead of the residual after a
-    rejection (`VerifierWorker.inject_bias`): the check must then fail."""
+    rejection, and on a token tree keeps rejected candidates in the target (`VerifierWorker.inject_bias`): the
+    check must then fail."""
     from verifier_service.worker import VerifierWorker
 
     if not isinstance(engine.verifier, VerifierWorker):

@@ -93,6 +93,8 @@ class CheckReport:
     inject_bias: bool
     sample_seconds: float
     reference_seconds: float
+    # in process: the engine's token-tree rounds ({"rounds", "tree_rounds", "tree_nodes", "accepted_by_rank"})
+    trees: dict[str, Any] | None = None
 
     @property
     def outcome(self) -> str:
@@ -115,6 +117,7 @@ class CheckReport:
             "settings": {**dataclasses.asdict(s), "positions": list(s.positions), "contract": s.contract},
             "outcome": self.outcome, "exit_code": self.exit_code,
             "sample_seconds": round(self.sample_seconds, 2), "reference_seconds": round(self.reference_seconds, 2),
+            "trees": self.trees,
             "prompts": [{"prompt": p.prompt, "prompt_token_ids": p.prompt_ids, "first_seed": p.first_seed,
                          "samples": len(p.tokens), "drafts_proposed": p.proposed, "drafts_accepted": p.accepted}
                         for p in self.prompts],
@@ -142,6 +145,10 @@ class CheckReport:
             f"power >= {s.min_power:g} against total variation {s.tv:g}",
             f"  sampling {self.sample_seconds:.1f}s, reference {self.reference_seconds:.1f}s",
         ]
+        if self.trees is not None:
+            t = self.trees
+            lines.append(f"  token trees: {t['tree_rounds']} of {t['rounds']} drafting rounds, {t['tree_nodes']} nodes; "
+                         f"accepted nodes by sibling rank {t['accepted_by_rank']}")
         by_prompt: dict[int, list[PositionResult]] = {}
         for r in self.results:
             by_prompt.setdefault(r.prompt_index, []).append(r)

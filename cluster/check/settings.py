@@ -27,7 +27,7 @@ class CheckSettings:
     top_k: int = 0
     top_p: float = 1.0
     k: int | None = 3  # draft tokens per round (None: auto)
-    draft: str = "ngram"  # "ngram" or "model" (the request's SpecParams.draft)
+    draft: str = "ngram"  # "ngram", "suffix" (token trees) or "model" (the request's SpecParams.draft)
     n: int = 2500  # samples per prompt
     positions: tuple[int, ...] = (1, 2, 3)  # output positions tested, 1-based
     alpha: float = 1e-3  # per test (prompt x position)
@@ -46,8 +46,8 @@ class CheckSettings:
             raise SpecServeError("tv: must be in (0, 1]")
         if not 0 < self.min_power < 1:
             raise SpecServeError("min_power: must be in (0, 1)")
-        if self.draft not in ("ngram", "model"):
-            raise SpecServeError("draft: the check needs speculation on: 'ngram' or a draft model")
+        if self.draft not in ("ngram", "suffix", "model"):
+            raise SpecServeError("draft: the check needs speculation on: 'ngram', 'suffix' or a draft model")
 
     @property
     def max_tokens(self) -> int:

@@ -44,7 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "enough samples; 2: error.")
     ex.add_argument("--model", default=CHECK_MODEL, help=f"target model name or HF dir (default {CHECK_MODEL}); with "
                     "--server, the served target (its reference distribution is computed here)")
-    ex.add_argument("--draft", default="ngram", help="draft model name/dir or 'ngram' (default ngram); with --server "
+    ex.add_argument("--draft", default="ngram", help="draft model name/dir, 'ngram' or 'suffix' (token trees; "
+                    "default ngram); with --server "
                     "a model name means the server's draft model")
     ex.add_argument("--server", default=None, help="HOST:PORT of a running cluster's gRPC endpoint (default: in process)")
     ex.add_argument("--prompt", action="append", default=None,
@@ -106,9 +107,10 @@ def _run_exact(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.per_call < 1 or args.threads < 0:
         raise SpecServeError("batch, per-call: must be >= 1; threads: >= 0")
     if args.draft in ("none", ""):
-        raise SpecServeError("draft: the check needs speculation on: 'ngram' or a draft model")
+        raise SpecServeError("draft: the check needs speculation on: 'ngram', 'suffix' or a draft model")
     settings = CheckSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, k=args.k,
-                             draft="ngram" if args.draft == "ngram" else "model", n=args.n, positions=args.positions,
+                             draft=args.draft if args.draft in ("ngram", "suffix") else "model", n=args.n,
+                             positions=args.positions,
                              alpha=args.alpha, tv=args.tv, min_power=args.min_power, seed=args.seed)
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     progress = stderr_progress("check exact")

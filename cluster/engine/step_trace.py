@@ -95,7 +95,7 @@ class StepTrace:
             record.rounds.append(RoundRecord(
                 plan.state.request_id, plan.state.request.trace_context, plan.k, len(plan.drafts), chunk.proposed,
                 chunk.accepted, len(chunk.token_ids), spec.contract,
-                "none" if plan.k == 0 else "model" if plan.uses_model_drafter else "ngram", chunk.finish_reason))
+                "none" if plan.k == 0 else "model" if plan.uses_model_drafter else spec.draft, chunk.finish_reason))
 
     # ------------------------------------------------------------------ the step's end
     def events_reset(self) -> None:

@@ -37,9 +37,10 @@ if TYPE_CHECKING:
     from cluster.engine.overlap_policy import OverlapDecision
     from cluster.serving.auth import KeySources
 
-__all__ = ["ENGINE_OPTIONS", "NGRAM_DRAFT", "ClusterConfig", "ConfigError", "load_config", "make_config"]
+__all__ = ["ENGINE_OPTIONS", "MODEL_FREE_DRAFTS", "NGRAM_DRAFT", "ClusterConfig", "ConfigError", "load_config", "make_config"]
 
 NGRAM_DRAFT = "ngram"  # `draft` value: n-gram (prompt lookup) drafting, no draft model
+MODEL_FREE_DRAFTS = (NGRAM_DRAFT, "suffix")  # `draft` values without a draft model ("suffix": token trees)
 # The fields a config file may also set under `engine_options:` (the older spelling, still accepted).
 ENGINE_OPTIONS = ("k_max", "probe_every", "pressure_free_fraction", "drafter_retry_seconds",
                   "max_verifier_failures", "overlap", "predraft", "tree_nodes")
@@ -66,7 +67,7 @@ class ClusterConfig(BaseModel):
 
     # models
     model: str = Field("qwen2.5-coder-1.5b", description="target model: registry name or HF checkpoint dir")
-    draft: str = Field("qwen2.5-coder-0.5b", description="draft model name/dir, or 'ngram'")
+    draft: str = Field("qwen2.5-coder-0.5b", description="draft model name/dir, 'ngram' or 'suffix' (token trees)")
     device: str = Field("cpu", description="torch device of the drafter and verifier workers")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description=f"target model precision (auto: {TARGET_AUTO}); greedy output equals plain greedy "
@@ -177,14 +178,14 @@ class ClusterConfig(BaseModel):
     @field_validator("model")
     @classmethod
     def _known_target(cls, value: str) -> str:
-        if value == NGRAM_DRAFT:
-            raise ValueError("'ngram' is a drafting mode, not a target model")
+        if value in MODEL_FREE_DRAFTS:
+            raise ValueError(f"{value!r} is a drafting mode, not a target model")
         return _check_model_name(value)
 
     @field_validator("draft")
     @classmethod
     def _known_draft(cls, value: str) -> str:
-        return value if value == NGRAM_DRAFT else _check_model_name(value)
+        return value if value in MODEL_FREE_DRAFTS else _check_model_name(value)
 
     @model_validator(mode="before")
     @classmethod
@@ -248,7 +249,7 @@ class ClusterConfig(BaseModel):
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.draft != NGRAM_DRAFT
+        return self.draft not in MODEL_FREE_DRAFTS
 
     @property
     def kv_pool_blocks(self) -> int:

@@ -53,7 +53,7 @@ class Ingress:
         configure_tracing(config.tracing_settings(), "specserve-ingress")  # request spans (off unless configured)
         streams = SchedulerStreams(scheduler)
         self._streams = streams
-        defaults = ServerDefaults(config.model, "model" if config.uses_draft_model else "ngram")
+        defaults = ServerDefaults(config.model, "model" if config.uses_draft_model else config.draft)
         rejections = RejectionLog(logger)
         self._keys = ApiKeys(config.key_sources())  # AuthError (unreadable file, short key) fails the replica
         logger.info("API keys: %s", f"{len(self._keys)} accepted" if self._keys.enabled else "none (open)")
