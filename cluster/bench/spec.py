@@ -1,8 +1,9 @@
 """`specserve bench spec`: end-to-end speculative decoding against plain decoding and transformers.
 
 Glossary (figures in the JSON; docs/ARCHITECTURE.md §5):
-  config          one engine setting: draft ("none" = plain decoding, "model", "ngram"), k (int or
-                  auto), temperature (0 -> greedy contract, > 0 -> exact), batch (concurrent requests)
+  config          one engine setting: draft ("none" = plain decoding, "model", "ngram", "suffix"), k (int or
+                  auto), temperature (0 -> greedy contract, > 0 -> exact), batch (concurrent requests); for
+                  "suffix" also the tree limit (tree_nodes: 0 = chains only, N = token trees of up to N nodes)
   tokens/s        output tokens / wall seconds, prefill included (as for transformers' generate)
   vs_plain        tokens/s over our plain decoding (draft none) at the same temperature and batch
   vs_hf           tokens/s over transformers' peer at the same temperature: assisted generation with
@@ -50,7 +51,7 @@ from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
 PROMPTS_PATH = Path(__file__).parent / "prompts" / "bench_prompts.jsonl"
 CATEGORIES = ("prose", "code", "qa", "summarisation", "copy-edit")
 WARMUP_TOKENS = 4
-HF_PEER = {"none": "plain", "model": "assisted", "ngram": "prompt_lookup"}
+HF_PEER = {"none": "plain", "model": "assisted", "ngram": "prompt_lookup", "suffix": "prompt_lookup"}
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,13 @@ class SpecSettings:
     llamacpp_bin: str | None = None  # native llama.cpp binaries (default: scripts/build-llamacpp.sh's folder)
     llamacpp_python: bool = False  # llama-cpp-python's Python loop instead (not how llama.cpp's users run it)
     repeats: int = 1  # batch > 1: runs of every config, in rotating order (figures over all runs)
+    tree_nodes: list[int] = field(default_factory=lambda: [0, 16])  # "suffix" configs: 0 = chains, N = trees
 
     def __post_init__(self) -> None:
         if self.draft == "none" and "model" in self.drafts:
             raise ValueError("draft kind 'model' needs a draft model (--draft)")
-        assert set(self.drafts) <= {"model", "ngram"}, self.drafts
+        assert set(self.drafts) <= {"model", "ngram", "suffix"}, self.drafts
+        assert self.tree_nodes and all(0 <= n <= 64 for n in self.tree_nodes), self.tree_nodes
         assert self.ks and all(k is None or 1 <= k <= 8 for k in self.ks), self.ks
         assert all(b >= 1 for b in self.batches) and self.max_tokens >= 1 and self.per_category >= 1
         assert self.repeats >= 1, self.repeats
@@ -110,15 +113,18 @@ QUICK = dict(model="smollm2-135m", draft="none", drafts=["ngram"], categories=["
 
 @dataclass(frozen=True)
 class Config:
-    draft: str  # "none" | "model" | "ngram"
+    draft: str  # "none" | "model" | "ngram" | "suffix"
     k: int | None  # None = auto; 0 for plain decoding
     temperature: float
     batch: int
     traced: bool = False  # request + round spans at sampling ratio 1.0 (--tracing-overhead)
+    tree_nodes: int = 0  # "suffix": the engine's tree limit (0: chains only)
 
     @property
     def label(self) -> str:
         label = "plain" if self.draft == "none" else f"{self.draft} k={'auto' if self.k is None else self.k}"
+        if self.draft == "suffix":
+            label += f" tree<={self.tree_nodes}" if self.tree_nodes else " chain"
         return label + (" +traced" if self.traced else "")
 
 
@@ -207,7 +213,7 @@ class SpecBench:
         cost, acceptance = self.policy.get(config, (copy.deepcopy(base.cost), None))
         return SpecEngine(base.verifier, base.drafter, LocalKV(BlockLedger(namespaces)), base.tokenizer,
                           tuple(base.eos_token_ids), base.vocab_size,
-                          dataclasses.replace(base.config, max_batch=config.batch),
+                          dataclasses.replace(base.config, max_batch=config.batch, tree_nodes=config.tree_nodes),
                           model_name=base.model_name, draft_name=base.draft_name, dtypes=base.dtypes,
                           observer=RoundSpans(self.tracer) if config.traced else None, cost=cost,
                           acceptance=acceptance)
@@ -273,7 +279,7 @@ class SpecBench:
         if self.hf_target is None:
             return []
         return ["plain"] + (["assisted"] if "model" in self.s.drafts and self.hf_draft is not None else []) + (
-            ["prompt_lookup"] if "ngram" in self.s.drafts else [])
+            ["prompt_lookup"] if {"ngram", "suffix"} & set(self.s.drafts) else [])
 
     def run_hf(self, mode: str, temperature: float, prompt: BenchPrompt, warmup: bool = False) -> None:
         from transformers import GenerationConfig
@@ -307,7 +313,8 @@ class SpecBench:
 
     # ------------------------------------------------------------------ the plan
     def configs(self, temperature: float, batch: int) -> list[Config]:
-        spec = [Config(d, k, temperature, batch) for d in self.s.drafts for k in self.s.ks]
+        spec = [Config(d, k, temperature, batch, tree_nodes=n) for d in self.s.drafts for k in self.s.ks
+                for n in (self.s.tree_nodes if d == "suffix" else [0])]
         configs = [Config("none", 0, temperature, batch), *spec]
         if self.s.tracing_overhead:
             configs += [dataclasses.replace(c, traced=True) for c in configs]
@@ -319,8 +326,9 @@ class SpecBench:
         first = self.prompts[:1]
         for temperature in self.s.temperatures:
             traced = [True] if self.s.tracing_overhead else []
-            for config in self.configs(temperature, 1)[:1] + [Config(d, 2, temperature, 1, t) for d in self.s.drafts
-                                                              for t in [False, *traced]]:
+            for config in self.configs(temperature, 1)[:1] + [
+                    Config(d, 2, temperature, 1, t, max(self.s.tree_nodes) if d == "suffix" else 0)
+                    for d in self.s.drafts for t in [False, *traced]]:
                 self.run_ours(config, first, warmup=True)
             for mode in self.hf_modes():
                 self.run_hf(mode, temperature, first[0], warmup=True)
@@ -366,7 +374,7 @@ class SpecBench:
         results = []
         for config, tally in self.tallies.items():
             row: dict[str, Any] = {"label": config.label, "draft": config.draft,
-                                   "k": "auto" if config.k is None else config.k,
+                                   "k": "auto" if config.k is None else config.k, "tree_nodes": config.tree_nodes,
                                    "temperature": config.temperature, "batch": config.batch,
                                    "contract": "greedy" if config.temperature == 0 else "exact", **tally.summary()}
             plain = self.tallies[Config("none", 0, config.temperature, config.batch)]

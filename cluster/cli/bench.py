@@ -59,8 +59,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sp = benches.add_parser("spec", help="speculative decoding vs plain decoding and transformers, per category")
     sp.add_argument("--model", default=None, help="target (default qwen2.5-coder-1.5b)")
     sp.add_argument("--draft", default=None, help="draft model, or 'none' for n-gram only (default qwen2.5-coder-0.5b)")
-    sp.add_argument("--drafts", nargs="+", choices=["model", "ngram"], default=None,
-                    help="draft kinds to measure (default: model ngram)")
+    sp.add_argument("--drafts", nargs="+", choices=["model", "ngram", "suffix"], default=None,
+                    help="draft kinds to measure (default: model ngram; suffix: the suffix-tree drafter)")
+    sp.add_argument("--tree-nodes", nargs="+", type=int, default=None,
+                    help="suffix drafts: tree limits to measure, 0 = chains only (default 0 16)")
     sp.add_argument("--categories", nargs="+", default=None, help="prompt categories (default: all five)")
     sp.add_argument("--per-category", type=int, default=None, help="prompts per category (default 2)")
     sp.add_argument("--ks", nargs="+", type=parse_k, default=None, help="k values, ints or 'auto' (default 1 2 3 4 auto)")
@@ -210,7 +212,7 @@ def _run_spec(args: argparse.Namespace) -> int:
              "batches": args.batches, "max_tokens": args.max_tokens, "seed": args.seed,
              "draft_dtype": args.draft_dtype, "dtype": args.dtype, "llamacpp_draft_tokens": args.llamacpp_draft_tokens,
              "llamacpp_bin": args.llamacpp_bin,
-             "repeats": args.repeats}
+             "repeats": args.repeats, "tree_nodes": args.tree_nodes}
     base.update({key: value for key, value in flags.items() if value is not None})
     if args.model and args.model != "qwen2.5-coder-1.5b" and args.draft is None and not args.quick:
         base.setdefault("draft", "none")
@@ -320,7 +322,7 @@ def plot_spec(result: dict[str, Any], path: Path) -> None:
         for r in [r for r in results if (r["temperature"], r["batch"]) == (temperature, batch)]:
             labels.append(f"T={temperature:g} b={batch}\n{r['label']}")
             values.append(r["tokens_per_second"])
-            colors.append({"none": "grey", "model": "tab:blue", "ngram": "tab:orange"}[r["draft"]])
+            colors.append({"none": "grey", "model": "tab:blue", "ngram": "tab:orange", "suffix": "tab:red"}[r["draft"]])
         if batch == 1:
             for h in [h for h in result["hf"] if h["temperature"] == temperature]:
                 labels.append(f"T={temperature:g} b=1\nhf {h['mode']}")

@@ -109,3 +109,18 @@ def test_bench_precision(smollm2_dir: Path) -> None:
     assert rows["float32"]["linear_kernel"] == ("avx512" if path == "amx" else path)
     assert rows["bfloat16"]["linear_kernel"] == path
     assert "bfloat16" in format_precision(result)
+
+
+def test_bench_spec_suffix_trees_and_chains(smollm2_dir: Path, tmp_path: Path) -> None:
+    """`--drafts suffix --tree-nodes 0 12`: suffix chains and trees side by side, greedy, each equal to plain
+    decoding, the tree rounds in the acceptance figures."""
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--quick", "--categories", "copy-edit", "--drafts", "ngram", "suffix",
+                 "--tree-nodes", "0", "12", "--ks", "4", "--max-tokens", "24", "--no-hf", "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["label"]: r for r in result["results"]}
+    assert set(rows) == {"plain", "ngram k=4", "suffix k=4 chain", "suffix k=4 tree<=12"}
+    assert all(rows[label]["same_output_as_plain"] == 1.0 for label in rows if label != "plain")
+    assert rows["suffix k=4 chain"]["acceptance"]["tree_rounds"] == 0
+    assert rows["suffix k=4 tree<=12"]["acceptance"]["tree_rounds"] > 0
+    assert rows["suffix k=4 tree<=12"]["tree_nodes"] == 12

@@ -53,6 +53,29 @@ def test_bf16_greedy_equals_plain_bf16(smollm2_dir: Path, kernel_path: str, k: i
     check_equals_plain(smollm2_dir, "bfloat16", k, batch, draft=draft)
 
 
+# repetitive text, so the suffix trie proposes: token trees of up to 16 nodes (k = 4 levels)
+TREE_PROMPTS = ["Alice went home. Bob went home. Carol went to school. Alice went", "1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2,",
+                "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+                "red green blue red green yellow red green", "The cat sat. The dog sat. The cat ran. The",
+                "x = 1\ny = 2\nx = 3\ny =", "one two three one two four one two", "a b c a b d a b"]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("batch", [1, 8])
+def test_bf16_suffix_trees_equal_plain_bf16(smollm2_dir: Path, kernel_path: str, batch: int) -> None:
+    """Token trees (suffix drafts) through the runtime's tree mask and the pool's slot moves: the accepted path's
+    rows equal the chain's bit for bit, so greedy output equals plain decoding."""
+    engine = local_engine(smollm2_dir, "suffix", max_batch=batch, block_size=16, kv_blocks=256, dtype="bfloat16")
+    prompts = [engine.tokenizer(t)["input_ids"] for t in TREE_PROMPTS[:batch if batch > 1 else 3]]
+    reqs = [request(f"r{i}", p, max_tokens=24, k=4, draft="suffix") for i, p in enumerate(prompts)]
+    got = run(engine, reqs)
+    eos = set(engine.eos_token_ids)
+    for r, p in zip(reqs, prompts, strict=True):
+        assert got[r.request_id] == plain_greedy(smollm2_dir, p, 24, eos, "bfloat16"), r.request_id
+    stats = engine.acceptance
+    assert stats.tree_rounds > 0 and stats.accepted > 0, stats
+
+
 @pytest.mark.model
 def test_float32_greedy_equals_plain_float32_on_every_path(smollm2_dir: Path, kernel_path: str) -> None:
     check_equals_plain(smollm2_dir, "float32", 8, 8)
