@@ -52,8 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("prompt")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"target model name or HF dir (default {DEFAULT_MODEL})")
     p.add_argument("--draft", default=None,
-                   help=f"draft model name/dir, 'ngram' or 'none' (default: {DEFAULT_DRAFT} for the default model, "
-                        "ngram otherwise)")
+                   help=f"draft model name/dir, 'ngram', 'suffix' (token trees from a suffix trie) or 'none' "
+                        f"(default: {DEFAULT_DRAFT} for the default model, ngram otherwise)")
     p.add_argument("--dtype", choices=TARGET_DTYPES, default=None,
                    help=f"target model precision (auto: {TARGET_AUTO}); greedy output equals plain greedy decoding "
                         "of the same dtype")
@@ -141,7 +141,8 @@ def in_process_config(args: argparse.Namespace, draft: str) -> ClusterConfig:
         max_batch=batch, queue_capacity=max(args.n, ClusterConfig.model_fields["queue_capacity"].default),
         kv_blocks=None, warm_up=args.k is None and not args.no_warm_up, **given,
     )
-    blocks = generate_kv_blocks(batch, args.max_tokens, config.max_context, config.k_max, config.block_size)
+    slots = max(config.k_max, config.tree_nodes) if draft == "suffix" else config.k_max  # a tree: a slot per node
+    blocks = generate_kv_blocks(batch, args.max_tokens, config.max_context, slots, config.block_size)
     return config.with_overrides(kv_blocks=min(blocks, config.kv_pool_blocks))
 
 
