@@ -42,8 +42,10 @@ class RoundRecord:
     accepted: int  # drafts kept
     emitted: int  # tokens emitted this round (kept accepted drafts + correction/bonus, cut at a stop)
     contract: str
-    draft: str  # model | ngram | none
+    draft: str  # model | ngram | suffix | none
     finish_reason: str | None
+    tree_nodes: int = 0  # a token tree's nodes (0: a chain); `proposed` then counts its depth
+    accepted_ranks: tuple[int, ...] = ()  # a tree's accepted nodes' sibling ranks, root first
 
     @property
     def first_rejected(self) -> int | None:

@@ -87,6 +87,7 @@ class StepTrace:
         if record is None:
             return
         chunks = {chunk.request_id: chunk for chunk in outcome.chunks}
+        trees = {a.request_id: a for a in outcome.acceptance if a.tree_nodes}
         record.batch_size = len(plans)
         for plan in plans:
             if plan.prefill_to is not None:  # a prompt group's prefill: no round of the request's own
@@ -95,7 +96,9 @@ class StepTrace:
             record.rounds.append(RoundRecord(
                 plan.state.request_id, plan.state.request.trace_context, plan.k, len(plan.drafts), chunk.proposed,
                 chunk.accepted, len(chunk.token_ids), spec.contract,
-                "none" if plan.k == 0 else "model" if plan.uses_model_drafter else spec.draft, chunk.finish_reason))
+                "none" if plan.k == 0 else "model" if plan.uses_model_drafter else spec.draft, chunk.finish_reason,
+                *((trees[plan.request_id].tree_nodes, trees[plan.request_id].ranks) if plan.request_id in trees
+                  else ())))
 
     # ------------------------------------------------------------------ the step's end
     def events_reset(self) -> None:

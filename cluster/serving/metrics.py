@@ -38,6 +38,10 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None
     "vllm:spec_decode_num_accepted_tokens": ("counter", "draft tokens accepted", (), None),
     "vllm:spec_decode_num_accepted_tokens_per_pos": ("counter", "draft tokens accepted at each draft position "
                                                      "(0 = the first)", ("position",), None),
+    "specserve_spec_decode_tree_nodes": ("counter", "token-tree nodes verified (suffix drafts; their depth counts "
+                                         "as draft tokens)", (), None),
+    "specserve_spec_decode_tree_accepted_tokens_per_rank": ("counter", "tree nodes accepted by sibling rank (0 = "
+                                                            "the proposer's first choice)", ("rank",), None),
     "specserve_requests": ("counter", "finished completions by finish reason", ("finish_reason",), None),
     "specserve_prompt_tokens": ("counter", "prompt tokens of finished completions", (), None),
     "specserve_generation_tokens": ("counter", "tokens emitted", (), None),
@@ -124,6 +128,10 @@ class SpecMetrics:
         for round_ in drafted:
             for position in range(round_.accepted):
                 m["vllm:spec_decode_num_accepted_tokens_per_pos"].add(1, position=str(position))
+            if round_.tree_nodes:  # a tree's position is its depth
+                m["specserve_spec_decode_tree_nodes"].add(round_.tree_nodes)
+                for rank in round_.accepted_ranks:
+                    m["specserve_spec_decode_tree_accepted_tokens_per_rank"].add(1, rank=str(rank))
         m["specserve_generation_tokens"].add(sum(r.emitted for r in record.rounds))
         for kind in record.fallbacks:
             m["specserve_fallback_events"].add(1, reason=kind)

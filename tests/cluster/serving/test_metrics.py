@@ -73,3 +73,22 @@ def test_gauges_take_the_engine_and_pool_figures() -> None:
     assert samples[("specserve_queue_depth", ())] == 3 and samples[("specserve_running_requests", ())] == 2
     assert samples[("specserve_kv_blocks", (("namespace", "verifier/target"), ("state", "free")))] == 6
     assert samples[("specserve_worker_busy_fraction", (("worker", "verifier"),))] == 0.5
+
+
+def test_tree_counters_equal_the_engines_tree_statistics() -> None:
+    """Suffix trees: the nodes verified and the accepted nodes per sibling rank, as the engine counted them."""
+    from tests.cluster.engine.test_trees import PROMPTS, walk_next
+
+    metrics = SpecMetrics(ray_metrics=False)
+    engine = fake_engine(max_batch=4, observer=metrics, target_rule=walk_next, tree_nodes=12)
+    for i, prompt in enumerate(PROMPTS):
+        engine.submit(request(f"t{i}", prompt, max_tokens=40, k=4, draft="suffix"))
+    engine.run_to_completion()
+    samples = scrape(metrics)
+    stats = engine.acceptance
+    assert stats.tree_rounds > 0 and sum(stats.accepted_by_rank[1:]) > 0
+    assert samples[("specserve_spec_decode_tree_nodes_total", ())] == stats.tree_nodes
+    per_rank = {int(dict(labels)["rank"]): value for (name, labels), value in samples.items()
+                if name == "specserve_spec_decode_tree_accepted_tokens_per_rank_total"}
+    assert per_rank == {rank: n for rank, n in enumerate(stats.accepted_by_rank) if n}
+    engine.check_ledger()
