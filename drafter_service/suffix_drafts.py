@@ -35,10 +35,13 @@ class SuffixDrafter:
         return self.cache.propose(request_id, tokens, budget, self.min_score, levels)
 
     def finish(self, request_id: str, output: Sequence[int]) -> None:
+        """The request ended: its trie goes; its `output` (empty: none) joins the global trie."""
         self._added.pop(request_id, None)
         self.cache.finish(request_id, output)
 
     def retain(self, request_ids: Iterable[str]) -> None:
+        if not self._added:
+            return
         keep = set(request_ids)
         for request_id in [r for r in self._added if r not in keep]:
             self._added.pop(request_id)

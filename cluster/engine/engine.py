@@ -3,8 +3,7 @@
 One round for the running batch (docs/ARCHITECTURE.md §2), as `step` reads; each phase returns new values
 (round_plan.py: a plan is frozen, its transitions live there):
 
-    plan     k per request (fixed or auto; 0 = plain decode); n-gram and suffix drafts (a suffix draft may be
-             a token tree: tree_policy.py sizes it)                     planner.py, spec_policy.py
+    plan     k per request (fixed or auto; 0 = plain decode); n-gram, suffix drafts (trees)   planner.py
     reserve  ONE ledger call: target slots (catch-up + k), draft slots (catch-up + k - 1)
     propose  ONE drafter call for the model-drafted requests (n-gram drafts were made by the plan)
     verify   ONE verifier call: one forward scores every request's catch-up + drafts, then each
@@ -243,8 +242,7 @@ class SpecEngine:
             drafter_usable=any(s.request.spec.draft == "model" for s in states) and self.health.drafter_usable(),
             engine_acceptance=self.acceptance, cost=self.cost, batch=len(states), nominal=self.nominal_costs(),
             suffix=self.suffix, tree_nodes=cfg.tree_nodes)
-        if self.suffix.live() > len(self.running):  # tries of requests that left (aborted, requeued) go
-            self.suffix.retain(state.request_id for state in self.running)
+        self.suffix.retain(s.request_id for s in self.running)  # tries of requests that left (aborted, requeued)
 
         def plan_one(state: RequestState) -> RoundPlan:
             return self.shared.prefill_plan(state, context.drafter_usable) or plan_request(state, context)
@@ -355,8 +353,7 @@ class SpecEngine:
         for state in outcome.finished:
             self.running.remove(state)
             self.inbox.forget(state.request_id)
-            if state.request.spec.draft == "suffix":  # its output joins the global trie of earlier outputs
-                self.suffix.finish(state.request_id, state.output_ids)
+            self.suffix.finish(state.request_id, state.output_ids if state.request.spec.draft == "suffix" else ())
         return outcome.chunks
 
     # ------------------------------------------------------------------ checks, statistics, shutdown
