@@ -23,8 +23,10 @@ class SuffixDrafter:
         self.min_score = min_score
         self._added: dict[str, int] = {}  # request id -> tokens its trie holds
 
-    def propose(self, request_id: str, tokens: Sequence[int], budget: int, levels: int) -> Proposal | None:
-        """Up to `budget` nodes, at most `levels` deep, after `tokens` (the request's prompt and output so far)."""
+    def propose(self, request_id: str, tokens: Sequence[int], budget: int, levels: int,
+                own_only: bool = False) -> Proposal | None:
+        """Up to `budget` nodes, at most `levels` deep, after `tokens` (the request's prompt and output so far);
+        `own_only`: from the request's own trie, not the global one (a seeded request's drafts)."""
         added = self._added.get(request_id, 0)
         if len(tokens) < added:  # cannot shrink: tokens are only appended; a reused id starts over
             self.cache.requests.pop(request_id, None)
@@ -32,7 +34,7 @@ class SuffixDrafter:
         if len(tokens) > added:
             self.cache.extend(request_id, tokens[added:])
             self._added[request_id] = len(tokens)
-        return self.cache.propose(request_id, tokens, budget, self.min_score, levels)
+        return self.cache.propose(request_id, tokens, budget, self.min_score, levels, use_global=not own_only)
 
     def finish(self, request_id: str, output: Sequence[int]) -> None:
         """The request ended: its trie goes; its `output` (empty: none) joins the global trie."""

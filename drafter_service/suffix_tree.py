@@ -193,11 +193,11 @@ class SuffixCache:
             self.global_trie.remove(oldest)
 
     def propose(self, request_id: str, context: Sequence[int], budget: int, min_score: float = 0.0,
-                levels: int | None = None) -> Proposal | None:
+                levels: int | None = None, use_global: bool = True) -> Proposal | None:
         """The better of the request's own and the global proposal (by their best node's score; ties: own)."""
         own = self.requests.get(request_id)
-        candidates = [t.propose(context, budget, min_score, levels=levels)
-                      for t in ((own,) if own else ()) + (self.global_trie,)]
+        tries = ((own,) if own else ()) + ((self.global_trie,) if use_global else ())
+        candidates = [t.propose(context, budget, min_score, levels=levels) for t in tries]
         found = [c for c in candidates if c is not None]
         return max(found, key=lambda c: c.best, default=None)
 

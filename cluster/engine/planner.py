@@ -25,7 +25,7 @@ from cluster.engine.spec_policy import (
     choose_k,
     choose_k_seeded,
 )
-from cluster.engine.tree_policy import TreeDecision, TreeInputs, tree_size
+from cluster.engine.tree_policy import TreeDecision, TreeInputs, tree_size, tree_size_seeded
 from drafter_service.ngram import propose_ngram
 from drafter_service.suffix_drafts import SuffixDrafter
 from verifier_service.tree_contracts import TokenTree
@@ -94,14 +94,20 @@ def _suffix_drafts(state: RequestState, ctx: PlanContext, k: int, catch_up: int,
     """A suffix tree of k levels (tree_policy.py sizes it; fixed k: the limit), or its best chain where trees
     are off or penalties apply (they read one history per row); no match: no drafts."""
     assert ctx.suffix is not None, "suffix drafts need the engine's suffix drafter"
-    if state.request.sampling.has_penalties or ctx.tree_nodes <= k:
-        size = TreeDecision(k, "chain: penalties" if state.request.sampling.has_penalties else "chain: tree limit")
+    sampling = state.request.sampling
+    seeded = sampling.seed is not None and not sampling.is_greedy  # its tokens depend on its own history only
+    if sampling.has_penalties or ctx.tree_nodes <= k:
+        size = TreeDecision(k, "chain: penalties" if sampling.has_penalties else "chain: tree limit")
     elif state.request.spec.k is not None:
         size = TreeDecision(ctx.tree_nodes, f"tree: up to {ctx.tree_nodes} nodes (fixed k)")
+    elif seeded:
+        size = tree_size_seeded(k, ctx.tree_nodes, state.acceptance, ctx.nominal)
     else:
         size = tree_size(TreeInputs(k, ctx.tree_nodes, catch_up, ctx.batch, ctx.cost, ctx.engine_acceptance))
-    # a chain is the best path of a wider proposal (best-first spends nodes on side branches)
-    proposal = ctx.suffix.propose(state.request_id, state.token_ids, max(size.nodes, 4 * k), levels=k)
+    # a chain is the best path of a wider proposal (best-first spends nodes on side branches); a seeded request
+    # drafts from its own prompt and output only (the global trie holds what other requests wrote)
+    proposal = ctx.suffix.propose(state.request_id, state.token_ids, max(size.nodes, 4 * k), levels=k,
+                                  own_only=seeded)
     if proposal is None:
         return [], None, "suffix: no match"
     if size.nodes == k or len(proposal.tree) <= k:

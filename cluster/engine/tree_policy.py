@@ -14,7 +14,8 @@ From the measurements the engine keeps:
 the tree gets the largest n in (k, limit] with t(n) / t(k) <= 1 + g / E[Y]: the verify may grow by at most the
 share of tokens side branches add. No n qualifies: a chain of k. At high batch every row costs more, so trees
 shrink to chains as k shrinks to plain decoding; where verify rows are nearly free (a CPU scoring 4-16 rows at
-1.0-1.3x one, a GPU), trees grow to the limit.
+1.0-1.3x one, a GPU), trees grow to the limit. A seeded sampled request sizes its tree from its own statistics
+and the nominal costs (`tree_size_seeded`), as its k (spec_policy.choose_k_seeded).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.engine.acceptance_stats import AcceptanceStats
-from cluster.engine.spec_policy import CostModel
+from cluster.engine.spec_policy import CostModel, NominalCosts
 
 MIN_TREE_ROUNDS = 16  # tree rounds measured before g is read
 G_PRIOR = 0.25  # side-branch tokens per round assumed until then (so trees are tried, and measured)
@@ -73,4 +74,21 @@ def tree_size(inputs: TreeInputs) -> TreeDecision:
                                f"tokens/round, {source})")
 
 
-__all__ = ["G_PRIOR", "MIN_TREE_ROUNDS", "TreeDecision", "TreeInputs", "side_gain", "tree_size"]
+def tree_size_seeded(k: int, limit: int, own: AcceptanceStats, costs: NominalCosts) -> TreeDecision:
+    """The same rule for a seeded sampled request from what its tokens may depend on (spec_policy.SeededInputs):
+    its own tree rounds for g and E[Y], and the nominal cost table at one request's rows (catch-up 1), never
+    measured times or the batch: the tree's shape decides which uniforms its accept tests draw."""
+    if k == 0 or limit <= k:
+        return TreeDecision(k, "chain: tree limit" if k else "plain")
+    gain, source = side_gain(own)
+    tokens = own.mean_tokens_per_round or 1.0 + k / 2
+    allowed = 1.0 + gain / tokens
+    base = costs.verify_cost(1 + k)
+    nodes = max([n for n in range(k + 1, limit + 1) if costs.verify_cost(1 + n) <= base * allowed], default=k)
+    if nodes == k:
+        return TreeDecision(k, f"chain: nominal costs ({costs.name}), side branches {gain:.2f} tokens/round")
+    return TreeDecision(nodes, f"tree: {nodes} nodes by nominal costs ({costs.name}; side branches {gain:.2f} "
+                               f"tokens/round, {source})")
+
+
+__all__ = ["G_PRIOR", "MIN_TREE_ROUNDS", "TreeDecision", "TreeInputs", "side_gain", "tree_size", "tree_size_seeded"]

@@ -95,3 +95,22 @@ def test_seeded_tokens_do_not_depend_on_measured_costs(pair: tuple[Path, Path]) 
         assert k_history(cheap[rid][1]) == k_history(dear[rid][1])
         assert all(reason.startswith("seeded: ") or reason == "end of output" for _, reason in k_history(cheap[rid][1]))
     assert cheap["a"][1]["acceptance"]["proposed"] > 0
+
+
+def test_seeded_suffix_trees_do_not_depend_on_the_batch_or_costs(pair: tuple[Path, Path]) -> None:
+    """Suffix drafts: a seeded request's trees come from its own trie (not the global one, which holds what other
+    requests wrote) and are sized by nominal costs, so its tokens are the same alone, beside other suffix requests
+    that finish first, and under other measured costs."""
+    prompt = [5, 6, 7, 5, 6, 8, 5, 6, 7, 5, 6]
+
+    def mine() -> GenerationRequest:
+        return request("a", prompt, max_tokens=24, k=None, draft="suffix", contract="exact", temperature=0.9,
+                       seed=77, ignore_eos=True)
+
+    beside = [request(f"s{i}", prompt[: 4 + i], max_tokens=4 + 2 * i, k=None, draft="suffix", contract="exact",
+                      temperature=0.8, seed=None if i % 2 else 300 + i, ignore_eos=True) for i in range(6)]
+    alone, alone_stats = run(engine_for(pair, 0.0, SMALL_BATCH_PAYS), [mine()])["a"]
+    batched, batched_stats = run(engine_for(pair, 0.0, FLAT), [*beside, mine()])["a"]
+    assert alone_stats["acceptance"]["tree_rounds"] > 0  # it drafted trees
+    assert alone == batched, (k_history(alone_stats), k_history(batched_stats))
+    assert k_history(alone_stats) == k_history(batched_stats)
