@@ -4,6 +4,7 @@ Owner of the draft model's KV pool (draft namespace; its blocks are granted by t
 
 Draft cache after a round with k drafts x_1..x_k: the catch-up tokens and x_1..x_{k-1} have KV;
 x_k's KV is never written (no step consumes it), so the caller reserves len(input_ids) + k - 1 slots.
+A tree item (`tree_nodes` > 0) grows a token tree instead (draft_tree.py), in the same forwards as the chains.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import uuid
 import numpy as np
 import torch
 
+from drafter_service.draft_tree import DraftTree
 from model_runtime.batch import SeqInput
 from specserve_types.round_messages import ProposeBatch, ProposeItem, ProposeOutput, ProposeResult
 from verifier_service.sampling import penalized_logits_for_positions, sample_token, transform_logits
@@ -44,12 +46,33 @@ class DraftWorker:
         start = time.perf_counter()
         drafts: dict[str, list[int]] = {item.request_id: [] for item in batch.items}
         probs: dict[str, list[torch.Tensor]] = {item.request_id: [] for item in batch.items}
+        trees = {item.request_id: DraftTree(item) for item in batch.items if item.tree_nodes}
+        frontiers: dict[str, list[int]] = {}
         copies = [pair for item in batch.items for pair in item.copy_blocks]
         for step in range(max((item.k for item in batch.items), default=0)):
-            active = [item for item in batch.items if item.k > step]
-            logits_list = self.runner.forward([_step_input(i, drafts[i.request_id]) for i in active], copies)
+            active, inputs = [], []
+            for item in batch.items:
+                tree = trees.get(item.request_id)
+                if item.k <= step:
+                    continue
+                if tree is None or step == 0:
+                    inputs.append(_step_input(item, drafts[item.request_id]))
+                else:  # level step + 1 of its tree: the best nodes of level `step` are fed
+                    frontiers[item.request_id] = tree.frontier(step)
+                    if not frontiers[item.request_id]:
+                        continue
+                    inputs.append(tree.step_input(frontiers[item.request_id]))
+                active.append(item)
+            logits_list = self.runner.forward(inputs, copies)
             copies = []
             for item, logits in zip(active, logits_list, strict=True):
+                if item.request_id in trees:
+                    q = torch.softmax(logits.float(), -1) if item.sampling.is_greedy else transform_logits(
+                        logits, item.sampling)
+                    parents = [-1] if step == 0 else frontiers[item.request_id]
+                    for parent, row in zip(parents, q, strict=True):
+                        trees[item.request_id].add_children(parent, row)
+                    continue
                 mine = drafts[item.request_id]
                 if item.sampling.has_penalties:
                     logits = penalized_logits_for_positions(logits, item.prompt_ids, item.output_ids + mine, [],
@@ -62,12 +85,15 @@ class DraftWorker:
                 mine.append(token)
                 if item.want_probs:
                     probs[item.request_id].append(q)
-        outputs = [
-            ProposeOutput(
+        outputs = []
+        for item in batch.items:
+            if item.request_id in trees:
+                tokens, parents = trees[item.request_id].result()
+                outputs.append(ProposeOutput(item.request_id, tokens, None, parents))
+                continue
+            outputs.append(ProposeOutput(
                 request_id=item.request_id, draft_ids=drafts[item.request_id],
                 draft_probs=torch.stack(probs[item.request_id]).numpy().astype(np.float32)
                 if item.want_probs and probs[item.request_id] else None,
-            )
-            for item in batch.items
-        ]
+            ))
         return ProposeResult(outputs=outputs, seconds=time.perf_counter() - start, worker_instance=self.instance)

@@ -38,6 +38,11 @@ class ProposeItem:
     prompt_ids: list[int] = field(default_factory=list)  # only when penalties are active
     output_ids: list[int] = field(default_factory=list)
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write before writing
+    # a token tree instead of a chain (drafter_service/draft_tree.py): at most tree_nodes nodes over k levels,
+    # the tree_width likeliest nodes of each level expanded; slot_mapping then holds len(input_ids) +
+    # tree_width * (k - 1) scratch slots. 0: a chain.
+    tree_nodes: int = 0
+    tree_width: int = 0
 
 
 @dataclass
@@ -51,6 +56,7 @@ class ProposeOutput:
     request_id: str
     draft_ids: list[int]
     draft_probs: np.ndarray | None  # [k, V] float32: q after the request's sampling transform
+    draft_parents: list[int] | None = None  # a tree's (tree_nodes > 0): draft i's parent, -1 = the root
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Glossary (figures in the JSON; docs/ARCHITECTURE.md §5):
   config          one engine setting: draft ("none" = plain decoding, "model", "ngram", "suffix"), k (int or
                   auto), temperature (0 -> greedy contract, > 0 -> exact), batch (concurrent requests); for
-                  "suffix" also the tree limit (tree_nodes: 0 = chains only, N = token trees of up to N nodes)
+                  "suffix" and "model" also the tree limit (tree_nodes: 0 = chains only, N = token trees of up to
+                  N nodes; default 16, the engine's)
   tokens/s        output tokens / wall seconds, prefill included (as for transformers' generate)
   vs_plain        tokens/s over our plain decoding (draft none) at the same temperature and batch
   vs_hf           tokens/s over transformers' peer at the same temperature: assisted generation with
@@ -51,6 +52,7 @@ from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
 PROMPTS_PATH = Path(__file__).parent / "prompts" / "bench_prompts.jsonl"
 CATEGORIES = ("prose", "code", "qa", "summarisation", "copy-edit")
 WARMUP_TOKENS = 4
+TREE_DRAFTS = ("suffix", "model")  # draft kinds whose rounds may be token trees
 HF_PEER = {"none": "plain", "model": "assisted", "ngram": "prompt_lookup", "suffix": "prompt_lookup"}
 
 
@@ -95,7 +97,7 @@ class SpecSettings:
     llamacpp_bin: str | None = None  # native llama.cpp binaries (default: scripts/build-llamacpp.sh's folder)
     llamacpp_python: bool = False  # llama-cpp-python's Python loop instead (not how llama.cpp's users run it)
     repeats: int = 1  # batch > 1: runs of every config, in rotating order (figures over all runs)
-    tree_nodes: list[int] = field(default_factory=lambda: [0, 16])  # "suffix" configs: 0 = chains, N = trees
+    tree_nodes: list[int] = field(default_factory=lambda: [16])  # "suffix", "model" configs: 0 = chains, N = trees
 
     def __post_init__(self) -> None:
         if self.draft == "none" and "model" in self.drafts:
@@ -118,12 +120,12 @@ class Config:
     temperature: float
     batch: int
     traced: bool = False  # request + round spans at sampling ratio 1.0 (--tracing-overhead)
-    tree_nodes: int = 0  # "suffix": the engine's tree limit (0: chains only)
+    tree_nodes: int = 0  # "suffix", "model": the engine's tree limit (0: chains only)
 
     @property
     def label(self) -> str:
         label = "plain" if self.draft == "none" else f"{self.draft} k={'auto' if self.k is None else self.k}"
-        if self.draft == "suffix":
+        if self.draft in TREE_DRAFTS:
             label += f" tree<={self.tree_nodes}" if self.tree_nodes else " chain"
         return label + (" +traced" if self.traced else "")
 
@@ -213,7 +215,9 @@ class SpecBench:
         cost, acceptance = self.policy.get(config, (copy.deepcopy(base.cost), None))
         return SpecEngine(base.verifier, base.drafter, LocalKV(BlockLedger(namespaces)), base.tokenizer,
                           tuple(base.eos_token_ids), base.vocab_size,
-                          dataclasses.replace(base.config, max_batch=config.batch, tree_nodes=config.tree_nodes),
+                          dataclasses.replace(base.config, max_batch=config.batch,
+                                              **{"model_tree_nodes" if config.draft == "model" else "tree_nodes":
+                                                 config.tree_nodes}),
                           model_name=base.model_name, draft_name=base.draft_name, dtypes=base.dtypes,
                           observer=RoundSpans(self.tracer) if config.traced else None, cost=cost,
                           acceptance=acceptance)
@@ -314,7 +318,7 @@ class SpecBench:
     # ------------------------------------------------------------------ the plan
     def configs(self, temperature: float, batch: int) -> list[Config]:
         spec = [Config(d, k, temperature, batch, tree_nodes=n) for d in self.s.drafts for k in self.s.ks
-                for n in (self.s.tree_nodes if d == "suffix" else [0])]
+                for n in (self.s.tree_nodes if d in TREE_DRAFTS else [0])]
         configs = [Config("none", 0, temperature, batch), *spec]
         if self.s.tracing_overhead:
             configs += [dataclasses.replace(c, traced=True) for c in configs]
@@ -327,7 +331,7 @@ class SpecBench:
         for temperature in self.s.temperatures:
             traced = [True] if self.s.tracing_overhead else []
             for config in self.configs(temperature, 1)[:1] + [
-                    Config(d, 2, temperature, 1, t, max(self.s.tree_nodes) if d == "suffix" else 0)
+                    Config(d, 2, temperature, 1, t, max(self.s.tree_nodes) if d in TREE_DRAFTS else 0)
                     for d in self.s.drafts for t in [False, *traced]]:
                 self.run_ours(config, first, warmup=True)
             for mode in self.hf_modes():

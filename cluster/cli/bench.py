@@ -62,7 +62,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sp.add_argument("--drafts", nargs="+", choices=["model", "ngram", "suffix"], default=None,
                     help="draft kinds to measure (default: model ngram; suffix: the suffix-tree drafter)")
     sp.add_argument("--tree-nodes", nargs="+", type=int, default=None,
-                    help="suffix drafts: tree limits to measure, 0 = chains only (default 0 16)")
+                    help="suffix and model drafts: tree limits to measure, 0 = chains only (default 16, the "
+                         "engine's default)")
     sp.add_argument("--categories", nargs="+", default=None, help="prompt categories (default: all five)")
     sp.add_argument("--per-category", type=int, default=None, help="prompts per category (default 2)")
     sp.add_argument("--ks", nargs="+", type=parse_k, default=None, help="k values, ints or 'auto' (default 1 2 3 4 auto)")

@@ -107,7 +107,8 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
             outcome.predrafts_kept[s.request_id] = carried
         elif plan.uses_model_drafter and plan.draft_grant is not None:  # no grant: the drafter's epoch changed
             assert drafter_holder is not None, "a model draft without a drafter epoch"
-            draft_len = len(plan.draft_pending) + min(kept_accepted, proposed - 1)
+            # a tree's nodes sat in scratch slots: the accepted path is fed again with the next catch-up
+            draft_len = len(plan.draft_pending) + (0 if tree is not None else min(kept_accepted, proposed - 1))
             draft_committed = (plan.draft_pending + plan.drafts)[:draft_len]
             outcome.commits.append(CommitItem(DRAFT_NAMESPACE, s.request_id, draft_len, draft_committed,
                                               drafter_holder, finished=finished))

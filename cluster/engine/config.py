@@ -26,6 +26,7 @@ class EngineConfig:
     overlap_reason: str  # why overlap is on or off (engine stats, logged at start)
     predraft: bool  # under overlap: pre-draft each request's next round during its verify (predraft.py)
     tree_nodes: int  # most nodes of a suffix-drafted token tree (0: chains only; tree_policy.py)
+    model_tree_nodes: int  # most nodes of a draft model's token tree (0: chains only; drafter_service/draft_tree.py)
 
     def __post_init__(self) -> None:
         problems = [name for name, ok in (
@@ -36,7 +37,7 @@ class EngineConfig:
             ("drafter_retry_seconds", self.drafter_retry_seconds >= 0.0),
             ("max_verifier_failures", self.max_verifier_failures >= 0),
             ("overlap", isinstance(self.overlap, bool)), ("predraft", isinstance(self.predraft, bool)),
-            ("tree_nodes", self.tree_nodes >= 0),
+            ("tree_nodes", self.tree_nodes >= 0), ("model_tree_nodes", self.model_tree_nodes >= 0),
         ) if not ok]
         if problems:
             raise ValueError(f"invalid EngineConfig field(s) {problems}: {self}")

@@ -47,10 +47,12 @@ from cluster.engine.predraft import predraft_slots
 from cluster.engine.request_state import RequestState, new_request_state
 from cluster.engine.round_plan import (
     RoundPlan,
+    draft_slots,
     invalid_drafts,
     plain,
     plain_proposed,
     propose_item,
+    target_slots,
     verify_item,
     with_draft_pending,
     with_drafts,
@@ -241,7 +243,8 @@ class SpecEngine:
                 s.request.spec.k is None and s.request.spec.draft != "none" for s in states) else 1.0,
             drafter_usable=any(s.request.spec.draft == "model" for s in states) and self.health.drafter_usable(),
             engine_acceptance=self.acceptance, cost=self.cost, batch=len(states), nominal=self.nominal_costs(),
-            suffix=self.suffix, tree_nodes=cfg.tree_nodes)
+            suffix=self.suffix, tree_nodes=cfg.tree_nodes,
+            model_tree_nodes=cfg.model_tree_nodes if self.mode.model_trees else 0)
         self.suffix.retain(s.request_id for s in self.running)  # tries of requests that left (aborted, requeued)
 
         def plan_one(state: RequestState) -> RoundPlan:
@@ -251,18 +254,15 @@ class SpecEngine:
         return self.mode.budget(self, plans)
 
     def _enter_draft(self, plan: RoundPlan) -> RoundPlan:
-        if not plan.uses_model_drafter:
-            return plan
-        if not admit_draft(self.kv, plan.state, self.health.drafter_holder):
-            return plain(plan, "draft cache out of blocks")
-        return with_draft_pending(plan)
+        if not plan.uses_model_drafter or admit_draft(self.kv, plan.state, self.health.drafter_holder):
+            return with_draft_pending(plan) if plan.uses_model_drafter else plan
+        return plain(plan, "draft cache out of blocks")
 
     def reserve(self, plans: list[RoundPlan], may_preempt: bool) -> list[RoundPlan]:
         """Each plan's maximum, in one call; a plan refused its target slots sits this round out."""
         health = self.health
-        items = [ReserveItem(TARGET_NAMESPACE, p.request_id, len(p.target_pending) + p.k,
-                             health.verifier_holder) for p in plans]
-        items += [ReserveItem(DRAFT_NAMESPACE, p.request_id, len(p.draft_pending) + p.k - 1 + predraft_slots(p),
+        items = [ReserveItem(TARGET_NAMESPACE, p.request_id, target_slots(p), health.verifier_holder) for p in plans]
+        items += [ReserveItem(DRAFT_NAMESPACE, p.request_id, draft_slots(p) + predraft_slots(p),
                               health.drafter_holder) for p in plans if p.uses_model_drafter and not p.predrafted]
         if self.mode.drafts_own_step:  # these plans are this step's (two groups: the other group's next step)
             self.trace.begin(plans)
@@ -312,8 +312,8 @@ class SpecEngine:
         refusal = invalid_drafts(model_plans, by_id, self.vocab_size)
         if refusal is not None:  # never trusted: the drafter is treated as failed, this round decodes plainly
             return self.drafter_failed(plans, InvalidDrafts(refusal), "fallback: drafter returned invalid drafts")
-        return [with_drafts(p, by_id[p.request_id].draft_ids, by_id[p.request_id].draft_probs) if p.needs_propose
-                else p for p in plans]
+        return [with_drafts(p, by_id[p.request_id].draft_ids, by_id[p.request_id].draft_probs,
+                            by_id[p.request_id].draft_parents) if p.needs_propose else p for p in plans]
 
     def drafter_failed(self, plans: list[RoundPlan], exc: BaseException,
                        reason: str = "fallback: drafter failed, plain decoding") -> list[RoundPlan]:

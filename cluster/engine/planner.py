@@ -46,6 +46,7 @@ class PlanContext:
     nominal: NominalCosts = FLOAT32_COSTS  # seeded requests' costs: by the target's dtype (spec_policy.py)
     suffix: SuffixDrafter | None = None  # the engine's suffix drafter (its tries: the engine thread's)
     tree_nodes: int = 0  # most nodes of a suffix tree (0: chains only)
+    model_tree_nodes: int = 0  # most nodes of a draft model's tree (0: chains; always 0 outside the serial mode)
 
 
 def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
@@ -84,9 +85,27 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
     elif spec.draft == "suffix" and k > 0:
         drafts, parents, reason = _suffix_drafts(state, ctx, k, len(pending), reason)
         k = len(drafts)
+    budget = 0
+    if spec.draft == "model" and k > 0 and ctx.model_tree_nodes:
+        size = _tree_size(state, ctx, k, len(pending), ctx.model_tree_nodes)
+        budget = size.nodes if size.nodes > k else 0
+        reason = f"{reason}; {size.reason}"
     state.record_k(k, reason)
     return RoundPlan(state=state, k=k, target_pending=pending, drafts=drafts,
-                     uses_model_drafter=spec.draft == "model" and k > 0, draft_parents=parents)
+                     uses_model_drafter=spec.draft == "model" and k > 0, draft_parents=parents, tree_budget=budget)
+
+
+def _tree_size(state: RequestState, ctx: PlanContext, k: int, catch_up: int, limit: int) -> TreeDecision:
+    """Nodes for a token tree of k levels: fixed k takes the limit, seeded sampled requests size it from their own
+    statistics and nominal costs, the others from the measured ones (tree_policy.py); penalties: a chain."""
+    sampling = state.request.sampling
+    if sampling.has_penalties or limit <= k:
+        return TreeDecision(k, "chain: penalties" if sampling.has_penalties else "chain: tree limit")
+    if state.request.spec.k is not None:
+        return TreeDecision(limit, f"tree: up to {limit} nodes (fixed k)")
+    if sampling.seed is not None and not sampling.is_greedy:
+        return tree_size_seeded(k, limit, state.acceptance, ctx.nominal)
+    return tree_size(TreeInputs(k, limit, catch_up, ctx.batch, ctx.cost, ctx.engine_acceptance))
 
 
 def _suffix_drafts(state: RequestState, ctx: PlanContext, k: int, catch_up: int,
@@ -96,14 +115,7 @@ def _suffix_drafts(state: RequestState, ctx: PlanContext, k: int, catch_up: int,
     assert ctx.suffix is not None, "suffix drafts need the engine's suffix drafter"
     sampling = state.request.sampling
     seeded = sampling.seed is not None and not sampling.is_greedy  # its tokens depend on its own history only
-    if sampling.has_penalties or ctx.tree_nodes <= k:
-        size = TreeDecision(k, "chain: penalties" if sampling.has_penalties else "chain: tree limit")
-    elif state.request.spec.k is not None:
-        size = TreeDecision(ctx.tree_nodes, f"tree: up to {ctx.tree_nodes} nodes (fixed k)")
-    elif seeded:
-        size = tree_size_seeded(k, ctx.tree_nodes, state.acceptance, ctx.nominal)
-    else:
-        size = tree_size(TreeInputs(k, ctx.tree_nodes, catch_up, ctx.batch, ctx.cost, ctx.engine_acceptance))
+    size = _tree_size(state, ctx, k, catch_up, ctx.tree_nodes)
     # a chain is the best path of a wider proposal (best-first spends nodes on side branches); a seeded request
     # drafts from its own prompt and output only (the global trie holds what other requests wrote)
     proposal = ctx.suffix.propose(state.request_id, state.token_ids, max(size.nodes, 4 * k), levels=k,

@@ -56,6 +56,9 @@ class RoundPlan:
     # the drafts as a token tree (suffix drafting): draft i's parent draft, -1 = the round's root (its last input
     # token); None = a chain. A tree reserves a target slot per node; k counts its nodes.
     draft_parents: tuple[int, ...] | None = None
+    # a model draft asked for as a token tree (drafter_service/draft_tree.py): at most this many nodes over k levels
+    # (0: a chain); its target reservation holds a slot per node, its draft one MODEL_TREE_WIDTH * (k - 1) scratch
+    tree_budget: int = 0
 
     @property
     def request_id(self) -> str:
@@ -71,11 +74,24 @@ class RoundPlan:
         return self.uses_model_drafter and self.k > 0 and not self.predrafted
 
 
+MODEL_TREE_WIDTH = 4  # nodes of each level a draft model's tree expands
+
+
+def target_slots(plan: RoundPlan) -> int:
+    """Target slots the round reserves: its catch-up, then one per draft (a tree's budget before it is drafted)."""
+    return len(plan.target_pending) + max(plan.k, plan.tree_budget, len(plan.drafts))
+
+
+def draft_slots(plan: RoundPlan) -> int:
+    """Draft slots the drafter writes: its catch-up, then k - 1 drafts (a tree: its fed nodes' scratch)."""
+    return len(plan.draft_pending) + (MODEL_TREE_WIDTH * (plan.k - 1) if plan.tree_budget else plan.k - 1)
+
+
 def plain(plan: RoundPlan, reason: str) -> RoundPlan:
     """This round decodes plainly: no drafts, no draft grant (the state records k = 0 and why)."""
     plan.state.record_k(0, reason)
     return replace(plan, uses_model_drafter=False, k=0, drafts=[], draft_probs=None, draft_grant=None,
-                   draft_parents=None)
+                   draft_parents=None, tree_budget=0)
 
 
 def plain_proposed(plans: Iterable[RoundPlan], reason: str) -> list[RoundPlan]:
@@ -97,8 +113,10 @@ def with_grants(plan: RoundPlan, target: Reservation, draft: Reservation | None)
     return replace(plan, target_grant=target, draft_grant=draft if plan.uses_model_drafter else None)
 
 
-def with_drafts(plan: RoundPlan, drafts: Sequence[int], probs: np.ndarray | None) -> RoundPlan:
-    return replace(plan, drafts=list(drafts), draft_probs=probs)
+def with_drafts(plan: RoundPlan, drafts: Sequence[int], probs: np.ndarray | None,
+                parents: Sequence[int] | None = None) -> RoundPlan:
+    return replace(plan, drafts=list(drafts), draft_probs=probs,
+                   draft_parents=None if parents is None else tuple(parents))
 
 
 def with_predraft(plan: RoundPlan, predraft: PreDraft) -> RoundPlan:
@@ -118,6 +136,18 @@ def invalid_drafts(plans: Sequence[RoundPlan], by_id: Mapping[str, Any], vocab_s
         out = by_id.get(p.request_id)
         if out is None:
             return f"no drafts for {p.request_id}"
+        if (out.draft_parents is not None) != bool(p.tree_budget):
+            return f"{p.request_id}: a {'chain' if p.tree_budget else 'tree'} where a {'tree' if p.tree_budget else 'chain'} was asked for"
+        if p.tree_budget:
+            if out.draft_probs is not None or not 0 < len(out.draft_ids) <= p.tree_budget:
+                return f"{p.request_id}: a tree of {len(out.draft_ids)} nodes for a budget of {p.tree_budget}"
+            try:
+                tree = TokenTree(tuple(out.draft_ids), tuple(out.draft_parents))
+            except ValueError as exc:
+                return f"{p.request_id}: {exc}"
+            if tree.depth() > p.k or any(not 0 <= int(t) < vocab_size for t in out.draft_ids):
+                return f"{p.request_id}: a tree deeper than k={p.k} or ids outside [0, {vocab_size})"
+            continue
         if len(out.draft_ids) != p.k:
             return f"{p.request_id}: {len(out.draft_ids)} drafts, asked for k={p.k}"
         if any(not 0 <= int(t) < vocab_size for t in out.draft_ids):
@@ -140,9 +170,10 @@ def propose_item(plan: RoundPlan) -> ProposeItem:
     return ProposeItem(
         request_id=s.request_id, input_ids=plan.draft_pending, past_len=s.draft_cached,
         block_table=list(grant.block_table), k=plan.k,
-        slot_mapping=list(grant.slot_mapping[:len(plan.draft_pending) + plan.k - 1]),  # a pre-draft's follow
+        slot_mapping=list(grant.slot_mapping[:draft_slots(plan)]),  # a pre-draft's follow
         sampling=s.request.sampling, seed=s.seed, position=len(s.token_ids),
-        want_probs=s.request.spec.contract == "exact" and not s.request.sampling.is_greedy,
+        want_probs=s.request.spec.contract == "exact" and not s.request.sampling.is_greedy and not plan.tree_budget,
+        tree_nodes=plan.tree_budget, tree_width=MODEL_TREE_WIDTH if plan.tree_budget else 0,
         prompt_ids=prompt_ids, output_ids=output_ids, copy_blocks=list(grant.copy_on_write),
     )
 

@@ -55,6 +55,8 @@ class RoundHost(EngineParts, Protocol):
 class StepMode(Protocol):
     holds_commits: bool  # a steady round's commit waits for the next reserve (held_commit.py)
     drafts_own_step: bool  # the drafter call drafts this step's round (so it continues this step's trace)
+    model_trees: bool  # a draft model may draft token trees (`model_tree_nodes`; serial only: the others draft
+    # ahead in chains)
 
     def prepare(self, engine: RoundHost) -> tuple[list[RoundPlan], float]:
         """This step's plans, reserved and drafted, and the drafter seconds they cost."""
@@ -85,6 +87,7 @@ class StepMode(Protocol):
 class Serial:
     holds_commits = True
     drafts_own_step = True
+    model_trees = True
 
     def prepare(self, engine: RoundHost) -> tuple[list[RoundPlan], float]:
         return engine.prepare(engine.running, may_preempt=True)
@@ -120,6 +123,7 @@ class Serial:
 class PingPong(Serial):
     holds_commits = False
     drafts_own_step = False  # the drafter call drafts the other group's next step
+    model_trees = False
 
     def __init__(self, pipeline: DraftPipeline) -> None:
         self.pipeline = pipeline
@@ -178,6 +182,8 @@ class PingPong(Serial):
 
 
 class PreDraft(Serial):
+    model_trees = False
+
     def __init__(self, predrafter: PreDrafter) -> None:
         self.predrafter = predrafter
 

@@ -43,7 +43,8 @@ NGRAM_DRAFT = "ngram"  # `draft` value: n-gram (prompt lookup) drafting, no draf
 MODEL_FREE_DRAFTS = (NGRAM_DRAFT, "suffix")  # `draft` values without a draft model ("suffix": token trees)
 # The fields a config file may also set under `engine_options:` (the older spelling, still accepted).
 ENGINE_OPTIONS = ("k_max", "probe_every", "pressure_free_fraction", "drafter_retry_seconds",
-                  "max_verifier_failures", "overlap", "predraft", "tree_nodes")
+                  "max_verifier_failures", "overlap", "predraft", "tree_nodes",
+                  "model_tree_nodes")
 
 
 class ConfigError(ValueError):
@@ -121,6 +122,9 @@ class ClusterConfig(BaseModel):
     tree_nodes: int = Field(16, ge=0, le=64, description="most nodes of a token tree drafted by `suffix` (0: chains "
                                                          "only); auto sizes each tree from the measured verify cost "
                                                          "and side-branch acceptance (cluster/engine/tree_policy.py)")
+    model_tree_nodes: int = Field(0, ge=0, le=64, description="most nodes of a token tree drafted by the draft model "
+                                  "(the likeliest continuations where it is unsure; 0: chains, the default until "
+                                  "trees are measured to pay; serial step mode only)")
 
     # Serve health checks and graceful shutdown (applied to every deployment)
     health_check_period_s: float = Field(10.0, gt=0, le=3600)
@@ -280,7 +284,7 @@ class ClusterConfig(BaseModel):
             k_max=self.k_max, probe_every=self.probe_every, pressure_free_fraction=self.pressure_free_fraction,
             drafter_retry_seconds=self.drafter_retry_seconds, max_verifier_failures=self.max_verifier_failures,
             overlap=overlap.enabled, overlap_reason=overlap.reason, predraft=self.predraft,
-            tree_nodes=self.tree_nodes,
+            tree_nodes=self.tree_nodes, model_tree_nodes=self.model_tree_nodes,
         )
 
     def local_runtime(self) -> LocalRuntime:

@@ -124,7 +124,7 @@ class FakeRunner:
     """A ForwardRunner without a model: new tokens are written to their slots of a paged token pool;
     each logits row is a one-hot at `rule(the sequence read back through the block table)`."""
 
-    def __init__(self, rule: Callable[[list[int]], int], block_size: int) -> None:
+    def __init__(self, rule: Callable[[list[int]], int | list[int]], block_size: int) -> None:
         self.rule = rule
         self.block_size = block_size
         self.config = FakeModelConfig(FAKE_VOCAB)
@@ -158,19 +158,22 @@ class FakeRunner:
                 slots += [seq.slot_mapping[j] for j in range(n) if mask[i, j]]
                 missing = [s for s in slots if s not in self.pool]
                 assert not missing, f"slots {missing} were never written"
-                logits[row, self.rule([self.pool[s] for s in slots])] = 10.0
+                choice = self.rule([self.pool[s] for s in slots])  # a token, or tokens best first
+                for rank, token in enumerate([choice] if isinstance(choice, int) else choice):
+                    logits[row, token] = 10.0 - rank
             out.append(logits)
         return out
 
 
 def fake_engine(num_blocks: int = 256, block_size: int = 4, max_batch: int = 4, overlap: bool = False,
                 k_max: int = 4, predraft: bool = False,
-                draft_rule: Callable[[list[int]], int] = fake_draft_token, observer: Any = None,
-                target_rule: Callable[[list[int]], int] = fake_next_token, tree_nodes: int = 16) -> SpecEngine:
+                draft_rule: Callable[[list[int]], int | list[int]] = fake_draft_token, observer: Any = None,
+                target_rule: Callable[[list[int]], int] = fake_next_token, tree_nodes: int = 16,
+                model_tree_nodes: int = 0) -> SpecEngine:
     """The real engine, ledger (in process) and workers over FakeRunners, with a draft model (drafting by
     `draft_rule`); no EOS."""
     config = engine_config(max_batch=max_batch, queue_capacity=64, max_context=1024, k_max=k_max, overlap=overlap,
-                           predraft=predraft, tree_nodes=tree_nodes)
+                           predraft=predraft, tree_nodes=tree_nodes, model_tree_nodes=model_tree_nodes)
     namespaces = [NamespaceConfig(TARGET_NAMESPACE, num_blocks, block_size),
                   NamespaceConfig(DRAFT_NAMESPACE, num_blocks, block_size)]
     return SpecEngine(VerifierWorker(FakeRunner(target_rule, block_size)),

@@ -109,3 +109,31 @@ def test_trees_refuse_rootless_or_penalized_items() -> None:
     with pytest.raises(ValueError, match="penalties"):
         worker.verify(VerifyBatch([VerifyItem("b", input_ids=[3], sampling=SamplingParams(repetition_penalty=1.2),
                                               **base)]))
+
+
+def second_guess(sequence: list[int]) -> list[int]:
+    """A draft model that ranks a wrong token first at every third position and the right one second: its trees
+    branch there, and the side branch is the one the target accepts."""
+    right = walk_next(sequence)
+    return [(right + 1) % 12, right] if len(sequence) % 3 == 0 else [right, (right + 1) % 12]
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_draft_model_trees_equal_plain_decoding(max_batch: int) -> None:
+    engine = fake_engine(max_batch=max_batch, block_size=4, target_rule=walk_next, draft_rule=second_guess,
+                         k_max=4, model_tree_nodes=10)
+    requests = [request(f"r{i}", p, max_tokens=30 + 3 * i, k=3, draft="model") for i, p in enumerate(PROMPTS)]
+    got = run(engine, requests)
+    for i, p in enumerate(PROMPTS):
+        assert got[f"r{i}"] == walk_greedy(p, 30 + 3 * i), f"r{i}"
+    stats = engine.acceptance
+    assert stats.tree_rounds == stats.rounds  # every drafting round drafted a tree
+    assert stats.accepted_by_rank[1] > 0 and stats.accepted == stats.proposed  # the second guesses were accepted
+
+
+def test_draft_model_trees_stay_chains_in_two_group_overlap() -> None:
+    engine = fake_engine(max_batch=4, overlap=True, target_rule=walk_next, draft_rule=second_guess,
+                         model_tree_nodes=10)
+    got = run(engine, [request(f"r{i}", p, max_tokens=20, k=3, draft="model") for i, p in enumerate(PROMPTS[:4])])
+    assert all(got[f"r{i}"] == walk_greedy(p, 20) for i, p in enumerate(PROMPTS[:4]))
+    assert engine.acceptance.tree_rounds == 0
