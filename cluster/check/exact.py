@@ -49,7 +49,7 @@ def _prompts(tokenizer: Any, texts: Sequence[str], chat: bool, settings: CheckSe
 
 def check_in_process(model: str, draft: str, texts: Sequence[str], settings: CheckSettings, *, chat: bool = False,
                      window: int = 16, per_group: int = 16, draft_dtype: str | None = None, device: str | None = None,
-                     dtype: str | None = None,
+                     dtype: str | None = None, tree_nodes: int | None = None, model_tree_nodes: int | None = None,
                      biased: bool = False, progress: Progress | None = None) -> tuple[CheckReport, Any]:
     """The check through an engine built here (`build_local_engine`), at most `window` requests at a time, in
     prompt groups of up to `per_group` completions (one prefill each).
@@ -63,14 +63,15 @@ def check_in_process(model: str, draft: str, texts: Sequence[str], settings: Che
     tokenizer = load_tokenizer(model_dir(model))
     prompts = _prompts(tokenizer, texts, chat, settings)
     longest = max(len(p.prompt_ids) for p in prompts) + settings.max_tokens
-    defaults = make_config()
+    given = {key: value for key, value in (("draft_dtype", draft_dtype), ("device", device), ("dtype", dtype),
+                                           ("tree_nodes", tree_nodes), ("model_tree_nodes", model_tree_nodes))
+             if value is not None}
+    defaults = make_config(**{k: v for k, v in given.items() if "tree" in k})
     k_max = settings.k if settings.k is not None else defaults.k_max
-    if settings.draft == "suffix":  # a tree reserves a slot per node
-        k_max = max(k_max, defaults.tree_nodes)
+    # a tree reserves a slot per node
+    k_max = max(k_max, defaults.tree_nodes if settings.draft == "suffix" else defaults.model_tree_nodes)
     # KV pools for `window` requests of the longest prompt (ClusterConfig's block size), not for full contexts
     blocks = window * (-(-(longest + k_max + 1) // defaults.block_size) + 1) + 16
-    given = {key: value for key, value in (("draft_dtype", draft_dtype), ("device", device), ("dtype", dtype))
-             if value is not None}
     config = make_config(model=model, draft=draft, max_batch=window, queue_capacity=window, kv_blocks=max(8, blocks),
                          max_context=max(64, longest + k_max + 1), warm_up=False, **given)
     engine = build_local_engine(model, draft, config.engine_config(), config.local_runtime(), tokenizer=tokenizer)
@@ -81,7 +82,7 @@ def check_in_process(model: str, draft: str, texts: Sequence[str], settings: Che
         report = run_check(prompts, reference, settings,
                            lambda: sample_in_process(engine, prompts, settings, window, progress, per_group),
                            model, draft, "in process", biased)
-        if settings.draft == "suffix":
+        if engine.acceptance.tree_rounds or settings.draft == "suffix":
             a = engine.acceptance
             report = dataclasses.replace(report, trees={"rounds": a.rounds, "tree_rounds": a.tree_rounds,
                                                         "tree_nodes": a.tree_nodes,

@@ -78,6 +78,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "engine's; with --server the reference's (it must match the server's; default auto)")
     ex.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None, help="in process: the draft model's "
                     "precision (default auto)")
+    ex.add_argument("--tree-nodes", type=int, default=None, help="in process, --draft suffix: most nodes of a token "
+                    "tree (0: chains; default the engine's, 16)")
+    ex.add_argument("--model-tree-nodes", type=int, default=None, help="in process, a draft model: most nodes of its "
+                    "token trees (default the engine's, 0: chains)")
     ex.add_argument("--device", default=None, help="in process: torch device of the workers (default cpu)")
     ex.add_argument("--threads", type=int, default=0, help="in process: torch threads (default 0: torch's default; "
                     "1 is often fastest on a busy machine, since the check's forwards are small)")
@@ -133,6 +137,7 @@ def _run_exact(args: argparse.Namespace) -> int:
         report, tokenizer = check_in_process(args.model, args.draft, prompts, settings, chat=args.chat,
                                              window=args.batch, per_group=args.per_call,
                                              draft_dtype=args.draft_dtype, device=args.device,
+                                             tree_nodes=args.tree_nodes, model_tree_nodes=args.model_tree_nodes,
                                              dtype=args.dtype,
                                              biased=args.inject_bias, progress=progress)
 

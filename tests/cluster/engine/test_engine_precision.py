@@ -77,6 +77,21 @@ def test_bf16_suffix_trees_equal_plain_bf16(smollm2_dir: Path, kernel_path: str,
 
 
 @pytest.mark.model
+def test_bf16_draft_model_trees_equal_plain_bf16(smollm2_dir: Path, kernel_path: str) -> None:
+    """A draft model's token trees (model_tree_nodes; drafter_service/draft_tree.py): its fed nodes go through the
+    drafter's tree mask and scratch slots, the target verifies the tree in one forward, batch 8."""
+    engine = local_engine(smollm2_dir, smollm2_dir, max_batch=8, block_size=16, kv_blocks=256, dtype="bfloat16",
+                          model_tree_nodes=10)
+    prompts = [engine.tokenizer(t)["input_ids"] for t in EIGHT_PROMPTS]
+    reqs = [request(f"r{i}", p, max_tokens=16, k=3, draft="model") for i, p in enumerate(prompts)]
+    got = run(engine, reqs)
+    eos = set(engine.eos_token_ids)
+    for r, p in zip(reqs, prompts, strict=True):
+        assert got[r.request_id] == plain_greedy(smollm2_dir, p, 16, eos, "bfloat16"), r.request_id
+    assert engine.acceptance.tree_rounds == engine.acceptance.rounds > 0
+
+
+@pytest.mark.model
 def test_float32_greedy_equals_plain_float32_on_every_path(smollm2_dir: Path, kernel_path: str) -> None:
     check_equals_plain(smollm2_dir, "float32", 8, 8)
 
