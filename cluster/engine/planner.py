@@ -111,7 +111,7 @@ def _tree_size(state: RequestState, ctx: PlanContext, k: int, catch_up: int, lim
 def _suffix_drafts(state: RequestState, ctx: PlanContext, k: int, catch_up: int,
                    reason: str) -> tuple[list[int], tuple[int, ...] | None, str]:
     """A suffix tree of k levels (tree_policy.py sizes it; fixed k: the limit), or its best chain where trees
-    are off or penalties apply (they read one history per row); no match: no drafts."""
+    are off or penalties apply (they read one history per row); no candidate in the tries: the n-gram chain."""
     assert ctx.suffix is not None, "suffix drafts need the engine's suffix drafter"
     sampling = state.request.sampling
     seeded = sampling.seed is not None and not sampling.is_greedy  # its tokens depend on its own history only
@@ -120,8 +120,9 @@ def _suffix_drafts(state: RequestState, ctx: PlanContext, k: int, catch_up: int,
     # drafts from its own prompt and output only (the global trie holds what other requests wrote)
     proposal = ctx.suffix.propose(state.request_id, state.token_ids, max(size.nodes, 4 * k), levels=k,
                                   own_only=seeded)
-    if proposal is None:
-        return [], None, "suffix: no match"
+    if proposal is None:  # nothing above the trie's min score: the n-gram drafter's latest match, if any
+        chain = propose_ngram(state.token_ids, k)
+        return chain, None, f"{reason}; suffix: no match, n-gram" if chain else "suffix: no match"
     if size.nodes == k or len(proposal.tree) <= k:
         chain = proposal.chain(k)
         return chain, None, f"{reason}; {size.reason}"

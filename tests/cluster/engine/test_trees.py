@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cluster.engine.accept import accept_round
-from cluster.engine.request_state import new_request_state
+from cluster.engine.request_state import RequestState, new_request_state
 from cluster.engine.round_plan import RoundPlan
 from kv_manager.schema import Holder
 from model_runtime.batch import SeqInput
@@ -137,3 +137,27 @@ def test_draft_model_trees_stay_chains_in_two_group_overlap() -> None:
     got = run(engine, [request(f"r{i}", p, max_tokens=20, k=3, draft="model") for i, p in enumerate(PROMPTS[:4])])
     assert all(got[f"r{i}"] == walk_greedy(p, 20) for i, p in enumerate(PROMPTS[:4]))
     assert engine.acceptance.tree_rounds == 0
+
+
+def test_suffix_falls_back_to_the_n_gram_match_where_its_tries_have_no_candidate() -> None:
+    from cluster.engine.acceptance_stats import AcceptanceStats
+    from cluster.engine.planner import PlanContext, plan_request
+    from cluster.engine.spec_policy import CostModel
+    from drafter_service.suffix_drafts import SuffixDrafter
+
+    tokens = [1, 2, 3, 4, 9, 5, 6, 9]  # "9" once before, then 5 6: the trie scores 5 at 1/2
+
+    def fresh() -> RequestState:
+        return new_request_state(request("f", tokens, max_tokens=10, k=2, draft="suffix"), None, (), FAKE_VOCAB,
+                                 1024, has_drafter=False)
+
+    def context(min_score: float) -> PlanContext:
+        return PlanContext(k_max=4, probe_every=32, pressure_free_fraction=0.1, free_fraction=1.0,
+                           drafter_usable=False, engine_acceptance=AcceptanceStats(), cost=CostModel(), batch=1,
+                           suffix=SuffixDrafter(min_score=min_score), tree_nodes=0)
+
+    own = fresh()
+    assert plan_request(own, context(0.0)).drafts == [5, 6] and "n-gram" not in own.policy_events[-1].reason
+    state = fresh()
+    fallback = plan_request(state, context(0.9))  # nothing scores 0.9: the n-gram drafter's latest match
+    assert fallback.drafts == [5, 6] and "suffix: no match, n-gram" in state.policy_events[-1].reason
