@@ -36,6 +36,7 @@ MAX_MATCH = 12  # the longest context suffix looked up
 class _Node:
     count: int = 0
     children: dict[int, _Node] = field(default_factory=dict)
+    last: int = 0  # the trie's clock when a sequence last passed through it (ties go to the most recent)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class SuffixTrie:
         self.max_depth = max_depth
         self.root = _Node()
         self._open: dict[int, list[_Node]] = {}  # sequence id -> nodes of its open suffixes (longest first)
+        self._clock = 0  # tokens added so far
         self._tokens: dict[int, list[int]] = {}
 
     def __contains__(self, seq_id: int) -> bool:
@@ -79,12 +81,14 @@ class SuffixTrie:
         open_nodes = self._open.setdefault(seq_id, [])
         for token in tokens:
             own.append(token)
+            self._clock += 1
             moved = []
             for node in [*open_nodes[-(self.max_depth - 1):], self.root]:  # suffixes of length 1..max_depth
                 child = node.children.get(token)
                 if child is None:
                     child = node.children[token] = _Node()
                 child.count += 1
+                child.last = self._clock
                 moved.append(child)
             open_nodes[:] = moved
 
@@ -134,7 +138,9 @@ class SuffixTrie:
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
-        heap: list[tuple[float, int, int, int, _Node]] = []  # (-score, order, parent index, token, node)
+        # (-score, -last, order, parent index, token, node): equal scores go to the most recent continuation, as the
+        # n-gram drafter's latest match
+        heap: list[tuple[float, int, int, int, int, _Node]] = []
         order = 0
 
         def push(parent_index: int, parent: _Node, parent_score: float, depth: int) -> None:
@@ -144,13 +150,13 @@ class SuffixTrie:
             for token, child in parent.children.items():
                 score = parent_score * child.count / parent.count
                 if score > min_score:
-                    heapq.heappush(heap, (-score, order, parent_index, token, child))
+                    heapq.heappush(heap, (-score, -child.last, order, parent_index, token, child))
                     order += 1
 
         push(-1, start, 1.0, 0)
         depth_of: list[int] = []
         while heap and len(tokens) < budget:
-            negative, _, parent_index, token, node = heapq.heappop(heap)
+            negative, _, _, parent_index, token, node = heapq.heappop(heap)
             tokens.append(token)
             parents.append(parent_index)
             scores.append(-negative)

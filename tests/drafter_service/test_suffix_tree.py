@@ -103,3 +103,12 @@ def test_cache_uses_the_request_or_the_global_outputs_and_evicts_the_oldest() ->
     assert "r1" not in cache.requests
     assert cache.propose("r3", [1, 2], budget=4) is None
     assert cache.propose("r3", [6], budget=4).tree.tokens == (6,)  # type: ignore[union-attr]
+
+
+def test_equal_counts_go_to_the_most_recent_continuation() -> None:
+    trie = SuffixTrie()
+    trie.extend(0, [1, 2, 1, 3, 1])  # after 1: 2, then 3 (one each)
+    proposal = trie.propose([1, 2, 1, 3, 1], budget=3)
+    assert proposal is not None and proposal.chain(1) == [3]
+    # every node scores 1/3 (3's child 1 follows 3 always): the most recent first
+    assert proposal.tree.tokens == (3, 1, 2) and proposal.tree.parents == (-1, 0, -1)
