@@ -29,7 +29,7 @@ class SuffixDrafter:
         `own_only`: from the request's own trie, not the global one (a seeded request's drafts)."""
         added = self._added.get(request_id, 0)
         if len(tokens) < added:  # cannot shrink: tokens are only appended; a reused id starts over
-            self.cache.requests.pop(request_id, None)
+            self.cache.forget(request_id)
             added = 0
         if len(tokens) > added:
             self.cache.extend(request_id, tokens[added:])
@@ -47,7 +47,7 @@ class SuffixDrafter:
         keep = set(request_ids)
         for request_id in [r for r in self._added if r not in keep]:
             self._added.pop(request_id)
-            self.cache.requests.pop(request_id, None)
+            self.cache.forget(request_id)
 
     def live(self) -> int:
         return len(self._added)

@@ -186,6 +186,10 @@ class SuffixCache:
             trie = self.requests[request_id] = SuffixTrie(self._max_depth)
         trie.extend(0, tokens)
 
+    def forget(self, request_id: str) -> None:
+        """The request's trie goes (it left without an output worth keeping, or its id starts over)."""
+        self.requests.pop(request_id, None)
+
     def finish(self, request_id: str, output: Sequence[int]) -> None:
         """The request ended: its trie goes; its output joins the global trie (the oldest leaves past the bound)."""
         self.requests.pop(request_id, None)

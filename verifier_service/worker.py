@@ -79,14 +79,14 @@ def tree_of(item: VerifyItem) -> TokenTree:
     return TokenTree(tuple(item.draft_ids), tuple(item.draft_parents))
 
 
-def seq_input(item: VerifyItem) -> SeqInput:
-    """The item's forward input: its inputs then its drafts, causal for a chain; for a tree, the inputs causal
-    and each node after every input and its own ancestors, at position (the root's) + its depth."""
+def seq_input(item: VerifyItem, tree: TokenTree | None) -> SeqInput:
+    """The item's forward input: its inputs then its drafts, causal for a chain; for a tree (`tree_of(item)`), the
+    inputs causal and each node after every input and its own ancestors, at position (the root's) + its depth."""
     tokens = item.input_ids + item.draft_ids
-    if item.draft_parents is None:
+    if tree is None:
         return SeqInput(token_ids=tokens, past_len=item.past_len, block_table=item.block_table,
                         slot_mapping=item.slot_mapping, logits=len(item.draft_ids) + 1)
-    tree, inputs = tree_of(item), len(item.input_ids)
+    inputs = len(item.input_ids)
     mask = torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril()
     mask[inputs:, inputs:] = tree.ancestor_mask()
     root = item.past_len + inputs - 1
@@ -95,9 +95,9 @@ def seq_input(item: VerifyItem) -> SeqInput:
                     slot_mapping=item.slot_mapping, positions=positions, attn_mask=mask, logits=len(tree) + 1)
 
 
-def decide_tree(item: VerifyItem, logits: torch.Tensor, inject_bias: bool = False) -> TreeVerdict:
+def decide_tree(item: VerifyItem, tree: TokenTree, logits: torch.Tensor, inject_bias: bool = False) -> TreeVerdict:
     """A tree's contract on its root's and nodes' rows (greedy sampling under any contract follows the argmax)."""
-    tree, params = tree_of(item), item.sampling
+    params = item.sampling
     if item.contract == "greedy" or params.is_greedy:
         verdict = tree_greedy(tree, logits)
         return dataclasses.replace(verdict, contract=item.contract)
@@ -127,7 +127,8 @@ class VerifierWorker:
 
     def verify(self, batch: VerifyBatch) -> VerifyResult:
         start = time.perf_counter()
-        seqs = [seq_input(item) for item in batch.items]
+        trees = [None if item.draft_parents is None else tree_of(item) for item in batch.items]
+        seqs = [seq_input(item, tree) for item, tree in zip(batch.items, trees, strict=True)]
         copies = [pair for item in batch.items for pair in item.copy_blocks]
         if not seqs:
             return VerifyResult(outputs=[], seconds=time.perf_counter() - start, scored_tokens=0,
@@ -137,13 +138,13 @@ class VerifierWorker:
         moves_due, self._slot_moves = self._slot_moves, ()
         all_logits = self.runner.forward(seqs, copies, moves_due)
         outputs, moves = [], []
-        for item, logits in zip(batch.items, all_logits, strict=True):
-            if item.draft_parents is None:
+        for item, tree, logits in zip(batch.items, trees, all_logits, strict=True):
+            if tree is None:
                 verdict = decide(item, logits, self.inject_bias)
                 outputs.append(VerifyOutput(item.request_id, verdict.accepted_len, verdict.tokens, verdict.bonus))
                 continue
-            tree_verdict = decide_tree(item, logits, self.inject_bias)
-            leaf = not tree_of(item).children(tree_verdict.path[-1] if tree_verdict.path else -1)
+            tree_verdict = decide_tree(item, tree, logits, self.inject_bias)
+            leaf = not tree.children(tree_verdict.path[-1] if tree_verdict.path else -1)
             outputs.append(VerifyOutput(item.request_id, tree_verdict.accepted_len, list(tree_verdict.tokens), leaf,
                                         accepted_path=list(tree_verdict.path)))
             moves += path_moves(item, tree_verdict.path)

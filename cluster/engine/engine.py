@@ -254,9 +254,9 @@ class SpecEngine:
         return self.mode.budget(self, plans)
 
     def _enter_draft(self, plan: RoundPlan) -> RoundPlan:
-        if not plan.uses_model_drafter or admit_draft(self.kv, plan.state, self.health.drafter_holder):
-            return with_draft_pending(plan) if plan.uses_model_drafter else plan
-        return plain(plan, "draft cache out of blocks")
+        if plan.uses_model_drafter and not admit_draft(self.kv, plan.state, self.health.drafter_holder):
+            return plain(plan, "draft cache out of blocks")
+        return with_draft_pending(plan) if plan.uses_model_drafter else plan
 
     def reserve(self, plans: list[RoundPlan], may_preempt: bool) -> list[RoundPlan]:
         """Each plan's maximum, in one call; a plan refused its target slots sits this round out."""

@@ -93,12 +93,12 @@ class StepTrace:
             if plan.prefill_to is not None:  # a prompt group's prefill: no round of the request's own
                 continue
             spec, chunk = plan.state.request.spec, chunks[plan.state.request_id]
+            tree = trees.get(plan.request_id)
             record.rounds.append(RoundRecord(
                 plan.state.request_id, plan.state.request.trace_context, plan.k, len(plan.drafts), chunk.proposed,
                 chunk.accepted, len(chunk.token_ids), spec.contract,
                 "none" if plan.k == 0 else "model" if plan.uses_model_drafter else spec.draft, chunk.finish_reason,
-                *((trees[plan.request_id].tree_nodes, trees[plan.request_id].ranks) if plan.request_id in trees
-                  else ())))
+                tree_nodes=tree.tree_nodes if tree else 0, accepted_ranks=tree.ranks if tree else ()))
 
     # ------------------------------------------------------------------ the step's end
     def events_reset(self) -> None:

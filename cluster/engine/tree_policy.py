@@ -20,10 +20,11 @@ and the nominal costs (`tree_size_seeded`), as its k (spec_policy.choose_k_seede
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster.engine.acceptance_stats import AcceptanceStats
-from cluster.engine.spec_policy import CostModel, NominalCosts
+from cluster.engine.spec_policy import MAX_ROWS, CostModel, NominalCosts
 
 MIN_TREE_ROUNDS = 16  # tree rounds measured before g is read
 G_PRIOR = 0.25  # side-branch tokens per round assumed until then (so trees are tried, and measured)
@@ -52,43 +53,42 @@ def side_gain(stats: AcceptanceStats) -> tuple[float, str]:
     return sum(stats.accepted_by_rank[1:]) / stats.tree_rounds, f"measured over {stats.tree_rounds} tree rounds"
 
 
-def tree_size(inputs: TreeInputs) -> TreeDecision:
-    k, limit, cost = inputs.k, inputs.limit, inputs.cost
+def largest_tree(k: int, limit: int, stats: AcceptanceStats, verify_cost: Callable[[int], float],
+                 costs: str) -> TreeDecision:
+    """The rule of the module docstring: the largest n in (k, limit] with verify_cost(n) <= verify_cost(k) x
+    (1 + g / E[Y]), g and E[Y] from `stats`; `costs` names where verify_cost comes from (for the reason)."""
     if k == 0 or limit <= k:
         return TreeDecision(k, "chain: tree limit" if k else "plain")
-    base = cost.verify_time(inputs.batch * (inputs.catch_up + k))
-    if base is None:
-        return TreeDecision(k, "chain: verify cost not measured yet")
-    gain, source = side_gain(inputs.engine)
-    tokens = inputs.engine.mean_tokens_per_round or 1.0 + k / 2
-    allowed = 1.0 + gain / tokens
-    nodes = k
-    for n in range(k + 1, limit + 1):
-        t = cost.verify_time(inputs.batch * (inputs.catch_up + n))
-        assert t is not None
-        if t <= base * allowed:
-            nodes = n
+    gain, source = side_gain(stats)
+    allowed = 1.0 + gain / (stats.mean_tokens_per_round or 1.0 + k / 2)
+    base = verify_cost(k)
+    nodes = max([n for n in range(k + 1, limit + 1) if verify_cost(n) <= base * allowed], default=k)
     if nodes == k:
-        return TreeDecision(k, f"chain: side branches add {gain:.2f} tokens/round ({source}), under their verify cost")
-    return TreeDecision(nodes, f"tree: {nodes} nodes within verify x{allowed:.2f} (side branches {gain:.2f} "
-                               f"tokens/round, {source})")
+        return TreeDecision(k, f"chain: side branches add {gain:.2f} tokens/round ({source}), under their verify "
+                               f"cost ({costs})")
+    return TreeDecision(nodes, f"tree: {nodes} nodes within verify x{allowed:.2f} ({costs}; side branches "
+                               f"{gain:.2f} tokens/round, {source})")
+
+
+def tree_size(inputs: TreeInputs) -> TreeDecision:
+    """Sized by the measured verify times of the whole batch's rows."""
+    cost, k, batch, catch_up = inputs.cost, inputs.k, inputs.batch, inputs.catch_up
+    if k and inputs.limit > k and cost.verify_time(batch * (catch_up + k)) is None:
+        return TreeDecision(k, "chain: verify cost not measured yet")
+    # no size whose rows were never timed: past the largest measured row count the fit reads flat, which would
+    # make every larger tree look free (the rounds that run measure their own rows, so the bound moves up)
+    measured = max(cost.verify_by_tokens, default=0)
+    limit = min(inputs.limit, max(k, (MAX_ROWS if measured >= MAX_ROWS else measured) // batch - catch_up))
+    return largest_tree(k, limit, inputs.engine, lambda n: cost.verify_time(batch * (catch_up + n)) or 0.0,
+                        "measured")
 
 
 def tree_size_seeded(k: int, limit: int, own: AcceptanceStats, costs: NominalCosts) -> TreeDecision:
     """The same rule for a seeded sampled request from what its tokens may depend on (spec_policy.SeededInputs):
     its own tree rounds for g and E[Y], and the nominal cost table at one request's rows (catch-up 1), never
     measured times or the batch: the tree's shape decides which uniforms its accept tests draw."""
-    if k == 0 or limit <= k:
-        return TreeDecision(k, "chain: tree limit" if k else "plain")
-    gain, source = side_gain(own)
-    tokens = own.mean_tokens_per_round or 1.0 + k / 2
-    allowed = 1.0 + gain / tokens
-    base = costs.verify_cost(1 + k)
-    nodes = max([n for n in range(k + 1, limit + 1) if costs.verify_cost(1 + n) <= base * allowed], default=k)
-    if nodes == k:
-        return TreeDecision(k, f"chain: nominal costs ({costs.name}), side branches {gain:.2f} tokens/round")
-    return TreeDecision(nodes, f"tree: {nodes} nodes by nominal costs ({costs.name}; side branches {gain:.2f} "
-                               f"tokens/round, {source})")
+    return largest_tree(k, limit, own, lambda n: costs.verify_cost(1 + n), f"nominal costs, {costs.name}")
 
 
-__all__ = ["G_PRIOR", "MIN_TREE_ROUNDS", "TreeDecision", "TreeInputs", "side_gain", "tree_size", "tree_size_seeded"]
+__all__ = ["G_PRIOR", "MIN_TREE_ROUNDS", "TreeDecision", "TreeInputs", "largest_tree", "side_gain", "tree_size",
+           "tree_size_seeded"]
