@@ -204,6 +204,9 @@ def describe() -> list[str]:
                          "attention row_ops.cpp (AVX-512), layer loop layers.cpp; float32 on the avx512 build")
         else:
             lines.append(f"  {path}: bf16 and float32 linear, norm, activation, attention: portable.cpp ({path} build)")
+    from model_runtime.quant_kernels import describe as quant_describe
+
+    lines.append(quant_describe())
     return lines
 
 

@@ -23,8 +23,10 @@ from model_runtime.batch import ForwardBatch, SeqInput
 from model_runtime.config import ModelConfig
 from model_runtime.kv_pool import KVPool
 from model_runtime.packed_weight import PackedBF16, PackedInt8
+from model_runtime.quant_formats import UnsupportedQuantError
+from model_runtime.quant_weights import QuantLinear
 from model_runtime.small_matmul import calibrate_all, linear
-from model_runtime.weights import LayerWeights, ModelWeights, load_weights, pack_weights
+from model_runtime.weights import LayerWeights, ModelWeights, load_quant_weights, load_weights, pack_weights
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,11 @@ def _packed_for_cpu(weights: ModelWeights, int8: bool) -> tuple[ModelWeights, st
     "avx2": kernels/portable.cpp; "torch": the libraries, or CUDA) and the model's kernels (cpu_kernels.py)."""
     dtype, device = weights.embed.dtype, weights.embed.device
     kernels = cpu_kernels.for_dtype(dtype, device)
+    if isinstance(weights.lm_head, QuantLinear):
+        if not kernels.exact:
+            raise UnsupportedQuantError("--dtype q4 needs the portable float32 kernels around its linears "
+                                        f"(SPECSERVE_CPU_KERNEL={cpu_kernels.requested()} turns them off)")
+        return weights, f"q4-{weights.lm_head._module.isa()}", kernels
     if kernels.path == "amx" and dtype == torch.bfloat16:
         if int8:
             return pack_weights(weights, PackedInt8), "amx-int8", kernels
@@ -110,8 +117,19 @@ class CausalLM:
         device: str | torch.device = "cpu",
     ) -> CausalLM:
         """`dtype` torch.int8: int8 linears (W8A8, per-row activations) on the AMX kernel, bfloat16 elsewhere in the
-        model; a draft's precision (`--draft-dtype int8`). Where the kernel cannot run, plain bfloat16."""
+        model; a draft's precision (`--draft-dtype int8`). Where the kernel cannot run, plain bfloat16.
+        `dtype` precision.Q4 (`--dtype q4`): the GGUF's quantized linears, float32 elsewhere (quant_weights.py)."""
         config = ModelConfig.from_dir(checkpoint_dir)
+        if dtype == torch.quint4x2:
+            from model_runtime import quant_kernels
+            from model_runtime.prepare import prepare_quant
+
+            module = quant_kernels.active()
+            if module is None:
+                raise UnsupportedQuantError(f"--dtype q4: no quantized kernel runs here ({quant_kernels.describe()})")
+            prepare_quant(Path(checkpoint_dir))
+            return cls(config, load_quant_weights(checkpoint_dir, config, module, tp_rank, tp_size), tp_rank, tp_size,
+                       group)
         int8 = dtype == torch.int8
         weights = load_weights(checkpoint_dir, config, tp_rank, tp_size, dtype=torch.bfloat16 if int8 else dtype,
                                device=device)
@@ -171,7 +189,7 @@ class CausalLM:
         if self.tp_rank != 0 or batch.logits_rows.numel() == 0:
             return torch.empty(0, cfg.vocab_size, dtype=torch.float32)
         h = rms_norm(h[batch.logits_rows], self.weights.final_norm, cfg.rms_norm_eps, rows)
-        if isinstance(self.weights.lm_head, PackedBF16 | PackedInt8):
+        if isinstance(self.weights.lm_head, PackedBF16 | PackedInt8 | QuantLinear):
             return self.weights.lm_head(h, out_fp32=True)  # float32 logits (bf16's straight from the accumulators)
         if lin is not None:
             return lin.linear(h, self.weights.lm_head, None, True)  # float32 logits, as the AMX kernel's

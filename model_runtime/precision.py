@@ -26,9 +26,13 @@ import functools
 import torch
 
 # int8 (drafts only): int8 linears on the AMX kernel, bfloat16 around them (model_runtime/model.py)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
-TARGET_DTYPES = ("auto", "float32", "bfloat16")
-DRAFT_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+# q4: the GGUF's own quantized linears (model_runtime/quant_weights.py), float32 around them; torch has no dtype
+# for it, so torch.quint4x2 stands for it between the option and the model's loader
+Q4 = torch.quint4x2
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
+          "q4": Q4}
+TARGET_DTYPES = ("auto", "float32", "bfloat16", "q4")
+DRAFT_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "q4")
 
 
 @functools.cache
@@ -89,4 +93,4 @@ def draft_dtype(name: str, device: str) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return "q4" if dtype == Q4 else str(dtype).removeprefix("torch.")

@@ -7,6 +7,8 @@ Cache layout (root = $SPECSERVE_CACHE, default ~/.cache/specserve):
     root/.<name>.staging-XXXX/     in progress; deleted on success, failure, and by the next prepare
         <gguf_name>                  assembled file (multi-part sources only)
         checkpoint/                  converted checkpoint, renamed to root/<name> when complete
+    root/<name>/quant-v2.safetensors the GGUF's quantized linears packed for `--dtype q4` (model_runtime/
+                                   quant_weights.py), written at prepare, or on the first q4 load of an older entry
 
 Only a directory with a manifest whose source_sha256 matches the registry counts as cached.
 """
@@ -25,7 +27,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from model_runtime.registry import ModelSource, resolve_model
+from model_runtime.quant_formats import UnsupportedQuantError
+from model_runtime.quant_weights import QUANT_FILE, convert_quant
+from model_runtime.registry import KNOWN_MODELS, ModelSource, resolve_model
 from model_runtime.weights_assemble import WeightIntegrityError, assemble_verified
 from model_runtime.weights_convert import WeightConversionError, convert_gguf, fsync_dir
 
@@ -37,6 +41,7 @@ __all__ = [
     "cache_root",
     "cached_path",
     "prepare_model",
+    "prepare_quant",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -108,6 +113,10 @@ def _build_in(staging: Path, source: ModelSource, progress: bool) -> dict[str, A
         assemble_verified(source.name, parts, source.sha256, source.size_bytes, gguf, progress)
     checkpoint = staging / "checkpoint"
     facts = convert_gguf(gguf, checkpoint, progress)
+    try:
+        facts["quant_formats"] = convert_quant(gguf, checkpoint / QUANT_FILE, progress)["formats"]
+    except UnsupportedQuantError as exc:  # the model runs in float32 / bfloat16 only
+        facts["quant_formats"] = f"none: {exc}"
     manifest = {
         "manifest_version": MANIFEST_VERSION,
         "name": source.name,
@@ -128,6 +137,37 @@ def _build_in(staging: Path, source: ModelSource, progress: bool) -> dict[str, A
         os.fsync(manifest_file.fileno())
     fsync_dir(checkpoint)
     return manifest
+
+
+def prepare_quant(entry: Path, progress: bool = True) -> Path:
+    """The packed quantized linears of a cached model (`--dtype q4`), made once from its GGUF (an entry prepared
+    before they existed gets them now: its GGUF is assembled and verified again). UnsupportedQuantError for a
+    local checkpoint (no GGUF) or a GGUF whose linears the kernels cannot take."""
+    out = entry / QUANT_FILE
+    if out.exists():
+        return out
+    try:
+        source = KNOWN_MODELS[json.loads((entry / MANIFEST_NAME).read_text())["name"]]
+    except (OSError, ValueError, KeyError) as exc:
+        raise UnsupportedQuantError(f"{entry}: --dtype q4 runs a known model's GGUF; this checkpoint has none "
+                                    f"({type(exc).__name__})") from exc
+    root = entry.parent
+    with exclusive_lock(root / f".{source.name}.lock"):
+        if out.exists():
+            return out
+        parts = source.parts.paths()
+        if len(parts) == 1 and parts[0].name.endswith(".gguf"):
+            assemble_verified(source.name, parts, source.sha256, source.size_bytes, None, progress)
+            convert_quant(parts[0], out, progress)
+            return out
+        staging = Path(tempfile.mkdtemp(prefix=f".{source.name}.staging-", dir=root))
+        try:
+            gguf = staging / source.gguf_name
+            assemble_verified(source.name, parts, source.sha256, source.size_bytes, gguf, progress)
+            convert_quant(gguf, out, progress)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return out
 
 
 def _remove_leftovers(source: ModelSource, root: Path) -> None:

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from model_runtime.packed_weight import PackedBF16, PackedInt8
+from model_runtime.quant_weights import QuantLinear
 
 SMALL_ROWS = 8  # above this many rows F.linear's kernels are efficient enough
 _CANDIDATES = (1, 2, 3, 4)
@@ -99,12 +100,12 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.cat([bf16_linear(piece, weight, bias) for piece in pieces])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedBF16 | PackedInt8,
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedBF16 | PackedInt8 | QuantLinear,
            bias: torch.Tensor | None = None, kernel: ModuleType | None = None) -> torch.Tensor:
     """`kernel`: the model's portable kernels (model_runtime/cpu_kernels.py: batch-invariant for any row count) for
     plain weights of x's dtype; None: the libraries, as below."""
-    if isinstance(weight, PackedBF16 | PackedInt8):
-        return weight(x, bias)  # the AMX kernels: bf16 batch-invariant for any row count (amx_kernel.py)
+    if isinstance(weight, PackedBF16 | PackedInt8 | QuantLinear):
+        return weight(x, bias)  # the AMX kernels (amx_kernel.py) or q4's (quant_weights.py): any row count
     if kernel is not None and weight.dtype == x.dtype and x.device.type == "cpu":
         return kernel.linear(x, weight, bias, False)
     rows = x.shape[0]

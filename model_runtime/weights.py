@@ -22,17 +22,19 @@ from safetensors import safe_open
 
 from model_runtime.config import ModelConfig
 from model_runtime.packed_weight import Packed, PackedBF16, PackedInt8
+from model_runtime.quant_formats import UnsupportedQuantError
+from model_runtime.quant_weights import QuantLinear, load_quant_linears
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor | Packed  # packed for the AMX kernel where it runs (model_runtime/packed_weight.py)
+    qkv: torch.Tensor | Packed | QuantLinear  # packed for the AMX kernel where it runs (packed_weight.py), or q4
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor | Packed
+    o: torch.Tensor | Packed | QuantLinear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | Packed
-    down: torch.Tensor | Packed
+    gate_up: torch.Tensor | Packed | QuantLinear
+    down: torch.Tensor | Packed | QuantLinear
 
 
 @dataclass
@@ -40,7 +42,7 @@ class ModelWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor | Packed
+    lm_head: torch.Tensor | Packed | QuantLinear
 
 
 class _TensorSource:
@@ -129,3 +131,29 @@ def pack_weights(weights: ModelWeights, kind: type[PackedBF16] | type[PackedInt8
             lw, qkv=kind(lw.qkv), o=kind(lw.o), gate_up=kind(lw.gate_up), down=kind(lw.down)))
         weights.layers[i] = layers[-1]  # drop the unpacked tensors now
     return dataclasses.replace(weights, layers=layers, lm_head=kind(weights.lm_head))
+
+
+def load_quant_weights(checkpoint_dir: str | Path, config: ModelConfig, module: object, tp_rank: int = 0,
+                       tp_size: int = 1) -> ModelWeights:
+    """`--dtype q4`: the linears in the GGUF's codes (model_runtime/quant_weights.py; the cached quant file must
+    exist: prepare.prepare_quant), norms, biases and the embedding in float32 from the checkpoint."""
+    if tp_size != 1:
+        raise UnsupportedQuantError(f"--dtype q4 runs on one rank (tensor parallel size {tp_size} asked); use "
+                                    "bfloat16 for a tensor-parallel verifier")
+    src = _TensorSource(Path(checkpoint_dir))
+    linears, lm_head = load_quant_linears(Path(checkpoint_dir), config, module)  # type: ignore[arg-type]
+
+    def f32(name: str) -> torch.Tensor:
+        return src.rows(name).to(dtype=torch.float32, copy=True).contiguous()
+
+    layers = []
+    for i, lin in enumerate(linears):
+        p = f"model.layers.{i}."
+        bias = None
+        if src.has(p + "self_attn.q_proj.bias"):
+            bias = torch.cat([f32(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+        layers.append(LayerWeights(input_norm=f32(p + "input_layernorm.weight"), qkv=lin["qkv"], qkv_bias=bias,
+                                   o=lin["o"], post_norm=f32(p + "post_attention_layernorm.weight"),
+                                   gate_up=lin["gate_up"], down=lin["down"]))
+    return ModelWeights(embed=f32("model.embed_tokens.weight"), layers=layers, final_norm=f32("model.norm.weight"),
+                        lm_head=lm_head)

@@ -17,8 +17,9 @@ from typing import Literal
 
 Contract = Literal["exact", "greedy", "typical"]
 CONTRACTS: tuple[str, ...] = ("exact", "greedy", "typical")
-DRAFT_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16", "int8")  # see model_runtime.precision
-TARGET_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")  # see model_runtime.precision.target_dtype
+# see model_runtime.precision; q4: the GGUF's own quantized linears (model_runtime/quant_weights.py)
+DRAFT_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16", "int8", "q4")
+TARGET_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "q4")  # model_runtime.precision.target_dtype
 TARGET_AUTO = ("bfloat16 on CUDA and wherever our batch-invariant CPU kernels run (AMX, AVX-512, AVX2: "
                "docs/exactness.md), float32 under SPECSERVE_CPU_KERNEL=torch on CPUs without bf16 instructions")
 DRAFT_AUTO = ("int8 on CPUs with AMX, bfloat16 on CUDA and where the target's auto is bfloat16, float16 on the "

@@ -37,6 +37,7 @@ from model_runtime.local_alloc import LocalAllocator, LocalSequence
 from model_runtime.model import CausalLM
 from model_runtime.packed_weight import PackedBF16, as_tensor
 from model_runtime.precision import target_dtype
+from model_runtime.quant_weights import QuantLinear
 
 BLOCK_SIZE = 16
 
@@ -220,6 +221,7 @@ def bench_model(name: str, s: RuntimeSettings) -> dict[str, Any]:
     load_s = time.perf_counter() - start
     hf = hf_model_sharing_weights(ours, checkpoint) if s.compare_hf else None
     params = sum(t.numel() for t in {id(t): t for t in _weight_tensors(ours)}.values())
+    streamed = linear_bytes(ours)
     gen = torch.Generator().manual_seed(0)
     contexts = []
     for context in s.contexts:
@@ -227,11 +229,35 @@ def bench_model(name: str, s: RuntimeSettings) -> dict[str, Any]:
                  + (" + transformers" if hf is not None else ""))
         contexts.append(_bench_context(ours, hf, context, s, gen))
         c = contexts[-1]
-        progress(f"runtime: {name} context {context}: decode {c['decode_ms']:.1f} ms"
+        c["weights_gb_per_s"] = streamed / (c["decode_ms"] / 1e3) / 1e9
+        progress(f"runtime: {name} context {context}: decode {c['decode_ms']:.1f} ms, "
+                 f"{c['weights_gb_per_s']:.1f} GB/s of linear weights"
                  + (f", transformers {c['hf_decode_ms']:.1f} ms" if "hf_decode_ms" in c else ""))
     return {"model": name, "checkpoint": str(checkpoint), "parameters": params, "dtype": str(ours.dtype),
-            "linear_kernel": ours.linear_kernel,
+            "linear_kernel": ours.linear_kernel, "linear_weight_bytes": streamed,
             "load_seconds": load_s, "contexts": contexts}
+
+
+def linear_bytes(model: CausalLM) -> int:
+    """Bytes of the linears' weights, which one decode step streams once (the embedding is read by row)."""
+    def size(w: object) -> int:
+        if isinstance(w, torch.Tensor):
+            return w.numel() * w.element_size()
+        if isinstance(w, QuantLinear):
+            return w.nbytes
+        packed = getattr(w, "packed", None)
+        return size(packed) + size(getattr(w, "scale", None)) if packed is not None else 0
+
+    w = model.weights
+    return size(w.lm_head) + sum(size(x) for lw in w.layers for x in (lw.qkv, lw.o, lw.gate_up, lw.down))
+
+
+def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """The machine's memory bandwidth as a copy of `gib` GiB moves it (bytes read + written per second)."""
+    src = torch.ones(int(gib * 2**30) // 4)
+    dst = torch.empty_like(src)
+    seconds = median([timed(lambda: dst.copy_(src)) for _ in range(repeats)])
+    return 2 * src.numel() * 4 / seconds
 
 
 def _weight_tensors(model: CausalLM) -> list[torch.Tensor | PackedBF16]:
@@ -245,6 +271,8 @@ def _weight_tensors(model: CausalLM) -> list[torch.Tensor | PackedBF16]:
 def run_runtime_bench(s: RuntimeSettings) -> dict[str, Any]:
     set_threads(s.threads)
     env = environment()
+    env["copy_gb_per_s"] = copy_bandwidth() / 1e9
+    progress(f"runtime: this machine copies {env['copy_gb_per_s']:.1f} GB/s (read + write, {s.threads} threads)")
     models = []
     for name in s.models:
         models.append(bench_model(name, s))

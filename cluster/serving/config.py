@@ -70,10 +70,10 @@ class ClusterConfig(BaseModel):
     model: str = Field("qwen2.5-coder-1.5b", description="target model: registry name or HF checkpoint dir")
     draft: str = Field("qwen2.5-coder-0.5b", description="draft model name/dir, 'ngram' or 'suffix' (token trees)")
     device: str = Field("cpu", description="torch device of the drafter and verifier workers")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+    dtype: Literal["auto", "float32", "bfloat16", "q4"] = Field(
         "auto", description=f"target model precision (auto: {TARGET_AUTO}); greedy output equals plain greedy "
                             "decoding of the same dtype")
-    draft_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = Field(
+    draft_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8", "q4"] = Field(
         "auto", description=f"draft model precision (auto: {DRAFT_AUTO}); changes acceptance, never the output")
 
     # deployments

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from model_runtime import cpu_kernels, precision
+from model_runtime import cpu_kernels, precision, quant_kernels
 from model_runtime.amx_kernel import kernel as amx_kernel
 from model_runtime.amx_kernel import status as amx_status
 from tests.cluster.engine.engine_helpers import local_engine, plain_greedy, request, run
@@ -112,3 +112,17 @@ def test_stats_name_the_precision(smollm2_dir: Path) -> None:
     ngram = local_engine(smollm2_dir, "ngram", max_batch=1, kv_blocks=32, dtype="auto")
     auto = "bfloat16" if precision.cpu_runs_own_kernels() or precision.cpu_has_bf16() else "float32"
     assert ngram.stats()["dtype"] == {"target": auto}
+
+
+QUANT_PATHS = [p for p in ("avx512", "avx2") if cpu_kernels.cpu_has(p) and quant_kernels.cpu_has(p)]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(("k", "batch", "draft"), [(8, 1, "model"), (8, 8, "model"), (4, 8, "ngram")])
+@pytest.mark.parametrize("path", QUANT_PATHS)
+def test_q4_greedy_equals_plain_q4(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch, path: str, k: int,
+                                   batch: int, draft: str) -> None:
+    """`--dtype q4`: the GGUF's own codes (SmolLM2: Q4_1 linears, a Q8_0 lm_head), activations quantized per row,
+    so a row's logits are the same bits verified among 72 as decoded alone, on each quantized build."""
+    monkeypatch.setenv("SPECSERVE_CPU_KERNEL", path)
+    check_equals_plain(smollm2_dir, "q4", k, batch, draft=draft, draft_dtype="q4")

@@ -12,6 +12,7 @@ from cluster.engine.spec_policy import (
     BFLOAT16_COSTS,
     FIT_WEIGHT,
     FLOAT32_COSTS,
+    Q4_COSTS,
     AutoInputs,
     CostModel,
     NominalCosts,
@@ -181,6 +182,7 @@ def test_seeded_costs_follow_the_target_dtype() -> None:
     """bfloat16 scores up to 16 tokens for about one token's cost but its draft step is dearer (0.45 vs 0.14):
     free n-gram drafts go deeper than under float32's table, model drafts stay shallower."""
     assert nominal_costs("bfloat16") is BFLOAT16_COSTS and nominal_costs("float32", "float16") is FLOAT32_COSTS
+    assert nominal_costs("q4", "q4") is Q4_COSTS and Q4_COSTS.verify_cost(9) == 3.0
     assert nominal_costs("bfloat16", "int8").draft_token < BFLOAT16_COSTS.draft_token
     assert BFLOAT16_COSTS.verify_cost(9) == 1.1 and FLOAT32_COSTS.verify_cost(9) == 9 / 4
 

@@ -1,0 +1,343 @@
+// Linears on the GGUF's own quantized weights (model_runtime/quant_weights.py converts them losslessly), for any
+// row count at one pass over the weight. model_runtime/quant_kernels.py builds this file per ISA:
+// `-mavx512f -mavx512bw -mavx512vl -mavx512vnni` into specserve_quant_avx512 (integer dot products on VNNI) and
+// `-mavx2 -mfma` into specserve_quant_avx2 (the same sums through 16-bit multiply-adds).
+//
+// Every weight format is one affine code per weight:  w = D * sc_b * q + M * mn_b   where
+//   q      an unsigned code of BITS bits (4: Q4_K, Q4_1, Q4_0; 5: Q5_0; 6: Q6_K; 8: Q8_0),
+//   sc_b   a signed 8-bit multiplier per block of B weights (16 or 32), mn_b likewise,
+//   D, M   per superblock of SB weights, per output: float32 for the K formats (SB = 256); for the one-block
+//          formats (SB = B = 32) float16, with sc = mn = 1 (the GGUF's own float16 scales: exact).
+// (Q4_K: D = d, sc = the 6-bit scale, M = -dmin, mn = the 6-bit min; Q6_K: D = d, sc = the 8-bit scale,
+// M = -32 d, mn = sc; Q8_0: D = d, sc = 1, q = q8 + 128, M = -128 d, mn = 1; ...: every value exactly the GGUF's.)
+//
+// Activations are quantized per row to int8 per superblock (scale a = max|x| / 127, round to nearest even), as
+// llama.cpp does, and each (row, output) is
+//     sum over superblocks s of  (D_s a_s) * float(S_s) + (M_s a_s) * float(N_s),
+//     S_s = sum_b sc_b * (q . x)_b,   N_s = sum_b mn_b * (sum of x's codes in b)
+// with S_s, N_s exact in int32 and the float sum over s in order. Nothing in it depends on other rows, on how the
+// outputs are split among threads, or on the ISA (the integer sums are exact; the float steps are the same
+// instructions lane for lane), so a row's bits are the same alone, among 80, and on either build.
+//
+// Layout of a part's weight: tiles of 16 outputs (the last zero-padded), each tile its superblocks in order, each
+// superblock:  nb > 1: D[16] f32 | M[16] f32 | sc[nb][16] i8 | mn[nb][16] i8 | zero pad to 64 bytes | codes
+//              nb = 1: D[16] f16 | M[16] f16 | codes
+//   codes, per block, in groups g of 4 weights (64 bytes: byte 4j+p is output j's weight 4g+p):
+//     8 bits: B/4 vectors of 64 bytes, the codes;
+//     4..6 bits: B/8 vectors of nibbles, vector g byte 4j+p = low4(j, 4g+p) | low4(j, 4(g + B/8) + p) << 4, then
+//                per high bit (bit 4, then bit 5) one 64-bit plane per group: bit 4j+p = that bit of (j, 4g+p).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t TILE = 16;
+
+inline int64_t pad64(int64_t n) { return (n + 63) / 64 * 64; }
+inline int64_t meta_bytes(int64_t nb) { return nb == 1 ? 64 : 128 + pad64(2 * nb * TILE); }
+inline int64_t superblock_bytes(int64_t bits, int64_t sb, int64_t b) {
+  return meta_bytes(sb / b) + sb * TILE * bits / 8;
+}
+
+// ---- activations: per row, per superblock of `sb`: int8 codes, a scale, and per block of `b` the codes' sum ----
+struct Quantized {
+  torch::Tensor q;     // int8 [M, K]
+  torch::Tensor a;     // float [M, K / sb]
+  torch::Tensor psum;  // int32 [M, K / b]
+};
+
+// The same instructions in both builds (AVX2 + FMA, 8 lanes): a row's codes and scales do not depend on the build.
+// max |x| is exact in any order; x * (127 / max) rounds to nearest even (cvtps's default mode, as nearbyint).
+Quantized quantize_rows(const torch::Tensor& x, int64_t sb, int64_t b) {
+  const int64_t M = x.size(0), K = x.size(1);
+  Quantized r{torch::empty({M, K}, torch::kInt8), torch::empty({M, K / sb}, torch::kFloat),
+              torch::empty({M, K / b}, torch::kInt)};
+  const float* xs = x.data_ptr<float>();
+  int8_t* qs = r.q.data_ptr<int8_t>();
+  float* as = r.a.data_ptr<float>();
+  int32_t* ps = r.psum.data_ptr<int32_t>();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  int32_t wide[256];
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t s = 0; s < K / sb; ++s) {
+      const float* xr = xs + m * K + s * sb;
+      int8_t* qr = qs + m * K + s * sb;
+      __m256 vmax = _mm256_setzero_ps();
+      for (int64_t i = 0; i < sb; i += 8) vmax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xr + i)), vmax);
+      float lanes[8];
+      _mm256_storeu_ps(lanes, vmax);
+      float amax = 0.0f;
+      for (float v : lanes) amax = std::max(amax, v);
+      as[m * (K / sb) + s] = amax / 127.0f;
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      for (int64_t i = 0; i < sb; i += 8)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + i), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv)));
+      for (int64_t i = 0; i < sb; ++i) qr[i] = static_cast<int8_t>(wide[i]);  // |.| <= 127
+      for (int64_t j = 0; j < sb / b; ++j) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < b; ++i) sum += wide[j * b + i];
+        ps[m * (K / b) + s * (sb / b) + j] = sum;
+      }
+    }
+  }
+  return r;
+}
+
+struct Rows {  // NR rows' quantized activations, from row r0
+  const int8_t* q;
+  const float* a;
+  const int32_t* psum;
+  int64_t K, nsb, nblocks;
+};
+
+#ifdef __AVX512VNNI__
+// ---- AVX-512 VNNI: 16 outputs in one vector ----
+typedef __m512i VI;
+typedef __m512 VF;
+constexpr int HALVES = 1, LANES = 16;
+inline VI vload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline VI vand(VI a, VI b) { return _mm512_and_si512(a, b); }
+inline VI vor(VI a, VI b) { return _mm512_or_si512(a, b); }
+inline VI vsrl4(VI a) { return _mm512_srli_epi16(a, 4); }
+inline VI vbytes(uint8_t b) { return _mm512_set1_epi8(static_cast<char>(b)); }
+inline VI vhigh(const uint8_t* plane, uint8_t bit) {  // the 64 bits of a plane as bytes 0 / bit
+  uint64_t m;
+  std::memcpy(&m, plane, 8);
+  return _mm512_maskz_mov_epi8(_cvtu64_mask64(m), vbytes(bit));
+}
+inline VI vdot(VI acc, VI w, int32_t quad) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(quad)); }
+inline VI pair_index() {  // 16-bit lanes 2j, 2j+1 <- j, 16 + j
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+inline VI vadd(VI a, VI b) { return _mm512_add_epi32(a, b); }
+inline VI vmul(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
+inline VI vset(int32_t x) { return _mm512_set1_epi32(x); }
+inline VI vzero() { return _mm512_setzero_si512(); }
+inline VI vi8(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VF vf32(const uint8_t* p) { return _mm512_loadu_ps(p); }
+inline VF vf16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline VF vfset(float x) { return _mm512_set1_ps(x); }
+inline VF vfzero() { return _mm512_setzero_ps(); }
+inline VF vfmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF vcvt(VI a) { return _mm512_cvtepi32_ps(a); }
+inline void vstore(float* out, VF v, int64_t n) {
+  _mm512_mask_storeu_ps(out, n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u), v);
+}
+constexpr const char* ISA = "avx512";
+#else
+// ---- AVX2: 16 outputs as two halves of 8; u8 x s8 products through 16-bit multiply-adds (exact) ----
+typedef __m256i VI;
+typedef __m256 VF;
+constexpr int HALVES = 2, LANES = 8;
+inline VI vload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VI vand(VI a, VI b) { return _mm256_and_si256(a, b); }
+inline VI vor(VI a, VI b) { return _mm256_or_si256(a, b); }
+inline VI vsrl4(VI a) { return _mm256_srli_epi16(a, 4); }
+inline VI vbytes(uint8_t b) { return _mm256_set1_epi8(static_cast<char>(b)); }
+inline VI vhigh(const uint8_t* plane, uint8_t bit) {  // 32 bits (this half's) of a plane as bytes 0 / bit
+  uint32_t m;
+  std::memcpy(&m, plane, 4);
+  const VI spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(m)),
+                                        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const VI select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), vbytes(bit));
+}
+inline VI vdot(VI acc, VI w, int32_t quad) {  // per int32 lane j: acc + sum_p w[4j+p] * x[p]
+  const __m256i xq = _mm256_set1_epi32(quad);
+  const __m256i w_even = _mm256_and_si256(w, _mm256_set1_epi16(0x00FF)), w_odd = _mm256_srli_epi16(w, 8);
+  const __m256i x_even = _mm256_srai_epi16(_mm256_slli_epi16(xq, 8), 8), x_odd = _mm256_srai_epi16(xq, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(w_even, x_even), _mm256_madd_epi16(w_odd, x_odd)));
+}
+inline VI vadd(VI a, VI b) { return _mm256_add_epi32(a, b); }
+inline VI vmul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+inline VI vset(int32_t x) { return _mm256_set1_epi32(x); }
+inline VI vzero() { return _mm256_setzero_si256(); }
+inline VI vi8(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline VF vf32(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
+inline VF vf16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VF vfset(float x) { return _mm256_set1_ps(x); }
+inline VF vfzero() { return _mm256_setzero_ps(); }
+inline VF vfmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF vcvt(VI a) { return _mm256_cvtepi32_ps(a); }
+inline void vstore(float* out, VF v, int64_t n) {
+  float buf[8];
+  _mm256_storeu_ps(buf, v);
+  std::memcpy(out, buf, std::clamp<int64_t>(n, 0, 8) * sizeof(float));
+}
+constexpr const char* ISA = "avx2";
+#endif
+
+// One block's codes for this half of the tile: G vectors of LANES outputs x 4 weights
+template <int BITS, int B>
+inline void load_codes(const uint8_t* codes, int h, VI (&w)[B / 4]) {
+  constexpr int G = B / 4;
+  constexpr int HB = 64 / HALVES;  // bytes of a group vector per half
+  if constexpr (BITS == 8) {
+    for (int g = 0; g < G; ++g) w[g] = vload(codes + g * 64 + HB * h);
+  } else {
+    const VI low4 = vbytes(0x0F);
+    for (int g = 0; g < G / 2; ++g) {
+      const VI v = vload(codes + g * 64 + HB * h);
+      w[g] = vand(v, low4);
+      w[g + G / 2] = vand(vsrl4(v), low4);
+    }
+    const uint8_t* planes = codes + G / 2 * 64;
+    for (int bit = 4; bit < BITS; ++bit, planes += G * 8)
+      for (int g = 0; g < G; ++g) w[g] = vor(w[g], vhigh(planes + g * 8 + (8 / HALVES) * h, static_cast<uint8_t>(1u << bit)));
+  }
+}
+
+template <int B>
+inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum over the block of q * x
+  constexpr int G = B / 4;
+  VI even = vzero(), odd = vzero();  // two chains: the dot product's latency
+  for (int g = 0; g < G; g += 2) {
+    int32_t q0, q1;
+    std::memcpy(&q0, xr + 4 * g, 4);
+    std::memcpy(&q1, xr + 4 * g + 4, 4);
+    even = vdot(even, w[g], q0);
+    odd = vdot(odd, w[g + 1], q1);
+  }
+  return vadd(even, odd);
+}
+
+constexpr int ROW_BLOCK = 4;  // rows whose sums are in registers at once
+
+// NR rows through one tile: per half, superblock by superblock, each block's codes decoded in registers and used by
+// every row (a tile's bytes stay in L1/L2 for the next NR rows)
+template <int BITS, int B, int NR>
+void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float* out, int64_t ldo, int64_t cols) {
+  constexpr int G = B / 4;
+  constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
+  const int64_t nb = sb / B, codes_at = meta_bytes(nb), step = superblock_bytes(BITS, sb, B);
+  for (int h = 0; h < HALVES; ++h) {
+    VF acc[NR];
+    for (int i = 0; i < NR; ++i) acc[i] = vfzero();
+    for (int64_t s = 0; s < nsb; ++s) {
+      const uint8_t* p = tile + s * step;
+      const uint8_t* codes = p + codes_at;
+      const int64_t blk0 = s * nb;
+      VF ai[NR];
+      for (int i = 0; i < NR; ++i) ai[i] = vfset(x.a[i * x.nsb + s]);
+      if (nb == 1) {  // sc = mn = 1; D and M float16 (Q4_0, Q4_1, Q5_0, Q8_0)
+        const VF Dv = vf16(p + 2 * LANES * h), Mv = vf16(p + 32 + 2 * LANES * h);
+        VI w[G];
+        load_codes<BITS, B>(codes, h, w);
+        for (int i = 0; i < NR; ++i) {
+          const VI dot = dot_row<B>(w, x.q + i * x.K + blk0 * B);
+          acc[i] = vfma(vfmul(Dv, ai[i]), vcvt(dot), acc[i]);
+          acc[i] = vfma(vfmul(Mv, ai[i]), vcvt(vset(x.psum[i * x.nblocks + blk0])), acc[i]);
+        }
+        continue;
+      }
+      const VF Dv = vf32(p + 4 * LANES * h), Mv = vf32(p + 64 + 4 * LANES * h);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(p + 128);
+      const int8_t* mn = sc + nb * TILE;
+      VI S[NR], N[NR];
+      for (int i = 0; i < NR; ++i) S[i] = N[i] = vzero();
+      for (int64_t bb = 0; bb < nb; bb += 2) {  // nb is even in the K formats
+        // the mins: N += mn_b * psum_b for the two blocks
+#ifdef __AVX512VNNI__
+        const VI mn16 = _mm512_permutexvar_epi16(  // int16 pairs (mn_b0[j], mn_b1[j]) in lane j
+            pair_index(), _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + bb * TILE))));
+        for (int i = 0; i < NR; ++i) {
+          const int32_t* ps = x.psum + i * x.nblocks + blk0 + bb;  // |psum| <= 32 * 127: int16
+          const uint32_t pair = (static_cast<uint32_t>(ps[0]) & 0xFFFFu) | (static_cast<uint32_t>(ps[1]) << 16);
+          N[i] = _mm512_dpwssd_epi32(N[i], mn16, _mm512_set1_epi32(static_cast<int32_t>(pair)));
+        }
+#else
+        for (int e = 0; e < 2; ++e) {
+          const VI mnv = vi8(mn + (bb + e) * TILE + LANES * h);
+          for (int i = 0; i < NR; ++i) N[i] = vadd(N[i], vmul(mnv, vset(x.psum[i * x.nblocks + blk0 + bb + e])));
+        }
+#endif
+        for (int e = 0; e < 2; ++e) {
+          const VI scv = vi8(sc + (bb + e) * TILE + LANES * h);
+          VI w[G];
+          load_codes<BITS, B>(codes + (bb + e) * CODE_BYTES, h, w);
+          const int8_t* xb = x.q + (blk0 + bb + e) * B;
+          for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vmul(dot_row<B>(w, xb + i * x.K), scv));
+        }
+      }
+      for (int i = 0; i < NR; ++i) {
+        acc[i] = vfma(vfmul(Dv, ai[i]), vcvt(S[i]), acc[i]);
+        acc[i] = vfma(vfmul(Mv, ai[i]), vcvt(N[i]), acc[i]);
+      }
+    }
+    for (int i = 0; i < NR; ++i) vstore(out + i * ldo + LANES * h, acc[i], cols - LANES * h);
+  }
+}
+
+template <int BITS, int B>
+void run_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int64_t sb, const Quantized& xq,
+               float* out, int64_t ldo) {
+  const int64_t M = xq.q.size(0), K = xq.q.size(1);
+  const int64_t tile_bytes = nsb * superblock_bytes(BITS, sb, B);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tile = w + t * tile_bytes;
+      const int64_t cols = std::min<int64_t>(TILE, n_out - t * TILE);
+      for (int64_t r = 0; r < M; r += ROW_BLOCK) {
+        const Rows x{xq.q.data_ptr<int8_t>() + r * K, xq.a.data_ptr<float>() + r * nsb,
+                     xq.psum.data_ptr<int32_t>() + r * (K / B), K, nsb, K / B};
+        float* o = out + r * ldo + t * TILE;
+        switch (std::min<int64_t>(ROW_BLOCK, M - r)) {
+          case 4: tile_rows<BITS, B, 4>(tile, nsb, sb, x, o, ldo, cols); break;
+          case 3: tile_rows<BITS, B, 3>(tile, nsb, sb, x, o, ldo, cols); break;
+          case 2: tile_rows<BITS, B, 2>(tile, nsb, sb, x, o, ldo, cols); break;
+          default: tile_rows<BITS, B, 1>(tile, nsb, sb, x, o, ldo, cols); break;
+        }
+      }
+    }
+  });
+}
+
+// x [M, K] float32 -> out[:, col : col + n_out] (float32, written in place; out's rows `ldo` apart)
+void quant_linear_into(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t bits, int64_t sb, int64_t b,
+                       torch::Tensor out, int64_t col) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.stride(1) == 1, "out: float32 rows");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: a packed uint8 weight");
+  TORCH_CHECK((b == 32 && (bits == 4 || bits == 5 || bits == 8)) || (b == 16 && bits == 6),
+              "format: bits 4, 5 or 8 in blocks of 32, or 6 in blocks of 16 (", bits, ", ", b, ")");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % sb == 0 && sb % b == 0, "K ", K, " is not a multiple of the superblock ", sb);
+  TORCH_CHECK(sb <= 256 && sb % 16 == 0 && (sb == b || (sb / b) % 2 == 0), "superblock ", sb, " of blocks ", b,
+              ": at most 256, one block or an even number of them");
+  TORCH_CHECK(out.size(0) == M && col + n_out <= out.size(1), "out too small");
+  const int64_t tiles = (n_out + TILE - 1) / TILE, nsb = K / sb;
+  TORCH_CHECK(w.numel() == tiles * nsb * superblock_bytes(bits, sb, b), "w: ", w.numel(), " bytes, expected ",
+              tiles * nsb * superblock_bytes(bits, sb, b));
+  if (M == 0) return;
+  const Quantized xq = quantize_rows(x, sb, b);
+  float* o = out.data_ptr<float>() + col;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (bits == 4) run_tiles<4, 32>(wp, tiles, n_out, nsb, sb, xq, o, out.stride(0));
+  else if (bits == 5) run_tiles<5, 32>(wp, tiles, n_out, nsb, sb, xq, o, out.stride(0));
+  else if (bits == 6) run_tiles<6, 16>(wp, tiles, n_out, nsb, sb, xq, o, out.stride(0));
+  else run_tiles<8, 32>(wp, tiles, n_out, nsb, sb, xq, o, out.stride(0));
+}
+
+int64_t packed_bytes(int64_t n_out, int64_t k, int64_t bits, int64_t sb, int64_t b) {
+  return (n_out + TILE - 1) / TILE * (k / sb) * superblock_bytes(bits, sb, b);
+}
+
+std::string isa() { return ISA; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_linear_into", &quant_linear_into, py::call_guard<py::gil_scoped_release>());
+  m.def("packed_bytes", &packed_bytes);
+  m.def("isa", &isa);
+}

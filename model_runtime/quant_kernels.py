@@ -1,0 +1,94 @@
+"""The quantized linears' kernels (kernels/quant_linear.cpp), built once per machine for its ISA:
+
+    avx512  -mavx512f/bw/vl -mavx512vnni: integer dot products on VNNI (AMD Zen 4/5, Intel Ice Lake and later,
+            AMX machines included: their AMX tiles are not used here yet)
+    avx2    -mavx2 -mfma: the same sums through 16-bit multiply-adds (every other x86-64 CPU of the last decade)
+
+Both give the same bits (the integer sums are exact and the float steps the same instructions lane for lane), so a
+capped path stands in for a smaller CPU in the tests. `SPECSERVE_CPU_KERNEL` caps the ISA as for the other kernels
+(avx2 -> the avx2 build; torch -> none: the quantized dtype is then refused).
+
+Owner of `_MODULES`: this module; each ISA's build is loaded once per process, then only read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+
+from model_runtime.cpu_kernels import _build_dir, cpu_flags
+from model_runtime.kernel_choice import requested
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "kernels" / "quant_linear.cpp"
+ISAS = {  # compiler flags and the /proc/cpuinfo flags they need, fastest first
+    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"],
+               ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")),
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
+}
+_MODULES: dict[str, tuple[ModuleType | None, str]] = {}
+
+
+def cpu_has(isa: str) -> bool:
+    return all(flag in cpu_flags() for flag in ISAS[isa][1])
+
+
+def _load(isa: str) -> tuple[ModuleType | None, str]:
+    if not cpu_has(isa):
+        return None, f"off: this CPU lacks {isa} ({', '.join(ISAS[isa][1])})"
+    try:
+        import ninja  # type: ignore[import-untyped]
+        from torch.utils.cpp_extension import load
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        start = time.perf_counter()
+        log.info("loading the quantized %s kernels (the first build on a machine takes about a minute)", isa)
+        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+        module = load(name=f"specserve_quant_{isa}", sources=[str(SOURCE)],
+                      extra_cflags=["-O3", *ISAS[isa][0], "-fopenmp", f"-DSPECSERVE_SOURCE={digest}"],
+                      build_directory=str(_build_dir(f"quant-{isa}")), verbose=False)
+    except Exception as exc:  # a missing compiler or a failed build: say so
+        return None, f"off: the quantized {isa} kernels did not build ({type(exc).__name__}: {str(exc).strip()[:200]})"
+    assert module.isa() == isa, (module.isa(), isa)
+    log.info("quantized %s kernels ready in %.1f s", isa, time.perf_counter() - start)
+    return module, isa
+
+
+def build(isa: str) -> ModuleType | None:
+    """The kernels built for `isa`, or None where they cannot run (`status(isa)` says why)."""
+    if isa not in _MODULES:
+        _MODULES[isa] = _load(isa)
+    return _MODULES[isa][0]
+
+
+def status(isa: str) -> str:
+    build(isa)
+    return _MODULES[isa][1]
+
+
+def allowed() -> list[str]:
+    """The ISAs `SPECSERVE_CPU_KERNEL` lets a forward use, fastest first (amx and auto: both)."""
+    name = requested()
+    if name == "torch":
+        return []
+    return ["avx2"] if name == "avx2" else list(ISAS)
+
+
+def active() -> ModuleType | None:
+    """The fastest build this CPU runs and the kernel choice allows; None: no quantized kernels here."""
+    for isa in allowed():
+        if (module := build(isa)) is not None:
+            return module
+    return None
+
+
+def describe() -> str:
+    """One line: which quantized kernel this process runs, and why not the others."""
+    module = active()
+    chosen = module.isa() if module is not None else "none"
+    why = "; ".join(f"{isa}: {status(isa)}" for isa in ISAS)
+    return f"quantized linears (--dtype q4): {chosen} ({why})"

@@ -1,0 +1,77 @@
+"""The quantized linears (kernels/quant_linear.cpp): right against a float64 reference, a row's bits the same alone
+and among 1..80 rows, and the same bits on the avx512 and avx2 builds (every build this CPU runs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from model_runtime import quant_kernels
+from model_runtime.quant_formats import SUPPORTED, Affine, to_affine
+from model_runtime.quant_pack import pack
+from tests.model_runtime.test_quant_formats import raw_tensor
+
+BUILDS = [isa for isa in quant_kernels.ISAS if quant_kernels.cpu_has(isa)]
+
+
+def module(isa: str):  # noqa: ANN201
+    built = quant_kernels.build(isa)
+    assert built is not None, quant_kernels.status(isa)  # this CPU has the ISA: the build must work
+    return built
+
+
+def run(mod, a: Affine, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    out = torch.full((x.shape[0], a.shape[0] + 3), float("nan"))
+    mod.quant_linear_into(x.contiguous(), packed, a.shape[0], a.bits, a.superblock, a.block, out, 2)
+    assert out[:, :2].isnan().all() and out[:, -1].isnan().all()  # only its columns written
+    return out[:, 2:-1]
+
+
+def reference(a: Affine, x: torch.Tensor) -> torch.Tensor:
+    """float64: activations quantized per row and superblock as the kernel does (a = max|x| / 127, nearest even)."""
+    xs = x.double().numpy().reshape(x.shape[0], -1, a.superblock)
+    amax = np.abs(x.numpy().reshape(xs.shape)).max(-1, keepdims=True).astype(np.float32)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.rint((x.numpy().reshape(xs.shape) * inv).astype(np.float32))
+    xq = (q * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+    return torch.from_numpy(xq @ a.dequantize().astype(np.float64).T)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_matches_the_reference_and_rows_are_invariant(isa: str, name: str) -> None:
+    mod = module(isa)
+    n, k = 45, 768
+    a = to_affine(name, raw_tensor(name, n, k, seed=3), n, k)
+    packed = torch.from_numpy(pack(a))
+    x = torch.randn(80, k, generator=torch.Generator().manual_seed(0))
+    x[5] = 0  # an all-zero row: scale 0, output 0
+    out = run(mod, a, packed, x)
+    ref = reference(a, x)
+    assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert (out[5] == 0).all()
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17, 33):
+        for start in (0, 80 - rows):
+            assert torch.equal(run(mod, a, packed, x[start:start + rows]), out[start:start + rows]), (rows, start)
+
+
+@pytest.mark.skipif(len(BUILDS) < 2, reason="this CPU runs one build")
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_builds_give_the_same_bits(name: str) -> None:
+    n, k = 33, 512
+    a = to_affine(name, raw_tensor(name, n, k, seed=11), n, k)
+    packed = torch.from_numpy(pack(a))
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(1)) * 3
+    outs = [run(module(isa), a, packed, x) for isa in BUILDS]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_bad_shapes_are_refused() -> None:
+    mod = module(BUILDS[0])
+    a = to_affine("Q8_0", raw_tensor("Q8_0", 16, 64, seed=0), 16, 64)
+    packed = torch.from_numpy(pack(a))
+    with pytest.raises(RuntimeError, match="multiple of the superblock"):
+        mod.quant_linear_into(torch.zeros(1, 48), packed, 16, 8, 32, 32, torch.zeros(1, 16), 0)
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        mod.quant_linear_into(torch.zeros(1, 64), packed[:-1], 16, 8, 32, 32, torch.zeros(1, 16), 0)
