@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,8 @@ from types import ModuleType
 
 import torch
 
+from model_runtime.kernel_build import build_dir as _build_dir
+from model_runtime.kernel_build import cpu_flags
 from model_runtime.kernel_choice import CHOICES, PATHS, requested
 
 __all__ = ["CHOICES", "PATHS", "Kernels", "active", "available", "cpu_has", "for_dtype", "portable", "requested"]
@@ -48,17 +49,6 @@ ISA_FLAGS = {  # compiler flags and the /proc/cpuinfo flags they need
 _MODULES: dict[str, tuple[ModuleType | None, str]] = {}
 
 
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def cpu_has(path: str) -> bool:
     """Whether this CPU has the instructions of a path (torch: any)."""
     if path == "torch":
@@ -68,15 +58,6 @@ def cpu_has(path: str) -> bool:
 
         return cpu_has_amx()
     return all(flag in cpu_flags() for flag in ISA_FLAGS[path][1])
-
-
-def _build_dir(isa: str) -> Path:
-    """One folder per build (torch's loader keeps one build.ninja and object per source in it)."""
-    configured = os.environ.get("SPECSERVE_CACHE")
-    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "specserve"
-    path = root / "kernels" / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}" / isa
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def _load_portable(isa: str) -> tuple[ModuleType | None, str]:

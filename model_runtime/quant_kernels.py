@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from model_runtime.cpu_kernels import _build_dir, cpu_flags
+from model_runtime.kernel_build import build_dir, cpu_flags
 from model_runtime.kernel_choice import requested
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def _load(isa: str) -> tuple[ModuleType | None, str]:
         digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
         module = load(name=f"specserve_quant_{isa}", sources=[str(SOURCE)],
                       extra_cflags=["-O3", *ISAS[isa][0], "-fopenmp", f"-DSPECSERVE_SOURCE={digest}"],
-                      build_directory=str(_build_dir(f"quant-{isa}")), verbose=False)
+                      build_directory=str(build_dir(f"quant-{isa}")), verbose=False)
     except Exception as exc:  # a missing compiler or a failed build: say so
         return None, f"off: the quantized {isa} kernels did not build ({type(exc).__name__}: {str(exc).strip()[:200]})"
     assert module.isa() == isa, (module.isa(), isa)
@@ -90,5 +90,5 @@ def describe() -> str:
     """One line: which quantized kernel this process runs, and why not the others."""
     module = active()
     chosen = module.isa() if module is not None else "none"
-    why = "; ".join(f"{isa}: {status(isa)}" for isa in ISAS)
+    why = "; ".join(f"{isa}: {'built' if status(isa) == isa else status(isa)}" for isa in ISAS)
     return f"quantized linears (--dtype q4): {chosen} ({why})"

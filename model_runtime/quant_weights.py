@@ -17,6 +17,7 @@ adjacent tensors of one format are packed as one part.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -141,6 +142,12 @@ def convert_quant(gguf_path: Path, out_file: Path, progress: bool = True) -> dic
     formats = sorted({p["source"] for parts in layout.values() for p in parts})  # type: ignore[misc]
     tmp = out_file.with_name(out_file.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"layout": json.dumps(layout), "formats": ",".join(formats)})
+    tmp.chmod(0o644)  # the cache is read by every local process
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     tmp.replace(out_file)
     return {"formats": formats, "bytes": sum(t.nbytes for t in tensors.values())}
 

@@ -194,3 +194,37 @@ def test_second_prepare_returns_the_cache_without_converting(smollm2_fresh: tupl
     assert prepare_model("smollm2-135m", cache_dir=cache, progress=False) == entry
     assert time.monotonic() - started < 1.0
     assert (entry / "model.safetensors").stat().st_mtime_ns == weights_mtime
+
+
+def test_smollm2_entry_holds_its_quantized_linears_exactly(smollm2_fresh: tuple[Path, Path]) -> None:
+    """`--dtype q4`'s packed linears: written at prepare, each weight the float32 checkpoint's value (so the llama
+    q/k row order and the tied lm_head are right), and made again from the GGUF when an older entry lacks them."""
+    from model_runtime import quant_kernels
+    from model_runtime.config import ModelConfig
+    from model_runtime.prepare import prepare_quant
+    from model_runtime.quant_weights import QUANT_FILE, load_quant_linears
+
+    _, entry = smollm2_fresh
+    manifest = json.loads((entry / MANIFEST_NAME).read_text())
+    assert manifest["quant_formats"] == ["Q4_1", "Q8_0"]
+    module = quant_kernels.active()
+    assert module is not None, quant_kernels.describe()
+    config = ModelConfig.from_dir(entry)
+    layers, lm_head = load_quant_linears(entry, config, module)
+    with safe_open(str(entry / "model.safetensors"), framework="pt") as weights:
+        qkv = torch.cat([weights.get_tensor(f"model.layers.0.self_attn.{x}_proj.weight") for x in "qkv"])
+        assert torch.equal(layers[0]["qkv"].unpack(), qkv)
+        assert torch.equal(layers[5]["down"].unpack(), weights.get_tensor("model.layers.5.mlp.down_proj.weight"))
+        assert torch.equal(lm_head.unpack(), weights.get_tensor("model.embed_tokens.weight"))
+    packed = (entry / QUANT_FILE).read_bytes()
+    (entry / QUANT_FILE).unlink()
+    assert prepare_quant(entry, progress=False) == entry / QUANT_FILE
+    assert (entry / QUANT_FILE).read_bytes() == packed
+
+
+def test_q4_of_a_local_checkpoint_is_refused(tmp_path: Path) -> None:
+    from model_runtime.prepare import prepare_quant
+    from model_runtime.quant_formats import UnsupportedQuantError
+
+    with pytest.raises(UnsupportedQuantError, match="known model's GGUF"):
+        prepare_quant(tmp_path)
