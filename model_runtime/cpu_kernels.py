@@ -22,18 +22,15 @@ Owner of `_MODULES`: this module; each ISA's build is loaded once per process, t
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from model_runtime.kernel_build import build_dir as _build_dir
-from model_runtime.kernel_build import cpu_flags
+from model_runtime.kernel_build import build_extension, cpu_flags
 from model_runtime.kernel_choice import CHOICES, PATHS, requested
 
 __all__ = ["CHOICES", "PATHS", "Kernels", "active", "available", "cpu_has", "for_dtype", "portable", "requested"]
@@ -63,23 +60,8 @@ def cpu_has(path: str) -> bool:
 def _load_portable(isa: str) -> tuple[ModuleType | None, str]:
     if not cpu_has(isa):
         return None, f"off: this CPU lacks {isa} ({', '.join(ISA_FLAGS[isa][1])})"
-    try:
-        import ninja  # type: ignore[import-untyped]
-        from torch.utils.cpp_extension import load
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        start = time.perf_counter()
-        log.info("loading the %s kernels (the first build on a machine takes about a minute)", isa)
-        source = hashlib.sha256(PORTABLE.read_bytes()).hexdigest()[:16]
-        module = load(name=f"specserve_{isa}", sources=[str(PORTABLE)],
-                      extra_cflags=["-O3", "-ffp-contract=fast", *ISA_FLAGS[isa][0], "-fopenmp",
-                                    f"-DSPECSERVE_SOURCE={source}"],
-                      build_directory=str(_build_dir(isa)), verbose=False)
-    except Exception as exc:  # a missing compiler or a failed build: say so
-        return None, f"off: the {isa} kernels did not build ({type(exc).__name__}: {str(exc).strip()[:200]})"
-    assert module.isa() == isa, (module.isa(), isa)
-    log.info("%s kernels ready in %.1f s", isa, time.perf_counter() - start)
-    return module, isa
+    return build_extension(isa, f"specserve_{isa}", PORTABLE,
+                           ["-O3", "-ffp-contract=fast", *ISA_FLAGS[isa][0], "-fopenmp"], isa, isa)
 
 
 def portable(isa: str) -> ModuleType | None:

@@ -4,11 +4,17 @@ quant_kernels.py)."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
 import os
 import sys
+import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -30,3 +36,24 @@ def build_dir(isa: str) -> Path:
     path = root / "kernels" / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}" / isa
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def build_extension(what: str, name: str, source: Path, cflags: list[str], folder: str,
+                    isa: str) -> tuple[ModuleType | None, str]:
+    """Build (or load the cached build of) one C++ source as torch extension `name`: (module, isa), or (None, why).
+    The source's hash is in the flags, so an edited source rebuilds."""
+    try:
+        import ninja  # type: ignore[import-untyped]
+        from torch.utils.cpp_extension import load
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        start = time.perf_counter()
+        log.info("loading the %s kernels (the first build on a machine takes about a minute)", what)
+        digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+        module = load(name=name, sources=[str(source)], extra_cflags=[*cflags, f"-DSPECSERVE_SOURCE={digest}"],
+                      build_directory=str(build_dir(folder)), verbose=False)
+    except Exception as exc:  # a missing compiler or a failed build: say so
+        return None, f"off: the {what} kernels did not build ({type(exc).__name__}: {str(exc).strip()[:200]})"
+    assert module.isa() == isa, (module.isa(), isa)
+    log.info("%s kernels ready in %.1f s", what, time.perf_counter() - start)
+    return module, isa

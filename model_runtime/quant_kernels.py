@@ -13,14 +13,11 @@ Owner of `_MODULES`: this module; each ISA's build is loaded once per process, t
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import time
 from pathlib import Path
 from types import ModuleType
 
-from model_runtime.kernel_build import build_dir, cpu_flags
+from model_runtime.kernel_build import build_extension, cpu_flags
 from model_runtime.kernel_choice import requested
 
 log = logging.getLogger(__name__)
@@ -40,22 +37,8 @@ def cpu_has(isa: str) -> bool:
 def _load(isa: str) -> tuple[ModuleType | None, str]:
     if not cpu_has(isa):
         return None, f"off: this CPU lacks {isa} ({', '.join(ISAS[isa][1])})"
-    try:
-        import ninja  # type: ignore[import-untyped]
-        from torch.utils.cpp_extension import load
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        start = time.perf_counter()
-        log.info("loading the quantized %s kernels (the first build on a machine takes about a minute)", isa)
-        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-        module = load(name=f"specserve_quant_{isa}", sources=[str(SOURCE)],
-                      extra_cflags=["-O3", *ISAS[isa][0], "-fopenmp", f"-DSPECSERVE_SOURCE={digest}"],
-                      build_directory=str(build_dir(f"quant-{isa}")), verbose=False)
-    except Exception as exc:  # a missing compiler or a failed build: say so
-        return None, f"off: the quantized {isa} kernels did not build ({type(exc).__name__}: {str(exc).strip()[:200]})"
-    assert module.isa() == isa, (module.isa(), isa)
-    log.info("quantized %s kernels ready in %.1f s", isa, time.perf_counter() - start)
-    return module, isa
+    return build_extension(f"quantized {isa}", f"specserve_quant_{isa}", SOURCE, ["-O3", *ISAS[isa][0], "-fopenmp"],
+                           f"quant-{isa}", isa)
 
 
 def build(isa: str) -> ModuleType | None:

@@ -55,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
 
 def format_table(cache_dir: Path | None) -> str:
     from model_runtime.precision import draft_dtype, dtype_name, target_dtype
+    from model_runtime.quant_weights import QUANT_FILE
 
-    header = ("NAME", "ROLE", "PARAMS", "QUANT", "RUNS AS", "CACHED")
+    header = ("NAME", "ROLE", "PARAMS", "QUANT", "RUNS AS", "--dtype q4", "CACHED")
     rows = [header]
     # what --dtype auto / --draft-dtype auto run on this machine's CPU (the weights are converted at load)
     runs_as = {"target": dtype_name(target_dtype("auto", "cpu")), "draft": dtype_name(draft_dtype("auto", "cpu"))}
@@ -64,7 +65,9 @@ def format_table(cache_dir: Path | None) -> str:
         entry = cached_path(source, cache_dir)
         cached = str(entry) if entry is not None else "no (run: specserve models prepare " + source.name + ")"
         dtype = runs_as["draft" if source.role == "draft" else "target"]
-        rows.append((source.name, source.role, source.parameters, source.quantization, dtype, cached))
+        # the GGUF's own codes, packed once (model_runtime/quant_weights.py): ready, or made at the first q4 load
+        q4 = "-" if entry is None else ("packed" if (entry / QUANT_FILE).exists() else "at first use")
+        rows.append((source.name, source.role, source.parameters, source.quantization, dtype, q4, cached))
     widths = [max(len(row[col]) for row in rows) for col in range(len(header) - 1)]
     lines = [
         "  ".join([*(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)), row[-1]])
