@@ -75,7 +75,7 @@ def _packed_for_cpu(weights: ModelWeights, int8: bool) -> tuple[ModelWeights, st
         if not kernels.exact:
             raise UnsupportedQuantError("--dtype q4 needs the portable float32 kernels around its linears "
                                         f"(SPECSERVE_CPU_KERNEL={cpu_kernels.requested()} turns them off)")
-        return weights, f"q4-{weights.lm_head._module.isa()}", kernels
+        return weights, f"q4-{weights.lm_head.isa}", kernels
     if kernels.path == "amx" and dtype == torch.bfloat16:
         if int8:
             return pack_weights(weights, PackedInt8), "amx-int8", kernels

@@ -2,7 +2,8 @@
 
     avx512  -mavx512f/bw/vl -mavx512vnni: integer dot products on VNNI (AMD Zen 4/5, Intel Ice Lake and later,
             AMX machines included: their AMX tiles are not used here yet)
-    avx2    -mavx2 -mfma: the same sums through 16-bit multiply-adds (every other x86-64 CPU of the last decade)
+    avx2    -mavx2 -mfma -mf16c: the same sums through 16-bit multiply-adds (every other x86-64 CPU of the last
+            decade)
 
 Both give the same bits (the integer sums are exact and the float steps the same instructions lane for lane), so a
 capped path stands in for a smaller CPU in the tests. `SPECSERVE_CPU_KERNEL` caps the ISA as for the other kernels

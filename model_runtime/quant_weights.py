@@ -64,6 +64,11 @@ class QuantLinear:
     def formats(self) -> list[str]:
         return [p.source for p in self.parts]
 
+    @property
+    def isa(self) -> str:
+        """Which build of the kernels runs it (quant_kernels.py: avx512 or avx2)."""
+        return str(self._module.isa())
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_fp32: bool = True) -> torch.Tensor:
         x = x.float().contiguous()
         out = torch.empty(x.shape[0], self.shape[0], dtype=torch.float32)

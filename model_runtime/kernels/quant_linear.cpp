@@ -1,7 +1,7 @@
 // Linears on the GGUF's own quantized weights (model_runtime/quant_weights.py converts them losslessly), for any
 // row count at one pass over the weight. model_runtime/quant_kernels.py builds this file per ISA:
 // `-mavx512f -mavx512bw -mavx512vl -mavx512vnni` into specserve_quant_avx512 (integer dot products on VNNI) and
-// `-mavx2 -mfma` into specserve_quant_avx2 (the same sums through 16-bit multiply-adds).
+// `-mavx2 -mfma -mf16c` into specserve_quant_avx2 (the same sums through 16-bit multiply-adds).
 //
 // Every weight format is one affine code per weight:  w = D * sc_b * q + M * mn_b   where
 //   q      an unsigned code of BITS bits (4: Q4_K, Q4_1, Q4_0; 5: Q5_0; 6: Q6_K; 8: Q8_0),
