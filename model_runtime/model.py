@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from model_runtime import cpu_kernels
+from model_runtime import cpu_kernels, precision
 from model_runtime.amx_kernel import kernel as amx_kernel
 from model_runtime.amx_kernel import status as amx_status
 from model_runtime.attention import kernel_head_dim, on_kernel, paged_attention
@@ -120,7 +120,7 @@ class CausalLM:
         model; a draft's precision (`--draft-dtype int8`). Where the kernel cannot run, plain bfloat16.
         `dtype` precision.Q4 (`--dtype q4`): the GGUF's quantized linears, float32 elsewhere (quant_weights.py)."""
         config = ModelConfig.from_dir(checkpoint_dir)
-        if dtype == torch.quint4x2:
+        if dtype == precision.Q4:
             from model_runtime import quant_kernels
             from model_runtime.prepare import prepare_quant
 

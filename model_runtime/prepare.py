@@ -104,13 +104,7 @@ def prepare_model(
 def _build_in(staging: Path, source: ModelSource, progress: bool) -> dict[str, Any]:
     """Verify, convert into staging/checkpoint and write its manifest last; returns the manifest."""
     started = time.monotonic()
-    parts = source.parts.paths()
-    if len(parts) == 1 and parts[0].name.endswith(".gguf"):
-        gguf = parts[0]  # a whole file: hash it in place, no copy
-        assemble_verified(source.name, parts, source.sha256, source.size_bytes, None, progress)
-    else:
-        gguf = staging / source.gguf_name
-        assemble_verified(source.name, parts, source.sha256, source.size_bytes, gguf, progress)
+    gguf = _verified_gguf(source, staging, progress)
     checkpoint = staging / "checkpoint"
     facts = convert_gguf(gguf, checkpoint, progress)
     try:
@@ -155,19 +149,24 @@ def prepare_quant(entry: Path, progress: bool = True) -> Path:
     with exclusive_lock(root / f".{source.name}.lock"):
         if out.exists():
             return out
-        parts = source.parts.paths()
-        if len(parts) == 1 and parts[0].name.endswith(".gguf"):
-            assemble_verified(source.name, parts, source.sha256, source.size_bytes, None, progress)
-            convert_quant(parts[0], out, progress)
-            return out
         staging = Path(tempfile.mkdtemp(prefix=f".{source.name}.staging-", dir=root))
         try:
-            gguf = staging / source.gguf_name
-            assemble_verified(source.name, parts, source.sha256, source.size_bytes, gguf, progress)
-            convert_quant(gguf, out, progress)
+            convert_quant(_verified_gguf(source, staging, progress), out, progress)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _verified_gguf(source: ModelSource, staging: Path, progress: bool) -> Path:
+    """The source's GGUF with its size and SHA-256 checked: a whole file in place (no copy), or its parts assembled
+    into `staging`."""
+    parts = source.parts.paths()
+    if len(parts) == 1 and parts[0].name.endswith(".gguf"):
+        assemble_verified(source.name, parts, source.sha256, source.size_bytes, None, progress)
+        return parts[0]
+    gguf = staging / source.gguf_name
+    assemble_verified(source.name, parts, source.sha256, source.size_bytes, gguf, progress)
+    return gguf
 
 
 def _remove_leftovers(source: ModelSource, root: Path) -> None:

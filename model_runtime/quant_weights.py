@@ -17,7 +17,6 @@ adjacent tensors of one format are packed as one part.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -27,7 +26,8 @@ import torch
 
 from model_runtime.config import ModelConfig
 from model_runtime.quant_formats import Affine, UnsupportedQuantError, to_affine
-from model_runtime.quant_pack import pack
+from model_runtime.quant_pack import pack, unpack
+from model_runtime.weights_convert import fsync_path
 
 QUANT_FILE = "quant-v2.safetensors"
 LINEARS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
@@ -80,8 +80,6 @@ class QuantLinear:
 
     def unpack(self) -> torch.Tensor:
         """The float32 [N, K] weight (each value the GGUF's)."""
-        from model_runtime.quant_pack import unpack
-
         k = self.shape[1]
         return torch.cat([torch.from_numpy(unpack(p.packed.numpy(), p.n, k, p.bits, p.superblock, p.block).dequantize())
                           for p in self.parts])
@@ -148,11 +146,7 @@ def convert_quant(gguf_path: Path, out_file: Path, progress: bool = True) -> dic
     tmp = out_file.with_name(out_file.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"layout": json.dumps(layout), "formats": ",".join(formats)})
     tmp.chmod(0o644)  # the cache is read by every local process
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(tmp)
     tmp.replace(out_file)
     return {"formats": formats, "bytes": sum(t.nbytes for t in tensors.values())}
 

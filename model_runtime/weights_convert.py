@@ -77,20 +77,20 @@ def fsync_tree(root: Path) -> None:
     """fsync every file under `root`, then the directories, so a later rename publishes durable data."""
     for dirpath, _dirnames, filenames in os.walk(root):
         for filename in filenames:
-            fd = os.open(os.path.join(dirpath, filename), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(dirpath))
+            fsync_path(Path(dirpath) / filename)
+        fsync_path(Path(dirpath))
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync one file or directory."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+fsync_dir = fsync_path  # a directory's entries (a rename into it) are durable after this
 
 
 @contextmanager

@@ -3,6 +3,8 @@ and among 1..80 rows, and the same bits on the avx512 and avx2 builds (every bui
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -75,3 +77,16 @@ def test_bad_shapes_are_refused() -> None:
         mod.quant_linear_into(torch.zeros(1, 48), packed, 16, 8, 32, 32, torch.zeros(1, 16), 0)
     with pytest.raises(RuntimeError, match="bytes, expected"):
         mod.quant_linear_into(torch.zeros(1, 64), packed[:-1], 16, 8, 32, 32, torch.zeros(1, 16), 0)
+
+
+@pytest.mark.model
+def test_q4_is_refused_where_the_kernels_are_turned_off(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPECSERVE_CPU_KERNEL=onednn (the libraries' ops): no exact path for q4, so a typed refusal, not a silent
+    fallback."""
+    from model_runtime.model import CausalLM
+    from model_runtime.precision import Q4
+    from model_runtime.quant_formats import UnsupportedQuantError
+
+    monkeypatch.setenv("SPECSERVE_CPU_KERNEL", "onednn")
+    with pytest.raises(UnsupportedQuantError, match="q4"):
+        CausalLM.load(smollm2_dir, dtype=Q4)
