@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import numpy as np
 from ray import serve
@@ -18,13 +19,15 @@ from ray import serve
 from drafter_service.worker import DraftWorker
 from model_runtime.compute_thread import ComputeThread
 from specserve_types.faults import FAULTS, FaultHooks
+from specserve_types.ray_channel import ChannelHost
+from specserve_types.round_channel import Handler
 from specserve_types.round_messages import ProposeBatch, ProposeOutput, ProposeResult
 from specserve_types.tracing import TracingSettings, configure_tracing, tracing_enabled, worker_span
 
 logger = logging.getLogger("ray.serve")
 
 
-class Drafter(FaultHooks):
+class Drafter(FaultHooks, ChannelHost):
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
                  worker_threads: int = 0, dtype: str = "auto") -> None:
         from model_runtime.precision import draft_dtype
@@ -42,18 +45,28 @@ class Drafter(FaultHooks):
         logger.info("drafter ready: %s (%s), %d KV blocks of %d", model, precision, num_blocks, block_size)
 
     async def propose(self, batch: ProposeBatch) -> ProposeResult:
+        """Through Serve (`round_transport: ray`): the channel's call, on a thread of its own."""
+        return await asyncio.to_thread(self.propose_now, batch)
+
+    def propose_now(self, batch: ProposeBatch) -> ProposeResult:
+        """One round's drafts, blocking (the round channel's connection thread calls it); the draft model runs
+        on the compute thread."""
         if batch.trace_context and tracing_enabled():  # the round's trace continues here (specserve_types/tracing.py)
             with worker_span("drafter.propose", batch.trace_context, len(batch.items)):
-                return await self._propose(batch)
-        return await self._propose(batch)
+                return self._propose(batch)
+        return self._propose(batch)
 
-    async def _propose(self, batch: ProposeBatch) -> ProposeResult:
+    def _propose(self, batch: ProposeBatch) -> ProposeResult:
         if FAULTS.active and (delay := FAULTS.take("drafter.latency")) is not None:
-            await asyncio.sleep(float(delay.get("seconds", 1.0)))
-        result = await self.compute.run(self.worker.propose, batch)
+            time.sleep(float(delay.get("seconds", 1.0)))
+        result = self.compute.call(self.worker.propose, batch)
         if FAULTS.active and (garbage := FAULTS.take("drafter.garbage")) is not None:
             result = garbage_drafts(result, self.vocab_size(), str(garbage.get("mode", "out_of_range")))
         return result
+
+    def channel_handlers(self) -> dict[str, Handler]:
+        """The round's hot path (specserve_types/round_channel.py): `propose`, as Serve would call it."""
+        return {"propose": self.propose_now}
 
     def vocab_size(self) -> int:
         return self.worker.config.vocab_size

@@ -1,6 +1,6 @@
 """The KV manager as a Ray actor.
 
-    engine -> RemoteKV (cluster/serving/remote_backends.py, synchronous) -> KVManagerActor (async Ray actor)
+    engine -> RemoteKV (cluster/serving/remote_backends.py, synchronous) -> KVManagerActor (Ray actor)
            -> BlockLedger
 
 In the cluster, `build_cluster_engine` creates one actor per Scheduler replica
@@ -10,8 +10,9 @@ after it (`CommitItem.finished` releases finished requests in the same call): at
 round. The `*_with_free` forms also return the pools' free fractions, which the scheduler's policy
 reads every round, so that reading costs no third call; `commit_then_reserve_with_free` carries a
 round's commit together with the next round's reserve when the scheduler defers the commit (then a
-round costs one call). The actor is async and every method runs to completion on its event loop without
-awaiting, so concurrent callers never interleave inside a ledger call.
+round costs one call). Every ledger call holds the manager's lock, so concurrent callers (Ray calls on the
+actor's event loop, round-channel calls on the channel's thread: `channel()`, specserve_types/round_channel.py)
+never interleave inside a ledger call.
 
 Restart policy (KVManagerActor's options): Ray restarts the actor forever (max_restarts=-1) and never
 re-runs a call on the new instance (max_task_retries=0). What a restart means:
@@ -30,11 +31,13 @@ A caller that gives up on a call (a timeout) may leave it running on the actor: 
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
@@ -53,7 +56,11 @@ from kv_manager.schema import (
     ReserveItem,
 )
 from specserve_types.faults import FAULTS, FaultHooks
+from specserve_types.ray_channel import ChannelHost
+from specserve_types.round_channel import Handler
 from specserve_types.tracing import Carrier, TracingSettings, configure_tracing, tracing_enabled, worker_span
+
+T = TypeVar("T")
 
 
 def traced(name: str, carrier: Carrier, items: int) -> AbstractContextManager[Any]:
@@ -71,10 +78,29 @@ def _each(call: Any, items: Iterable[Any]) -> list[Any]:
     return outcomes
 
 
-class KVManager(FaultHooks):
-    """The actor's body (also usable in-process). Each method takes the caller's incarnation first."""
+CHANNEL_METHODS = ("incarnation", "register_worker", "expire_worker", "add_requests", "fork", "forks", "request_ids",
+                   "reserve", "commit", "reserve_with_free", "commit_with_free", "commit_then_reserve_with_free",
+                   "rollback", "release", "can_admit", "free_fractions", "audit")
+
+
+def _serial(method: Callable[..., T]) -> Callable[..., T]:
+    """A ledger call under the manager's lock: a Ray call (on the actor's event loop) and a round-channel call
+    (on its connection thread) never interleave inside the ledger."""
+
+    @functools.wraps(method)
+    def call(self: KVManager, *args: Any, **kwargs: Any) -> T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call
+
+
+class KVManager(FaultHooks, ChannelHost):
+    """The actor's body (also usable in-process). Each method takes the caller's incarnation first.
+    Owner of the ledger; every ledger call holds `_lock` (`_serial`)."""
 
     def __init__(self, namespaces: Sequence[NamespaceConfig]) -> None:
+        self._lock = threading.Lock()
         # epochs of this instance start at its start time: no epoch of an earlier instance comes back
         self._ledger = BlockLedger(namespaces, first_epoch=time.time_ns())
         self._incarnation = uuid.uuid4().hex
@@ -88,7 +114,7 @@ class KVManager(FaultHooks):
             )
         return self._ledger
 
-    async def incarnation(self) -> str:
+    def incarnation(self) -> str:
         return self._incarnation
 
     @staticmethod
@@ -96,36 +122,45 @@ class KVManager(FaultHooks):
         if FAULTS.active and FAULTS.take(name) is not None:
             raise RetriableKVError(f"{name} (injected fault)")
 
-    async def register_worker(self, incarnation: str, worker_id: str) -> Holder:
+    @_serial
+    def register_worker(self, incarnation: str, worker_id: str) -> Holder:
         return self._check(incarnation).register_worker(worker_id)
 
-    async def expire_worker(self, incarnation: str, worker_id: str) -> int:
+    @_serial
+    def expire_worker(self, incarnation: str, worker_id: str) -> int:
         return self._check(incarnation).expire_worker(worker_id)
 
-    async def add_requests(self, incarnation: str, items: Sequence[AdmitItem]) -> list[Admission | KVError]:
+    @_serial
+    def add_requests(self, incarnation: str, items: Sequence[AdmitItem]) -> list[Admission | KVError]:
         ledger = self._check(incarnation)
         return _each(lambda i: ledger.add_request(i.namespace, i.request_id, i.prompt_token_ids, i.holder), items)
 
-    async def fork(self, incarnation: str, namespace: str, parent_id: str, child_id: str) -> Admission:
+    @_serial
+    def fork(self, incarnation: str, namespace: str, parent_id: str, child_id: str) -> Admission:
         return self._check(incarnation).fork(namespace, parent_id, child_id)
 
-    async def forks(self, incarnation: str, items: Sequence[tuple[str, str, str]]) -> list[Admission | KVError]:
+    @_serial
+    def forks(self, incarnation: str, items: Sequence[tuple[str, str, str]]) -> list[Admission | KVError]:
         """(namespace, parent_id, child_id) each, answered per item."""
         ledger = self._check(incarnation)
         return _each(lambda item: ledger.fork(*item), items)
 
-    async def request_ids(self, incarnation: str, namespace: str) -> list[str]:
+    @_serial
+    def request_ids(self, incarnation: str, namespace: str) -> list[str]:
         return self._check(incarnation).request_ids(namespace)
 
-    async def reserve(
+    @_serial
+    def reserve(
         self, incarnation: str, items: Sequence[ReserveItem], atomic: bool = False
     ) -> list[Reservation | KVError]:
         return self._check(incarnation).reserve(items, atomic=atomic)
 
-    async def commit(self, incarnation: str, items: Sequence[CommitItem]) -> list[CommitResult | KVError]:
+    @_serial
+    def commit(self, incarnation: str, items: Sequence[CommitItem]) -> list[CommitResult | KVError]:
         return self._check(incarnation).commit(items)
 
-    async def reserve_with_free(
+    @_serial
+    def reserve_with_free(
         self, incarnation: str, items: Sequence[ReserveItem], atomic: bool = False, trace_context: Carrier = ()
     ) -> tuple[list[Reservation | KVError], dict[str, float]]:
         """`reserve`, plus every namespace's free fraction after it (spares a `free_fractions` call)."""
@@ -134,7 +169,8 @@ class KVManager(FaultHooks):
             outcomes = self._check(incarnation).reserve(items, atomic=atomic)
             return outcomes, self._fractions()
 
-    async def commit_with_free(
+    @_serial
+    def commit_with_free(
         self, incarnation: str, items: Sequence[CommitItem], trace_context: Carrier = ()
     ) -> tuple[list[CommitResult | KVError], dict[str, float]]:
         """`commit`, plus every namespace's free fraction after it."""
@@ -143,7 +179,8 @@ class KVManager(FaultHooks):
             outcomes = self._check(incarnation).commit(items)
             return outcomes, self._fractions()
 
-    async def commit_then_reserve_with_free(
+    @_serial
+    def commit_then_reserve_with_free(
         self, incarnation: str, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem],
         trace_context: Carrier = (),
     ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError], dict[str, float]]:
@@ -155,25 +192,34 @@ class KVManager(FaultHooks):
             committed = ledger.commit(commits)
             return committed, ledger.reserve(reserves), self._fractions()
 
-    async def rollback(self, incarnation: str, keys: Sequence[RequestKey]) -> list[int | KVError]:
+    @_serial
+    def rollback(self, incarnation: str, keys: Sequence[RequestKey]) -> list[int | KVError]:
         ledger = self._check(incarnation)
         return _each(lambda key: ledger.rollback(*key), keys)
 
-    async def release(self, incarnation: str, keys: Sequence[RequestKey]) -> list[int | KVError]:
+    @_serial
+    def release(self, incarnation: str, keys: Sequence[RequestKey]) -> list[int | KVError]:
         ledger = self._check(incarnation)
         return _each(lambda key: ledger.release(*key), keys)
 
-    async def can_admit(self, incarnation: str, plan: Mapping[str, int]) -> bool:
+    @_serial
+    def can_admit(self, incarnation: str, plan: Mapping[str, int]) -> bool:
         return self._check(incarnation).can_admit(plan)
 
-    async def free_fractions(self, incarnation: str) -> dict[str, float]:
+    @_serial
+    def free_fractions(self, incarnation: str) -> dict[str, float]:
         self._check(incarnation)
         return self._fractions()
+
+    def channel_handlers(self) -> dict[str, Handler]:
+        """Every ledger call, also over the round channel (specserve_types/round_channel.py), under the same lock."""
+        return {name: getattr(self, name) for name in CHANNEL_METHODS}
 
     def _fractions(self) -> dict[str, float]:
         return {namespace: self._ledger.free_fraction(namespace) for namespace in self._ledger.pools}
 
-    async def audit(self, incarnation: str) -> AuditReport:
+    @_serial
+    def audit(self, incarnation: str) -> AuditReport:
         return self._check(incarnation).audit()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from typing import Any
 
 import ray
@@ -26,6 +27,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from model_runtime.batch import SeqInput
 from model_runtime.compute_thread import ComputeThread
 from specserve_types.faults import FAULTS, FaultHooks, InjectedFault
+from specserve_types.ray_channel import ChannelHost
+from specserve_types.round_channel import Handler
 from specserve_types.round_messages import VerifyBatch, VerifyResult
 from specserve_types.tracing import TracingSettings, configure_tracing, tracing_enabled, worker_span
 from verifier_service.worker import LocalRunner, VerifierWorker
@@ -115,7 +118,7 @@ class TPGroupRunner:
             ray.kill(rank)
 
 
-class Verifier(FaultHooks):
+class Verifier(FaultHooks, ChannelHost):
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
                  tensor_parallel_size: int = 1, worker_threads: int = 0, gpus_per_rank: float = 0.0,
                  dtype: str = "auto") -> None:
@@ -138,20 +141,30 @@ class Verifier(FaultHooks):
                     num_blocks, block_size)
 
     async def verify(self, batch: VerifyBatch) -> VerifyResult:
+        """Through Serve (`round_transport: ray`): the channel's call, on a thread of its own."""
+        return await asyncio.to_thread(self.verify_now, batch)
+
+    def verify_now(self, batch: VerifyBatch) -> VerifyResult:
+        """One round's verify, blocking (the round channel's connection thread calls it); the forward runs on
+        the compute thread."""
         if batch.trace_context and tracing_enabled():  # the round's trace continues here (specserve_types/tracing.py)
             with worker_span("verifier.verify", batch.trace_context, len(batch.items)):
-                return await self._verify(batch)
-        return await self._verify(batch)
+                return self._verify(batch)
+        return self._verify(batch)
 
-    async def _verify(self, batch: VerifyBatch) -> VerifyResult:
+    def _verify(self, batch: VerifyBatch) -> VerifyResult:
         if not FAULTS.active:
-            return await self.compute.run(self.worker.verify, batch)
+            return self.compute.call(self.worker.verify, batch)
         if (delay := FAULTS.take("verifier.latency")) is not None:
-            await asyncio.sleep(float(delay.get("seconds", 1.0)))
-        result = await self.compute.run(self.worker.verify, batch)
+            time.sleep(float(delay.get("seconds", 1.0)))
+        result = self.compute.call(self.worker.verify, batch)
         if FAULTS.take("verifier.raise") is not None:  # after the forward wrote the KV pool: mid-round
             raise InjectedFault("verifier raised mid-forward (injected)")
         return result
+
+    def channel_handlers(self) -> dict[str, Handler]:
+        """The round's hot path (specserve_types/round_channel.py): `verify`, as Serve would call it."""
+        return {"verify": self.verify_now}
 
     def rank_actors(self) -> list[Any]:
         """The TP rank actors' handles (chaos runs kill one); empty with TP = 1."""

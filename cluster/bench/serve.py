@@ -57,6 +57,7 @@ class ServeBenchSettings:
     kv_blocks: int = 1024
     max_context: int = 1024
     server: str | None = None  # HOST:PORT of a running cluster's gRPC endpoint: measure it, deploy nothing
+    round_transport: str = "channel"  # ClusterConfig.round_transport of the deployed cluster
 
     def __post_init__(self) -> None:
         assert self.concurrency and all(c >= 1 for c in self.concurrency), self.concurrency
@@ -79,7 +80,8 @@ def cluster_config(s: ServeBenchSettings) -> Any:
     top = max(s.concurrency)
     return load_config(model=s.model, draft=s.draft, worker_threads=s.threads, kv_blocks=s.kv_blocks,
                        max_batch=top, queue_capacity=2 * top, max_context=s.max_context, grpc_port=s.grpc_port,
-                       http_port=s.http_port, graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=2.0)
+                       http_port=s.http_port, graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=2.0,
+                       round_transport=s.round_transport)
 
 
 # ---------------------------------------------------------------------- one request
@@ -164,15 +166,35 @@ ROUND_PARTS = ("round", "verify", "verify_call", "draft", "kv")
 
 def round_split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float] | None:
     """Mean milliseconds per engine round between two `engine.stats()` snapshots: `verify` as timed in
-    the verifier, `verify_hop` the rest of the verify call (transport), `draft` the propose call, `kv`
-    the reserve and commit calls, `other` the rest (planning, acceptance, bookkeeping)."""
+    the verifier, `verify_hop` the rest of the verify call (transport and the replica's dispatch), `draft` the
+    propose call, `kv` the reserve and commit calls, `other` the rest (planning, acceptance, bookkeeping).
+    With round channels (the snapshots' `transport`, remote_backends.transport_totals) also each channel's own
+    time per round, `<worker>_transport` (round trip minus the worker's handler: framing, pickling, sockets,
+    wake-ups), and `hops`: every cross-process cost of a round, the verify hop plus the drafter's and the
+    ledger's transport."""
     rounds = after["rounds"] - before["rounds"]
     if rounds <= 0:
         return None
     ms = {part: 1000 * (after[f"{part}_seconds"] - before[f"{part}_seconds"]) / rounds for part in ROUND_PARTS}
     ms["verify_hop"] = ms.pop("verify_call") - ms["verify"]
     ms["other"] = ms["round"] - ms["verify"] - ms["verify_hop"] - ms["draft"] - ms["kv"]
-    return {"rounds": rounds, **{f"{part}_ms": value for part, value in ms.items()}}
+    split: dict[str, Any] = {"rounds": rounds, **{f"{part}_ms": value for part, value in ms.items()}}
+    t0, t1 = before.get("transport") or {}, after.get("transport") or {}
+    if t1.get("kind") == "channel":
+        transport = {name: 1000 * (t1[name]["transport_seconds"] - t0.get(name, {}).get("transport_seconds", 0.0))
+                     / rounds for name in ("verifier", "drafter", "kv") if name in t1}
+        split |= {f"{name}_transport_ms": value for name, value in transport.items()}
+        split |= {f"{name}_calls_per_round": (t1[name]["calls"] - t0.get(name, {}).get("calls", 0)) / rounds
+                  for name in transport}
+        split["hops_ms"] = ms["verify_hop"] + transport.get("drafter", 0.0) + transport.get("kv", 0.0)
+    split["transport"] = t1.get("kind", "in process")
+    return split
+
+
+def cluster_snapshot(client: SpecServeClient) -> dict[str, Any]:
+    """The scheduler's engine statistics with its round channels' totals (`transport`)."""
+    stats = client.stats()
+    return {**stats["engine"], "transport": stats.get("transport")}
 
 
 def overhead_row(mode: str, cluster: list[RequestTiming], inprocess: list[RequestTiming]) -> dict[str, Any]:
@@ -247,12 +269,12 @@ def _measure(s: ServeBenchSettings, client: SpecServeClient, prompt_ids: list[li
         prompts = [next(cycle) for _ in range(s.requests_at(concurrency))]
         progress(f"concurrency {concurrency}: {len(prompts)} requests per mode, max {s.max_tokens} tokens")
         if concurrency == 1:
-            before = {"cluster": client.stats()["engine"], "inprocess": engine.stats() if engine else None}
+            before = {"cluster": cluster_snapshot(client), "inprocess": engine.stats() if engine else None}
             runs = run_sequential(s, client, engine, prompts)
             timed = {m: (runs[m]["cluster"], sum(t.latency or 0.0 for t in runs[m]["cluster"])) for m in MODES}
             if engine is not None:
                 overheads = [overhead_row(m, runs[m]["cluster"], runs[m]["inprocess"]) for m in MODES]
-                rounds = {"cluster": round_split(before["cluster"], client.stats()["engine"]),
+                rounds = {"cluster": round_split(before["cluster"], cluster_snapshot(client)),
                           "inprocess": round_split(before["inprocess"], engine.stats())}
         else:
             order = MODES if level_index % 2 == 0 else MODES[::-1]
@@ -266,4 +288,5 @@ def _measure(s: ServeBenchSettings, client: SpecServeClient, prompt_ids: list[li
     return {"settings": asdict(s), "environment": env, "levels": levels, "inprocess_overhead": overheads,
             "round_split_concurrency_1": rounds,
             "cluster": {"kv_leaked_blocks": stats["kv"]["leaked_blocks"], "scheduler": stats["scheduler"],
-                        "fallback_events": stats["engine"].get("fallback_events", [])}}
+                        "fallback_events": stats["engine"].get("fallback_events", []),
+                        "transport": stats.get("transport")}}

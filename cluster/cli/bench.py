@@ -117,6 +117,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sv.add_argument("--server", default=None, metavar="HOST:PORT",
                     help="measure a running cluster's gRPC endpoint (e.g. `specserve up`) instead of deploying one; "
                          "--model names its model (for the prompts' tokenizer)")
+    sv.add_argument("--round-transport", choices=["channel", "ray"], default=None,
+                    help="how the deployed cluster's rounds reach the workers (ClusterConfig.round_transport; "
+                         "default channel)")
     sv.add_argument("--grpc-port", type=int, default=None, help="default 9100")
     sv.add_argument("--http-port", type=int, default=None, help="default 8100")
     add_client_flags(sv)
@@ -372,7 +375,8 @@ def _run_serve(args: argparse.Namespace) -> int:
              "max_tokens": args.max_tokens, "categories": args.categories, "per_category": args.per_category,
              "slo_ttft_s": None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
              "slo_tpot_s": None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000,
-             "grpc_port": args.grpc_port, "http_port": args.http_port, "server": args.server}
+             "grpc_port": args.grpc_port, "http_port": args.http_port, "server": args.server,
+             "round_transport": args.round_transport}
     settings = ServeBenchSettings(**{key: value for key, value in flags.items() if value is not None}, k=args.k,
                                   threads=args.threads, inprocess=not args.no_inprocess)
     result = run_serve_bench(settings)
@@ -417,6 +421,10 @@ def format_serve(result: dict[str, Any]) -> str:
         parts = ["round", "verify", "verify_hop", "draft", "kv", "other"]
         out.append(table(["side", "rounds", *parts], [[side, split[side]["rounds"], *[split[side][f"{p}_ms"] for p in parts]]
                                                       for side in ("cluster", "inprocess")]))
+        hops = [p for p in ("verifier_transport", "drafter_transport", "kv_transport", "hops") if f"{p}_ms" in split["cluster"]]
+        if hops:  # round channels: each one's own time (round trip - the worker's handler), and every hop together
+            out.append(f"cluster round transport: {split['cluster']['transport']}; ms per round: "
+                       + ", ".join(f"{p} {split['cluster'][f'{p}_ms']:.3f}" for p in hops))
     env = result["environment"]
     out.append(f"\nload average {env['loadavg_at_start'][0]:.1f} -> {env['loadavg_at_end'][0]:.1f}; "
                f"KV blocks leaked: {result['cluster']['kv_leaked_blocks']}; "

@@ -101,6 +101,10 @@ class ClusterConfig(BaseModel):
                                             "costs (cluster/engine/warmup.py)")
     drafter_timeout_s: float = Field(5.0, gt=0, le=3600, description="a propose call unanswered this long counts "
                                      "as a drafter failure: plain decoding until the engine retries the drafter")
+    round_transport: Literal["channel", "ray"] = Field(
+        "channel", description="how the engine reaches the verifier, the drafter and the KV actor each round: "
+        "'channel' = a direct socket per worker, endpoint and secret handed out through Ray "
+        "(specserve_types/round_channel.py); 'ray' = Serve handles and actor calls (1-10 ms more per hop)")
 
     # the engine's round (cluster/engine/engine.py); a config file may also set these under `engine_options:`
     k_max: int = Field(4, ge=0, le=64, description="largest k auto may pick (0: auto never speculates)")

@@ -4,8 +4,12 @@
                --verify-->  HandleVerifier -> Verifier deployment (DeploymentHandle)
                <--kv-->     RemoteKV       -> KVManagerActor (a Ray actor owned by the scheduler replica)
 
-All three adapters block; they are called only from the engine thread (cluster/serving/engine_loop.py),
-never from an event loop.
+All three adapters block; they are called only from the engine thread (cluster/serving/engine_loop.py; the
+drafter's also from the engine's draft thread), never from an event loop. With `round_transport: channel`
+(the default) each round's call goes over the worker's round channel (specserve_types/round_channel.py): the
+adapter asks the worker for its endpoint through Ray once, and again only after the connection broke (a
+replaced worker, a restarted actor); a broken connection is a failed call, as a dead replica's Ray call is.
+With `round_transport: ray` every call is a Serve handle or actor call.
 """
 
 from __future__ import annotations
@@ -33,19 +37,28 @@ from kv_manager.schema import (
     Reservation,
     ReserveItem,
 )
+from specserve_types.ray_channel import link_to
+from specserve_types.round_channel import ChannelLink, ChannelLost, ChannelTimeout
 from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
 from specserve_types.tracing import CURRENT_CARRIER
 
 log = logging.getLogger("specserve.cluster")
 
 
+def serve_link(handle: Any, timeout_s: float | None) -> ChannelLink:
+    """A round-channel link to a deployment's replica (Serve's router picks it, waiting for a live one)."""
+    return link_to(lambda: handle.channel.remote().result(timeout_s=timeout_s))
+
 
 class HandleVerifier:
-    def __init__(self, handle: Any, timeout_s: float | None = None) -> None:
+    def __init__(self, handle: Any, timeout_s: float | None = None, transport: str = "channel") -> None:
         self.handle = handle
         self.timeout_s = timeout_s
+        self.link = serve_link(handle, timeout_s) if transport == "channel" else None
 
     def verify(self, batch: VerifyBatch) -> VerifyResult:
+        if self.link is not None:
+            return self.link.call("verify", batch, timeout_s=self.timeout_s)
         return self.handle.verify.remote(batch).result(timeout_s=self.timeout_s)
 
 
@@ -54,11 +67,17 @@ class HandleDrafter:
     its replacement), so an unanswered propose call is cancelled after `timeout_s` and raised as
     DrafterUnavailable: the engine decodes plainly meanwhile instead of stalling every request."""
 
-    def __init__(self, handle: Any, timeout_s: float | None = None) -> None:
+    def __init__(self, handle: Any, timeout_s: float | None = None, transport: str = "channel") -> None:
         self.handle = handle
         self.timeout_s = timeout_s
+        self.link = serve_link(handle, timeout_s) if transport == "channel" else None
 
     def propose(self, batch: ProposeBatch) -> ProposeResult:
+        if self.link is not None:
+            try:
+                return self.link.call("propose", batch, timeout_s=self.timeout_s)
+            except (ChannelTimeout, TimeoutError):  # the call, or finding a live replica
+                raise DrafterUnavailable(f"no drafter answer within {self.timeout_s}s") from None
         response = self.handle.propose.remote(batch)
         try:
             return response.result(timeout_s=self.timeout_s)
@@ -76,14 +95,21 @@ class RemoteKV:
     fetches only then.
     """
 
-    def __init__(self, actor: Any, timeout_s: float = 60.0) -> None:
+    def __init__(self, actor: Any, timeout_s: float = 60.0, transport: str = "channel") -> None:
         self.actor = actor
         self.timeout_s = timeout_s
         self.incarnation: str = ray.get(actor.incarnation.remote(), timeout=timeout_s)
         self._free: dict[str, float] | None = None  # None = stale
         self._free_lock = threading.Lock()  # the engine calls from one thread; tests share a client across threads
+        self.link = link_to(lambda: ray.get(actor.channel.remote(), timeout=timeout_s)) if transport == "channel" \
+            else None
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.link is not None:
+            try:
+                return self.link.call(method, self.incarnation, *args, timeout_s=self.timeout_s, **kwargs)
+            except (ChannelLost, RayActorError) as lost:  # the actor died (or is restarting): this call is void
+                raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
         try:
             return ray.get(getattr(self.actor, method).remote(self.incarnation, *args, **kwargs),
                            timeout=self.timeout_s)
@@ -183,6 +209,18 @@ class RemoteKV:
                 raise outcome
 
 
+def transport_totals(engine: Any) -> dict[str, Any]:
+    """The round channels' totals of a cluster engine (calls, round trip, handler and transport seconds per
+    worker); {"kind": "ray"} where the rounds go through Serve and actor calls."""
+    kv = getattr(engine, "kv", None)
+    backends = {"verifier": getattr(engine, "verifier", None), "drafter": getattr(engine, "drafter", None),
+                "kv": getattr(kv, "inner", kv)}  # HeldCommitKV wraps the RemoteKV
+    links = {name: getattr(backend, "link", None) for name, backend in backends.items()}
+    if all(link is None for link in links.values()):
+        return {"kind": "ray"}
+    return {"kind": "channel", **{name: link.totals().to_dict() for name, link in links.items() if link is not None}}
+
+
 def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any,
                          observer: EngineObserver | None = None) -> SpecEngine:
     """The scheduler's engine: remote workers, the KV manager actor, the target's tokenizer, its observer."""
@@ -193,11 +231,14 @@ def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any,
     log.info("cluster engine: target %s, draft %s, max_batch %d", config.model, config.draft, config.max_batch)
     env = config.tracing_settings().env()  # the actor continues traced steps (kv_manager/actor.py `traced`)
     kv_tracing: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
+    transport = config.round_transport
     engine = assemble_engine(
         config.model, config.draft, config.engine_config(in_process=False), config.kv_pool_blocks,
-        config.block_size, make_verifier=lambda _dir: HandleVerifier(verifier),
-        make_drafter=(lambda _dir: HandleDrafter(drafter, config.drafter_timeout_s)) if drafter is not None else None,
-        make_kv=lambda namespaces: RemoteKV(KVManagerActor.options(name=None, **kv_tracing).remote(namespaces)),
+        config.block_size, make_verifier=lambda _dir: HandleVerifier(verifier, transport=transport),
+        make_drafter=(lambda _dir: HandleDrafter(drafter, config.drafter_timeout_s, transport))
+        if drafter is not None else None,
+        make_kv=lambda namespaces: RemoteKV(KVManagerActor.options(name=None, **kv_tracing).remote(namespaces),
+                                            transport=transport),
         # resolved as the workers resolve them (same function, same device name; a node pool of one CPU type)
         dtypes={"target": dtype_name(target_dtype(config.dtype, config.device)),
                 "draft": dtype_name(draft_dtype(config.draft_dtype, config.device))},

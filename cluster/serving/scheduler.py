@@ -186,7 +186,10 @@ class Scheduler(FaultHooks):
         return self._abort_pending(pending) if pending else 0
 
     async def stats(self) -> dict:
-        engine_stats, audit = await self._loop.acall(lambda engine: (engine.stats(), engine.kv.audit()))
+        from cluster.serving.remote_backends import transport_totals
+
+        engine_stats, audit, transport = await self._loop.acall(
+            lambda engine: (engine.stats(), engine.kv.audit(), transport_totals(engine)))
         return {
             "kv": {"counts": {ns: dataclasses.asdict(c) for ns, c in audit.counts.items()},
                    "leaked_blocks": len(audit.leaked_blocks), "errors": list(audit.errors)},
@@ -194,6 +197,7 @@ class Scheduler(FaultHooks):
                           "failed_rounds": self._loop.failed_rounds,
                           "uptime_s": round(time.time() - self._started_at, 3)},
             "engine": engine_stats,
+            "transport": transport,  # the round channels' calls and times (remote_backends.transport_totals)
         }
 
     async def metrics_text(self) -> bytes:

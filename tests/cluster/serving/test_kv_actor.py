@@ -6,6 +6,7 @@ Run under scripts/in-netns.sh (loopback only); Ray starts once per session (`ray
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections import Counter
@@ -204,15 +205,20 @@ def test_restart_empties_the_ledger_and_in_flight_rounds_get_a_retriable_error(r
         ray_session.kill(actor, no_restart=True)
 
 
-def _wait_until_dead(ray: ModuleType, actor: Any) -> None:
+def _wait_until_dead(ray: ModuleType, actor: Any, pid: int) -> None:
     """`ray.kill` only asks: a call sent before the kill reaches the actor still runs and answers.
-    Call the raw handle until a call fails, i.e. the actor is gone."""
+    Call the raw handle until a call fails (Ray has the actor dead), then wait for its process to end (a round
+    channel's call that reached the process before it ended is answered, as a Ray call sent before the kill)."""
     deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:
         try:
             ray.get(actor.incarnation.remote(), timeout=DEADLINE_S)
         except RayActorError:
+            break
+    while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}"):
             return
+        time.sleep(0.01)
     raise AssertionError(f"the killed kv manager actor still answered after {DEADLINE_S}s")
 
 
@@ -220,8 +226,9 @@ def test_a_dead_actor_gives_a_retriable_error(ray_session: ModuleType) -> None:
     actor = start_actor([NamespaceConfig(TARGET, num_blocks=4, block_size=4)])
     kv = RemoteKV(actor)
     holder = kv.register_worker("w0")
+    pid = ray_session.get(actor.pid.remote())
     ray_session.kill(actor, no_restart=True)
-    _wait_until_dead(ray_session, actor)
+    _wait_until_dead(ray_session, actor, pid)
     with pytest.raises(RetriableKVError):
         kv.reserve([ReserveItem(TARGET, "r", 1, holder)])
     with pytest.raises(RetriableKVError):

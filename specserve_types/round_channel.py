@@ -1,0 +1,319 @@
+"""The round's transport: one socket per (caller, worker), one framed request and reply per call.
+
+    engine thread                                   worker process (a Serve replica, the KV actor)
+    -------------                                   ----------------------------------------------
+    ChannelClient.call("verify", batch)  --frame-->  ChannelServer connection thread (blocking)
+         blocks on recv                 <--frame--   handlers["verify"](batch) -> the worker's ComputeThread
+
+Why not Serve's router or a Ray actor call for the hot path: each costs 1-10 ms on a busy CPU node (a router
+hop, the core worker's gRPC, an event loop's turn); a blocking socket between two threads costs tens of
+microseconds. Ray still places, health-checks and replaces the workers, and hands out the endpoint: a caller
+asks the worker for its `Endpoint` through Ray (`channel()`), connects, and asks again only after the
+connection broke (a replaced worker has a new endpoint). vLLM made the same choice for its workers (a
+shared-memory / ZeroMQ message queue instead of Ray's Compiled Graphs, RFC vllm#35848); Compiled Graphs cannot
+bind a Serve replica's methods, and the verifier and drafter stay Serve deployments.
+
+Same node (same Ray node id): a Linux abstract Unix socket, else TCP on the worker node's address with
+TCP_NODELAY. Every connection proves it holds the endpoint's secret (HMAC-SHA256 of a server nonce) before any
+frame is unpickled; the secret travels only inside Ray. A frame is an 8-byte length and a pickle.
+
+A call's reply carries the handler's own seconds, so a client knows its transport's own time: round trip minus
+handler (`ChannelTotals`). Failures: a broken connection raises `ChannelLost` (a ConnectionError), a reply
+later than the timeout `ChannelTimeout` (a TimeoutError); either closes the connection (the caller connects
+again, through Ray, on its next call). An exception raised by the handler is raised at the caller as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import pickle
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("specserve.channel")
+
+HEADER = struct.Struct("!Q")
+NONCE_BYTES = 32
+MAX_FRAME = 1 << 34  # 16 GiB: a sanity bound on a length read off the wire
+
+Handler = Callable[..., Any]  # blocking; runs on the channel's connection thread
+
+
+class ChannelLost(ConnectionError):
+    """The connection broke (the worker died, was replaced, or refused the credentials)."""
+
+
+class ChannelTimeout(TimeoutError):
+    """No reply within the call's timeout; the connection is closed (its late reply is never read)."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a worker's channel listens; handed out only through Ray (it holds the secret)."""
+
+    node_id: str  # the worker's Ray node: a caller on the same node connects through the Unix socket
+    unix_name: str | None  # abstract socket name (Linux), None where there is none
+    host: str
+    port: int
+    secret: bytes
+    instance: str  # the server's id: a new one after a restart
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"Endpoint(node={self.node_id[:8]}, unix={self.unix_name!r}, tcp={self.host}:{self.port})"
+
+
+@dataclass
+class ChannelTotals:
+    """One client's calls: the round trip as the caller saw it, and the handler's part of it."""
+
+    calls: int = 0
+    round_trip_seconds: float = 0.0
+    handler_seconds: float = 0.0
+
+    @property
+    def transport_seconds(self) -> float:
+        return self.round_trip_seconds - self.handler_seconds
+
+    def to_dict(self) -> dict[str, float]:
+        return {"calls": self.calls, "round_trip_seconds": self.round_trip_seconds,
+                "handler_seconds": self.handler_seconds, "transport_seconds": self.transport_seconds}
+
+
+def _digest(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, nonce, hashlib.sha256).digest()
+
+
+def _dumps(value: Any) -> bytes:
+    payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    return HEADER.pack(len(payload)) + payload
+
+
+class ChannelServer:
+    """Serves `handlers` (blocking callables) on its own threads: one listener per socket, one thread per
+    connection, calls on a connection one after another (a caller's calls are serial anyway). A handler is
+    responsible for its own synchronization with the rest of its process (the verifier's and drafter's hand
+    their work to the worker's ComputeThread; the KV manager's take the ledger's lock)."""
+
+    def __init__(self, handlers: Mapping[str, Handler], node_id: str, host: str, name: str) -> None:
+        self.handlers = dict(handlers)
+        self.node_id = node_id
+        self.host = host
+        self.name = name
+        self.secret = secrets.token_bytes(32)
+        self.instance = secrets.token_hex(8)
+        self.endpoint: Endpoint | None = None
+        self._listeners: list[socket.socket] = []
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+
+    def start(self) -> Endpoint:
+        """Listen (idempotent, thread-safe) and return the endpoint."""
+        with self._lock:
+            if self.endpoint is not None:
+                return self.endpoint
+            tcp = socket.create_server((self.host, 0), backlog=64)
+            self._listeners.append(tcp)
+            port = tcp.getsockname()[1]
+            unix_name: str | None = None
+            if os.uname().sysname == "Linux":  # an abstract socket: no file to clean up, scoped to the netns
+                unix_name = f"specserve-{self.name}-{os.getpid()}-{self.instance}"
+                unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                unix.bind("\0" + unix_name)
+                unix.listen(64)
+                self._listeners.append(unix)
+            for listener in self._listeners:
+                threading.Thread(target=self._accept, args=(listener,), name=f"{self.name}-channel-accept",
+                                 daemon=True).start()
+            self.endpoint = Endpoint(self.node_id, unix_name, self.host, port, self.secret, self.instance)
+        log.info("%s channel listening: %r", self.name, self.endpoint)
+        return self.endpoint
+
+    def close(self) -> None:
+        self._closed.set()
+        for listener in self._listeners:
+            listener.close()
+        self._listeners = []
+
+    def _accept(self, listener: socket.socket) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed
+            if conn.family in (socket.AF_INET, socket.AF_INET6):
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), name=f"{self.name}-channel", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(10.0)
+                nonce = secrets.token_bytes(NONCE_BYTES)
+                conn.sendall(nonce)
+                if not hmac.compare_digest(_recv_exact(conn, 32), _digest(self.secret, nonce)):
+                    log.warning("%s channel: a connection without the secret was refused", self.name)
+                    return
+                conn.sendall(b"\1")
+                conn.settimeout(None)
+                while not self._closed.is_set():
+                    (length,) = HEADER.unpack(_recv_exact(conn, HEADER.size))
+                    if length > MAX_FRAME:
+                        log.warning("%s channel: a %d-byte frame refused", self.name, length)
+                        return
+                    call_id, method, args, kwargs = pickle.loads(_recv_exact(conn, length))
+                    conn.sendall(self._answer(call_id, method, args, kwargs))
+            except OSError:
+                pass  # the caller went away (ChannelLost included)
+
+    def _answer(self, call_id: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+        start = time.perf_counter()
+        try:
+            handler = self.handlers.get(method)
+            if handler is None:
+                raise AttributeError(f"{self.name} channel has no method {method!r}")
+            reply = (call_id, True, handler(*args, **kwargs))
+        except Exception as exc:  # raised at the caller, as a Serve or actor call would
+            reply = (call_id, False, exc)
+        seconds = time.perf_counter() - start
+        try:
+            return _dumps((*reply, seconds))
+        except Exception as exc:  # an unpicklable answer or exception
+            return _dumps((call_id, False, RuntimeError(f"{method}: unpicklable reply: {exc!r}"), seconds))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ChannelLost("connection closed by the other side")
+        got += k
+    return bytes(buf)
+
+
+class ChannelClient:
+    """A blocking client of one endpoint; thread-safe (one call at a time). Owner of its socket and totals."""
+
+    def __init__(self, endpoint: Endpoint, local_node_id: str | None, connect_timeout_s: float = 10.0) -> None:
+        self.endpoint = endpoint
+        self.totals = ChannelTotals()
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._sock: socket.socket | None = self._connect(local_node_id, connect_timeout_s)
+
+    def _connect(self, local_node_id: str | None, timeout_s: float) -> socket.socket:
+        ep = self.endpoint
+        try:
+            if ep.unix_name is not None and local_node_id == ep.node_id:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout_s)
+                sock.connect("\0" + ep.unix_name)
+            else:
+                sock = socket.create_connection((ep.host, ep.port), timeout=timeout_s)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            nonce = _recv_exact(sock, NONCE_BYTES)
+            sock.sendall(_digest(ep.secret, nonce))
+            _recv_exact(sock, 1)
+        except OSError as exc:
+            raise ChannelLost(f"cannot connect to {ep!r}: {exc}") from exc
+        return sock
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise ChannelLost(f"channel to {self.endpoint!r} is closed")
+            self._next_id += 1
+            call_id = self._next_id
+            start = time.perf_counter()
+            try:
+                sock.settimeout(timeout_s)
+                sock.sendall(_dumps((call_id, method, args, kwargs)))
+                (length,) = HEADER.unpack(_recv_exact(sock, HEADER.size))
+                reply_id, ok, value, handler_s = pickle.loads(_recv_exact(sock, length))
+            except TimeoutError as exc:
+                self._close_locked()
+                raise ChannelTimeout(f"{method}: no reply within {timeout_s}s") from exc
+            except OSError as exc:  # ChannelLost included
+                self._close_locked()
+                raise ChannelLost(f"{method}: {exc}") from exc
+            if reply_id != call_id:
+                self._close_locked()
+                raise ChannelLost(f"{method}: reply {reply_id} to call {call_id}")
+            self.totals.calls += 1
+            self.totals.round_trip_seconds += time.perf_counter() - start
+            self.totals.handler_seconds += handler_s
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+
+class ChannelLink:
+    """A caller's link to one worker across its replacements: `resolve()` asks Ray for the worker's current
+    endpoint (on the first call, and after a connection broke); a broken or timed-out call drops the
+    connection and raises. Totals add up over every connection. Thread-safe."""
+
+    def __init__(self, resolve: Callable[[], Endpoint], local_node_id: str | None) -> None:
+        self._resolve = resolve
+        self._local_node_id = local_node_id
+        self._client: ChannelClient | None = None
+        self._lock = threading.Lock()
+        self._done = ChannelTotals()  # of closed connections
+        self.connects = 0
+
+    def _current(self) -> ChannelClient:
+        with self._lock:
+            if self._client is None or not self._client.connected:
+                if self._client is not None:
+                    self._retire(self._client)
+                self._client = ChannelClient(self._resolve(), self._local_node_id)
+                self.connects += 1
+            return self._client
+
+    def _retire(self, client: ChannelClient) -> None:
+        for key in ("calls", "round_trip_seconds", "handler_seconds"):
+            setattr(self._done, key, getattr(self._done, key) + getattr(client.totals, key))
+        client.close()
+        if self._client is client:
+            self._client = None
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        return self._current().call(method, *args, timeout_s=timeout_s, **kwargs)
+
+    def totals(self) -> ChannelTotals:
+        with self._lock:
+            live = self._client.totals if self._client is not None else ChannelTotals()
+            return ChannelTotals(self._done.calls + live.calls,
+                                 self._done.round_trip_seconds + live.round_trip_seconds,
+                                 self._done.handler_seconds + live.handler_seconds)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._retire(self._client)

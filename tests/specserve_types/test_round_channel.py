@@ -1,0 +1,142 @@
+"""The round channel (specserve_types/round_channel.py) without Ray: servers in this process and in a child
+process, over the abstract Unix socket and over TCP on loopback."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from specserve_types.round_channel import (
+    ChannelClient,
+    ChannelLink,
+    ChannelLost,
+    ChannelServer,
+    ChannelTimeout,
+    Endpoint,
+)
+
+NODE = "node-a"
+
+
+class Refused(ValueError):
+    pass
+
+
+def handlers() -> dict[str, Any]:
+    def fail(message: str) -> None:
+        raise Refused(message)
+
+    return {"echo": lambda *args, **kwargs: (args, kwargs), "fail": fail, "sleep": time.sleep,
+            "unpicklable": lambda: threading.Lock()}
+
+
+@pytest.fixture
+def server() -> Any:
+    srv = ChannelServer(handlers(), NODE, "127.0.0.1", "test")
+    srv.start()
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize("caller_node", [NODE, "node-b"], ids=["unix", "tcp"])
+def test_a_call_returns_the_handlers_answer_and_counts_its_time(server: ChannelServer, caller_node: str) -> None:
+    client = ChannelClient(server.start(), caller_node)
+    family = client._sock.family  # type: ignore[union-attr]
+    assert family == (socket.AF_UNIX if caller_node == NODE else socket.AF_INET)
+    assert client.call("echo", 1, [2, 3], key="v") == ((1, [2, 3]), {"key": "v"})
+    client.call("sleep", 0.05)
+    totals = client.totals
+    assert totals.calls == 2
+    assert totals.handler_seconds >= 0.05
+    assert totals.round_trip_seconds >= totals.handler_seconds
+    assert 0 <= totals.transport_seconds < totals.round_trip_seconds
+    client.close()
+
+
+def test_a_handlers_exception_is_raised_at_the_caller_and_the_connection_stays(server: ChannelServer) -> None:
+    client = ChannelClient(server.start(), NODE)
+    with pytest.raises(Refused, match="no"):
+        client.call("fail", "no")
+    with pytest.raises(AttributeError, match="no method 'missing'"):
+        client.call("missing")
+    with pytest.raises(RuntimeError, match="unpicklable reply"):
+        client.call("unpicklable")
+    assert client.call("echo", 7) == ((7,), {})  # same connection
+    client.close()
+
+
+def test_a_connection_without_the_secret_is_refused_before_any_frame(server: ChannelServer) -> None:
+    endpoint = server.start()
+    forged = Endpoint(endpoint.node_id, endpoint.unix_name, endpoint.host, endpoint.port, b"x" * 32,
+                      endpoint.instance)
+    with pytest.raises(ChannelLost):
+        ChannelClient(forged, "node-b").call("echo", 1)
+    assert "secret" not in repr(endpoint) and repr(endpoint.secret) not in repr(endpoint)
+
+
+def test_a_late_reply_times_out_and_closes_the_connection(server: ChannelServer) -> None:
+    client = ChannelClient(server.start(), NODE)
+    with pytest.raises(ChannelTimeout):
+        client.call("sleep", 1.0, timeout_s=0.1)
+    assert not client.connected
+    with pytest.raises(ChannelLost, match="closed"):
+        client.call("echo", 1)
+
+
+def _serve_in_child(endpoints: Any) -> None:
+    server = ChannelServer(handlers(), NODE, "127.0.0.1", "child")
+    endpoints.put(server.start())
+    time.sleep(600)
+
+
+def test_a_killed_worker_is_a_lost_channel_and_the_link_reconnects_to_its_replacement() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    endpoints = ctx.Queue()
+    children = []
+
+    def resolve() -> Endpoint:  # "ask Ray": the live worker's endpoint (a replacement after a kill)
+        if not children or not children[-1].is_alive():
+            child = ctx.Process(target=_serve_in_child, args=(endpoints,), daemon=True)
+            child.start()
+            children.append(child)
+            resolve.endpoint = endpoints.get(timeout=60)  # type: ignore[attr-defined]
+        return resolve.endpoint  # type: ignore[attr-defined]
+
+    link = ChannelLink(resolve, NODE)
+    try:
+        assert link.call("echo", "a") == (("a",), {})
+        first = resolve.endpoint  # type: ignore[attr-defined]
+        children[-1].kill()
+        children[-1].join(10)
+        with pytest.raises(ChannelLost):
+            link.call("echo", "b")
+        assert link.call("echo", "c") == (("c",), {})  # a new worker, a new endpoint
+        assert resolve.endpoint.instance != first.instance  # type: ignore[attr-defined]
+        assert link.connects == 2
+        assert link.totals().calls == 2  # the two answered calls, over both connections
+    finally:
+        link.close()
+        for child in children:
+            child.kill()
+
+
+def test_calls_from_many_threads_each_get_their_own_answer(server: ChannelServer) -> None:
+    link = ChannelLink(server.start, NODE)
+    answers: dict[int, Any] = {}
+
+    def worker(i: int) -> None:
+        answers[i] = [link.call("echo", i, j) for j in range(20)]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == {i: [((i, j), {}) for j in range(20)] for i in range(8)}
+    assert link.totals().calls == 160
+    link.close()
