@@ -10,6 +10,7 @@ replica's `ComputeThread`: loading and every `propose` run there, never on Serve
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 
@@ -45,28 +46,32 @@ class Drafter(FaultHooks, ChannelHost):
         logger.info("drafter ready: %s (%s), %d KV blocks of %d", model, precision, num_blocks, block_size)
 
     async def propose(self, batch: ProposeBatch) -> ProposeResult:
-        """Through Serve (`round_transport: ray`): the channel's call, on a thread of its own."""
-        return await asyncio.to_thread(self.propose_now, batch)
+        """Through Serve (`round_transport: ray`)."""
+        return await asyncio.to_thread(lambda: self.propose_soon(batch).result())
 
-    def propose_now(self, batch: ProposeBatch) -> ProposeResult:
-        """One round's drafts, blocking (the round channel's connection thread calls it); the draft model runs
-        on the compute thread."""
-        if batch.trace_context and tracing_enabled():  # the round's trace continues here (specserve_types/tracing.py)
-            with worker_span("drafter.propose", batch.trace_context, len(batch.items)):
-                return self._propose(batch)
-        return self._propose(batch)
-
-    def _propose(self, batch: ProposeBatch) -> ProposeResult:
+    def propose_soon(self, batch: ProposeBatch) -> concurrent.futures.Future[ProposeResult]:
+        """One round's drafts, queued on the compute thread (the round channel's handler: the compute thread
+        sends the answer as the draft steps end). An injected latency delays the caller, not the compute thread."""
         if FAULTS.active and (delay := FAULTS.take("drafter.latency")) is not None:
             time.sleep(float(delay.get("seconds", 1.0)))
-        result = self.compute.call(self.worker.propose, batch)
+        return self.compute.submit(self._propose, batch)
+
+    def _propose(self, batch: ProposeBatch) -> ProposeResult:
+        """On the compute thread."""
+        if batch.trace_context and tracing_enabled():  # the round's trace continues here (specserve_types/tracing.py)
+            with worker_span("drafter.propose", batch.trace_context, len(batch.items)):
+                return self._faulty_propose(batch)
+        return self._faulty_propose(batch)
+
+    def _faulty_propose(self, batch: ProposeBatch) -> ProposeResult:
+        result = self.worker.propose(batch)
         if FAULTS.active and (garbage := FAULTS.take("drafter.garbage")) is not None:
             result = garbage_drafts(result, self.vocab_size(), str(garbage.get("mode", "out_of_range")))
         return result
 
     def channel_handlers(self) -> dict[str, Handler]:
         """The round's hot path (specserve_types/round_channel.py): `propose`, as Serve would call it."""
-        return {"propose": self.propose_now}
+        return {"propose": self.propose_soon}
 
     def vocab_size(self) -> int:
         return self.worker.config.vocab_size

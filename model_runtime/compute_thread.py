@@ -36,6 +36,10 @@ class ComputeThread:
         assert threading.get_native_id() != self.native_id, "call() from the compute thread would deadlock"
         return self._pool.submit(fn, *args, **kwargs).result()
 
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        """Queue `fn` on the compute thread; its future's done-callbacks run on the compute thread."""
+        return self._pool.submit(fn, *args, **kwargs)
+
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn` on the compute thread without blocking the caller's event loop."""
         return await asyncio.wrap_future(self._pool.submit(fn, *args, **kwargs))

@@ -25,6 +25,7 @@ again, through Ray, on its next call). An exception raised by the handler is rai
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import hmac
 import logging
@@ -98,10 +99,13 @@ def _dumps(value: Any) -> bytes:
 
 
 class ChannelServer:
-    """Serves `handlers` (blocking callables) on its own threads: one listener per socket, one thread per
-    connection, calls on a connection one after another (a caller's calls are serial anyway). A handler is
-    responsible for its own synchronization with the rest of its process (the verifier's and drafter's hand
-    their work to the worker's ComputeThread; the KV manager's take the ledger's lock)."""
+    """Serves `handlers` on its own threads: one listener per socket, one thread per connection, calls on a
+    connection one after another (a caller's calls are serial anyway). A handler answers with a value, or with a
+    `concurrent.futures.Future` whose done-callback sends the reply from the thread that completes it (the
+    verifier's and drafter's: their worker's ComputeThread sends the answer as the forward ends, with no
+    hand-back to the connection thread). A handler is responsible for its own synchronization with the rest of
+    its process (the verifier's and drafter's queue their work on the ComputeThread; the KV manager's take the
+    ledger's lock)."""
 
     def __init__(self, handlers: Mapping[str, Handler], node_id: str, host: str, name: str) -> None:
         self.handlers = dict(handlers)
@@ -170,24 +174,43 @@ class ChannelServer:
                         log.warning("%s channel: a %d-byte frame refused", self.name, length)
                         return
                     call_id, method, args, kwargs = pickle.loads(_recv_exact(conn, length))
-                    conn.sendall(self._answer(call_id, method, args, kwargs))
+                    self._answer(conn, call_id, method, args, kwargs)
             except OSError:
                 pass  # the caller went away (ChannelLost included)
 
-    def _answer(self, call_id: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    def _answer(self, conn: socket.socket, call_id: int, method: str, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> None:
         start = time.perf_counter()
         try:
             handler = self.handlers.get(method)
             if handler is None:
                 raise AttributeError(f"{self.name} channel has no method {method!r}")
-            reply = (call_id, True, handler(*args, **kwargs))
+            value = handler(*args, **kwargs)
         except Exception as exc:  # raised at the caller, as a Serve or actor call would
-            reply = (call_id, False, exc)
-        seconds = time.perf_counter() - start
-        try:
-            return _dumps((*reply, seconds))
-        except Exception as exc:  # an unpicklable answer or exception
-            return _dumps((call_id, False, RuntimeError(f"{method}: unpicklable reply: {exc!r}"), seconds))
+            _reply(conn, call_id, method, False, exc, start)
+            return
+        if isinstance(value, concurrent.futures.Future):
+            value.add_done_callback(lambda done: _reply(conn, call_id, method, *_outcome(done), start))
+        else:
+            _reply(conn, call_id, method, True, value, start)
+
+
+def _outcome(done: concurrent.futures.Future[Any]) -> tuple[bool, Any]:
+    exc = done.exception()
+    return (True, done.result()) if exc is None else (False, exc)
+
+
+def _reply(conn: socket.socket, call_id: int, method: str, ok: bool, value: Any, start: float) -> None:
+    """Send a call's answer (on the connection's thread, or the thread that completed a handler's future)."""
+    seconds = time.perf_counter() - start
+    try:
+        frame = _dumps((call_id, ok, value, seconds))
+    except Exception as exc:  # an unpicklable answer or exception
+        frame = _dumps((call_id, False, RuntimeError(f"{method}: unpicklable reply: {exc!r}"), seconds))
+    try:
+        conn.sendall(frame)
+    except OSError:
+        pass  # the caller went away: its connection thread ends on its next read
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -233,7 +256,10 @@ class ChannelClient:
     def connected(self) -> bool:
         return self._sock is not None
 
-    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+    def call(self, method: str, *args: Any, timeout_s: float | None = None,
+             on_sent: Callable[[], None] | None = None, **kwargs: Any) -> Any:
+        """`method(*args, **kwargs)` on the worker; `on_sent()` runs once the request is on its way, before the
+        wait for the answer (the caller's other work overlaps the worker's)."""
         with self._lock:
             sock = self._sock
             if sock is None:
@@ -244,6 +270,8 @@ class ChannelClient:
             try:
                 sock.settimeout(timeout_s)
                 sock.sendall(_dumps((call_id, method, args, kwargs)))
+                if on_sent is not None:
+                    on_sent()
                 (length,) = HEADER.unpack(_recv_exact(sock, HEADER.size))
                 reply_id, ok, value, handler_s = pickle.loads(_recv_exact(sock, length))
             except TimeoutError as exc:
@@ -303,8 +331,9 @@ class ChannelLink:
         if self._client is client:
             self._client = None
 
-    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
-        return self._current().call(method, *args, timeout_s=timeout_s, **kwargs)
+    def call(self, method: str, *args: Any, timeout_s: float | None = None,
+             on_sent: Callable[[], None] | None = None, **kwargs: Any) -> Any:
+        return self._current().call(method, *args, timeout_s=timeout_s, on_sent=on_sent, **kwargs)
 
     def totals(self) -> ChannelTotals:
         with self._lock:

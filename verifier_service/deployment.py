@@ -13,6 +13,7 @@ together (SPMD); the replica fans each batch out and takes rank 0's logits.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import socket
 import time
@@ -141,30 +142,32 @@ class Verifier(FaultHooks, ChannelHost):
                     num_blocks, block_size)
 
     async def verify(self, batch: VerifyBatch) -> VerifyResult:
-        """Through Serve (`round_transport: ray`): the channel's call, on a thread of its own."""
-        return await asyncio.to_thread(self.verify_now, batch)
+        """Through Serve (`round_transport: ray`)."""
+        return await asyncio.to_thread(lambda: self.verify_soon(batch).result())
 
-    def verify_now(self, batch: VerifyBatch) -> VerifyResult:
-        """One round's verify, blocking (the round channel's connection thread calls it); the forward runs on
-        the compute thread."""
-        if batch.trace_context and tracing_enabled():  # the round's trace continues here (specserve_types/tracing.py)
-            with worker_span("verifier.verify", batch.trace_context, len(batch.items)):
-                return self._verify(batch)
-        return self._verify(batch)
+    def verify_soon(self, batch: VerifyBatch) -> concurrent.futures.Future[VerifyResult]:
+        """One round's verify, queued on the compute thread (the round channel's handler: the compute thread
+        sends the answer as the forward ends). An injected latency delays the caller, not the compute thread."""
+        if FAULTS.active and (delay := FAULTS.take("verifier.latency")) is not None:
+            time.sleep(float(delay.get("seconds", 1.0)))
+        return self.compute.submit(self._verify, batch)
 
     def _verify(self, batch: VerifyBatch) -> VerifyResult:
-        if not FAULTS.active:
-            return self.compute.call(self.worker.verify, batch)
-        if (delay := FAULTS.take("verifier.latency")) is not None:
-            time.sleep(float(delay.get("seconds", 1.0)))
-        result = self.compute.call(self.worker.verify, batch)
-        if FAULTS.take("verifier.raise") is not None:  # after the forward wrote the KV pool: mid-round
+        """On the compute thread."""
+        if batch.trace_context and tracing_enabled():  # the round's trace continues here (specserve_types/tracing.py)
+            with worker_span("verifier.verify", batch.trace_context, len(batch.items)):
+                return self._faulty_verify(batch)
+        return self._faulty_verify(batch)
+
+    def _faulty_verify(self, batch: VerifyBatch) -> VerifyResult:
+        result = self.worker.verify(batch)
+        if FAULTS.active and FAULTS.take("verifier.raise") is not None:  # after the forward wrote the KV pool: mid-round
             raise InjectedFault("verifier raised mid-forward (injected)")
         return result
 
     def channel_handlers(self) -> dict[str, Handler]:
         """The round's hot path (specserve_types/round_channel.py): `verify`, as Serve would call it."""
-        return {"verify": self.verify_now}
+        return {"verify": self.verify_soon}
 
     def rank_actors(self) -> list[Any]:
         """The TP rank actors' handles (chaos runs kill one); empty with TP = 1."""

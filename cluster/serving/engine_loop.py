@@ -8,6 +8,11 @@
 
 The engine is never touched from two threads. A round that raises fails every live request with
 finish_reason="error" and aborts it in the engine (rolling back its reservations); the loop goes on.
+
+Held chunks (`hold_chunks_until`): a round's chunks are handed to the event loop once the next round's verify
+request is on its way (the verifier adapter's `on_sent`), not at the round's end: the event loop's streaming
+work then overlaps the verifier's forward instead of this thread's planning and ledger call (the two threads
+share one GIL). A round without a verify call releases them at its end; an idle loop before it waits.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class EngineLoop:
         self.startup_error: BaseException | None = None
         self.rounds = 0
         self.failed_rounds = 0
+        self._hold = False  # set once, on the engine thread, before the first round
+        self._held: list[TokenChunk] = []  # the last round's chunks, not yet delivered; engine thread only
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # -- any thread ---------------------------------------------------------------------------------
@@ -120,6 +127,19 @@ class EngineLoop:
         self._thread.join(timeout_s)
 
     # -- engine thread ------------------------------------------------------------------------------
+    def hold_chunks_until(self, verifier: Any) -> None:
+        """While building the engine: if its verifier adapter has an `on_sent` hook, hold each round's chunks
+        until the next verify request is sent (module docstring)."""
+        if verifier is not None and hasattr(verifier, "on_sent"):
+            verifier.on_sent = self.release_held
+            self._hold = True
+
+    def release_held(self) -> None:
+        """Deliver the held chunks (engine thread)."""
+        held, self._held = self._held, []
+        for chunk in held:
+            self._deliver(chunk)
+
     def _run(self) -> None:
         try:
             self._engine = self._build_engine()
@@ -131,6 +151,8 @@ class EngineLoop:
         self._ready.set()
         engine = self._engine
         while not self._stopping.is_set():
+            if self._held and not engine.has_unfinished():
+                self.release_held()  # before waiting for work
             self._run_commands(engine, block=not engine.has_unfinished())
             if self._stopping.is_set() or not engine.has_unfinished():
                 continue
@@ -139,11 +161,17 @@ class EngineLoop:
             except Exception as exc:
                 self.failed_rounds += 1
                 logger.exception("engine round failed; failing %d live request(s)", len(self._sinks))
+                self.release_held()
                 self._fail_all(engine, exc)
                 continue
             self.rounds += 1
-            for chunk in chunks:
-                self._deliver(chunk)
+            self.release_held()  # a round without a verify call
+            if self._hold:
+                self._held = list(chunks)
+            else:
+                for chunk in chunks:
+                    self._deliver(chunk)
+        self.release_held()
         self._fail_all(engine, RuntimeError("engine loop stopped"))
         close = getattr(engine, "close", None)
         if close is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -51,15 +51,23 @@ def serve_link(handle: Any, timeout_s: float | None) -> ChannelLink:
 
 
 class HandleVerifier:
+    """`on_sent`, when set (once, by the engine loop before the first round: EngineLoop.hold_chunks_until), runs
+    on the engine thread once each verify request is on its way: the last round's chunks are handed to the event
+    loop then, so that it streams them while the verifier computes."""
+
     def __init__(self, handle: Any, timeout_s: float | None = None, transport: str = "channel") -> None:
         self.handle = handle
         self.timeout_s = timeout_s
         self.link = serve_link(handle, timeout_s) if transport == "channel" else None
+        self.on_sent: Callable[[], None] | None = None
 
     def verify(self, batch: VerifyBatch) -> VerifyResult:
         if self.link is not None:
-            return self.link.call("verify", batch, timeout_s=self.timeout_s)
-        return self.handle.verify.remote(batch).result(timeout_s=self.timeout_s)
+            return self.link.call("verify", batch, timeout_s=self.timeout_s, on_sent=self.on_sent)
+        response = self.handle.verify.remote(batch)
+        if self.on_sent is not None:
+            self.on_sent()
+        return response.result(timeout_s=self.timeout_s)
 
 
 class HandleDrafter:

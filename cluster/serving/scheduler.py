@@ -96,7 +96,12 @@ class Scheduler(FaultHooks):
         self._config = config
         self.metrics = SpecMetrics(ray_metrics=ray.is_initialized())
         observer = one_observer(engine_observers(config, self.metrics))
-        self._loop = EngineLoop(lambda: engine_builder(config, drafter, verifier, observer))
+        def build() -> Engine:
+            engine = engine_builder(config, drafter, verifier, observer)
+            self._loop.hold_chunks_until(getattr(engine, "verifier", None))
+            return engine
+
+        self._loop = EngineLoop(build)
         self._live = 0  # admitted completions not yet finished or aborted
         self._pending: dict[str, dict[str, int]] = {}  # client request id -> unfinished engine ids (event loop)
         self._counters = {"admitted": 0, "rejected_capacity": 0, "rejected_invalid": 0, "aborted": 0,

@@ -3,6 +3,7 @@ process, over the abstract Unix socket and over TCP on loopback."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing
 import socket
 import threading
@@ -31,8 +32,11 @@ def handlers() -> dict[str, Any]:
     def fail(message: str) -> None:
         raise Refused(message)
 
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compute")
     return {"echo": lambda *args, **kwargs: (args, kwargs), "fail": fail, "sleep": time.sleep,
-            "unpicklable": lambda: threading.Lock()}
+            "unpicklable": lambda: threading.Lock(),
+            "later": lambda x: pool.submit(lambda: (threading.current_thread().name, x)),
+            "later_fail": lambda: pool.submit(fail, "later")}
 
 
 @pytest.fixture
@@ -140,3 +144,13 @@ def test_calls_from_many_threads_each_get_their_own_answer(server: ChannelServer
     assert answers == {i: [((i, j), {}) for j in range(20)] for i in range(8)}
     assert link.totals().calls == 160
     link.close()
+
+
+def test_a_future_answer_is_sent_when_it_completes(server: ChannelServer) -> None:
+    client = ChannelClient(server.start(), NODE)
+    name, value = client.call("later", 5)
+    assert name.startswith("compute") and value == 5
+    with pytest.raises(Refused, match="later"):
+        client.call("later_fail")
+    assert client.call("echo", 1) == ((1,), {})
+    client.close()

@@ -16,7 +16,13 @@ import pytest
 from cluster.serving.config import load_config
 from cluster.serving.scheduler import Scheduler
 from kv_manager.schema import AuditReport
-from specserve_types.api import CapacityError, GenerationRequest, InvalidRequestError, TokenChunk
+from specserve_types.api import (
+    CapacityError,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+    TokenChunk,
+)
 from specserve_types.protocol import GenerateArgs, IndexedChunk, StreamError
 
 ROUND_S = 0.01  # a scripted round takes this long, so streams can be cancelled mid-way
@@ -105,8 +111,6 @@ def make_scheduler(engine: ScriptedEngine, queue_capacity: int = 8) -> Scheduler
 
 
 def args(rid: str, prompt: str = "abc", max_tokens: int = 3, n: int = 1, seed: int | None = None) -> GenerateArgs:
-    from specserve_types.api import SamplingParams
-
     return GenerateArgs(rid, prompt_text=prompt, sampling=SamplingParams(max_tokens=max_tokens, seed=seed), n=n)
 
 
@@ -213,3 +217,49 @@ def test_engine_construction_failure_is_reported() -> None:
 
     with pytest.raises(RuntimeError, match="weights missing"):
         Scheduler(config, None, None, engine_builder=broken)
+
+
+class ScriptedVerifier:
+    on_sent: Any = None  # set by the engine loop (EngineLoop.hold_chunks_until)
+
+
+class VerifyingEngine(ScriptedEngine):
+    """Calls its verifier adapter's `on_sent` mid-round, as the cluster engine's verify call does, and records
+    how many chunks the loop had delivered then and at each round's start."""
+
+    def __init__(self, delivered: list[TokenChunk]) -> None:
+        super().__init__()
+        self.verifier = ScriptedVerifier()
+        self.delivered = delivered
+        self.at_start: list[int] = []
+        self.at_sent: list[int] = []
+
+    def step(self) -> list[TokenChunk]:
+        self.at_start.append(len(self.delivered))
+        if self.running:
+            self.verifier.on_sent()
+            self.at_sent.append(len(self.delivered))
+        return super().step()
+
+
+def test_a_rounds_chunks_go_out_once_the_next_verify_is_sent_and_the_last_before_idling() -> None:
+    from cluster.serving.engine_loop import EngineLoop
+
+    delivered: list[TokenChunk] = []
+    engine = VerifyingEngine(delivered)
+    loop = EngineLoop(lambda: engine)
+
+    def build() -> VerifyingEngine:
+        loop.hold_chunks_until(engine.verifier)
+        return engine
+
+    loop._build_engine = build
+    loop.start()
+    assert loop.wait_ready(5)
+    request = GenerationRequest("r1", (1, 2, 3), SamplingParams(max_tokens=4))
+    loop.submit(request, delivered.append).result(5)
+    assert wait_until(lambda: len(delivered) == 4)  # the last round's chunk too, with no round after it
+    loop.stop()
+    assert [c.token_ids for c in delivered] == [[3], [4], [5], [6]] and delivered[-1].finish_reason == "length"
+    assert engine.at_start == [0, 0, 1, 2]  # a round's chunk is still held when the next round starts ...
+    assert engine.at_sent == [0, 1, 2, 3]  # ... and goes out once that round's verify is sent
