@@ -7,7 +7,8 @@ TP = 1: the replica itself holds the model and its KV pool (`LocalRunner`), owne
 TP > 1: the replica's placement group has one bundle for itself plus one per rank; each rank is a
 Ray actor (`TPRankActor`) in its own bundle holding its weight shard and KV-pool shard. The ranks
 join one torch.distributed group (gloo on CPU, rendezvous at rank 0's node) and run every forward
-together (SPMD); the replica fans each batch out and takes rank 0's logits.
+together (SPMD); the replica fans each batch out over a round channel per rank (specserve_types/round_channel.py;
+Ray calls with `round_transport: ray`) and takes rank 0's logits.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import concurrent.futures
 import logging
 import socket
+import threading
 import time
 from typing import Any
 
@@ -28,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from model_runtime.batch import SeqInput
 from model_runtime.compute_thread import ComputeThread
 from specserve_types.faults import FAULTS, FaultHooks, InjectedFault
-from specserve_types.ray_channel import ChannelHost
+from specserve_types.ray_channel import ChannelHost, link_to
 from specserve_types.round_channel import Handler
 from specserve_types.round_messages import VerifyBatch, VerifyResult
 from specserve_types.tracing import TracingSettings, configure_tracing, tracing_enabled, worker_span
@@ -53,15 +55,21 @@ def placement_bundles(tensor_parallel_size: int, gpus_per_rank: float = 0.0) -> 
     return [{"CPU": DRIVER_CPUS}] + [rank] * tensor_parallel_size
 
 
-class TPRankActor:
-    """One tensor-parallel rank: its shard of the weights and of the paged KV pool."""
+class TPRankActor(ChannelHost):
+    """One tensor-parallel rank: its shard of the weights and of the paged KV pool. `forward` also over a round
+    channel (the replica's fan-out: no Ray task, no object store for rank 0's logits); one caller at a time."""
 
     def __init__(self, rank: int, world_size: int, worker_threads: int) -> None:
         if worker_threads > 0:
             torch.set_num_threads(worker_threads)
         self.rank = rank
         self.world_size = world_size
+        self.worker_threads = worker_threads
         self.tp_rank: Any = None
+        self._sized_threads: set[int] = {threading.get_ident()}  # threads whose torch thread count is set
+
+    def channel_handlers(self) -> dict[str, Handler]:
+        return {"forward": self.forward}
 
     def rendezvous_address(self) -> str:
         host = ray.util.get_node_ip_address()
@@ -80,6 +88,9 @@ class TPRankActor:
 
     def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]],
                 slot_moves: tuple[tuple[int, int], ...] = ()) -> list[torch.Tensor] | None:
+        if self.worker_threads > 0 and threading.get_ident() not in self._sized_threads:  # a channel's thread
+            torch.set_num_threads(self.worker_threads)
+            self._sized_threads.add(threading.get_ident())
         self.tp_rank.kv.move_slots(list(slot_moves))  # the last round's accepted tree paths first
         self.tp_rank.kv.copy_blocks(copy_blocks)
         logits = self.tp_rank.forward(seqs)
@@ -90,7 +101,7 @@ class TPGroupRunner:
     """ForwardRunner over `world_size` rank actors in the replica's placement group."""
 
     def __init__(self, checkpoint_dir: str, world_size: int, num_blocks: int, block_size: int, device: str,
-                 worker_threads: int, gpus_per_rank: float, dtype: torch.dtype) -> None:
+                 worker_threads: int, gpus_per_rank: float, dtype: torch.dtype, transport: str = "channel") -> None:
         from model_runtime.config import ModelConfig
 
         self.config = ModelConfig.from_dir(checkpoint_dir)
@@ -106,15 +117,29 @@ class TPGroupRunner:
         init_method = ray.get(self.ranks[0].rendezvous_address.remote())
         ray.get([r.setup.remote(init_method, checkpoint_dir, num_blocks, block_size, worker_device(device), dtype)
                  for r in self.ranks])
-        logger.info("verifier TP group ready: %d ranks, rendezvous %s", world_size, init_method)
+        # round channels to the ranks (specserve_types/round_channel.py); None: Ray calls
+        self.links = [link_to(lambda r=r: ray.get(r.channel.remote())) for r in self.ranks] \
+            if transport == "channel" else None
+        self._fan_out = concurrent.futures.ThreadPoolExecutor(max(1, world_size - 1), thread_name_prefix="tp-fan-out")
+        logger.info("verifier TP group ready: %d ranks, rendezvous %s, %s transport", world_size, init_method,
+                    transport)
 
     def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]],
                 slot_moves: tuple[tuple[int, int], ...] = ()) -> list[torch.Tensor]:
-        refs = [rank.forward.remote(seqs, copy_blocks, slot_moves) for rank in self.ranks]
-        results = ray.get(refs)  # every rank must finish: an error on any rank fails the round
-        return results[0]
+        if self.links is None:
+            refs = [rank.forward.remote(seqs, copy_blocks, slot_moves) for rank in self.ranks]
+            results = ray.get(refs)  # every rank must finish: an error on any rank fails the round
+            return results[0]
+        others = [self._fan_out.submit(link.call, "forward", seqs, copy_blocks, slot_moves) for link in self.links[1:]]
+        logits = self.links[0].call("forward", seqs, copy_blocks, slot_moves)  # raises at once if rank 0 fails
+        for other in others:
+            other.result()  # every rank must finish: an error on any rank fails the round
+        return logits
 
     def shutdown(self) -> None:
+        for link in self.links or []:
+            link.close()
+        self._fan_out.shutdown(wait=False)
         for rank in self.ranks:
             ray.kill(rank)
 
@@ -122,7 +147,7 @@ class TPGroupRunner:
 class Verifier(FaultHooks, ChannelHost):
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
                  tensor_parallel_size: int = 1, worker_threads: int = 0, gpus_per_rank: float = 0.0,
-                 dtype: str = "auto") -> None:
+                 dtype: str = "auto", round_transport: str = "channel") -> None:
         from model_runtime.precision import target_dtype
         from model_runtime.prepare import prepare_model
 
@@ -134,7 +159,7 @@ class Verifier(FaultHooks, ChannelHost):
                                                  worker_device(device), precision)
         else:
             self.runner = TPGroupRunner(checkpoint, tensor_parallel_size, num_blocks, block_size, device,
-                                        worker_threads, gpus_per_rank, precision)
+                                        worker_threads, gpus_per_rank, precision, round_transport)
         self.worker = VerifierWorker(self.runner)
         self.tensor_parallel_size = tensor_parallel_size
         configure_tracing(TracingSettings.from_env(), "specserve-verifier")  # env set by the app (runtime_env)

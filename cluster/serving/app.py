@@ -62,7 +62,7 @@ def bind_verifier(config: ClusterConfig) -> serve.Application:
                     "ray_actor_options": {"num_cpus": bundles[0]["CPU"], **_tracing_env(config)}}
     return VerifierDeployment.options(**options).bind(
         config.model, config.kv_pool_blocks, config.block_size, config.device, config.tensor_parallel_size,
-        config.threads_per_worker, gpus, config.dtype)
+        config.threads_per_worker, gpus, config.dtype, config.round_transport)
 
 
 def bind_drafter(config: ClusterConfig) -> serve.Application | None:
