@@ -56,10 +56,11 @@ def end_of_test_check(kv: RemoteKV) -> None:
     assert {namespace: kv.request_ids(namespace) for namespace in report.counts} == {ns: [] for ns in report.counts}
 
 
-def test_typed_errors_and_stale_epochs_through_remote_kv(ray_session: ModuleType) -> None:
+@pytest.mark.parametrize("transport", ["channel", "ray"])
+def test_typed_errors_and_stale_epochs_through_remote_kv(ray_session: ModuleType, transport: str) -> None:
     actor = start_actor([NamespaceConfig(TARGET, num_blocks=4, block_size=4)])
     try:
-        kv = RemoteKV(actor)
+        kv = RemoteKV(actor, transport=transport)
         holder = kv.register_worker("w0")
         admissions = kv.admit([AdmitItem(TARGET, r, [1, 2, 3], holder) for r in ("a", "b")])
         assert all(isinstance(a, Admission) and a.num_cached_tokens == 0 for a in admissions)
@@ -134,7 +135,8 @@ def test_200_concurrent_requests_with_random_cancellations_leak_nothing(ray_sess
     rng = random.Random(7)
     cancel_at = {index: rng.randint(0, 2) for index in rng.sample(range(NUM_REQUESTS), NUM_CANCELLED)}
     try:
-        kvs = [RemoteKV(actor) for _ in range(4)]  # four workers' clients, one actor
+        # four workers' clients, one actor; two over round channels, two over Ray calls: both paths at once
+        kvs = [RemoteKV(actor, transport="channel" if w % 2 else "ray") for w in range(4)]
         holders = [kv.register_worker(f"worker-{w}") for w, kv in enumerate(kvs)]
         with ThreadPoolExecutor(max_workers=NUM_REQUESTS) as pool:
             futures = [pool.submit(_one_request, kvs[index % 4], index, holders[index % 4], cancel_at.get(index))
@@ -163,11 +165,13 @@ def _wait_for_incarnation(ray: ModuleType, actor: Any, other_than: str) -> str:
     raise AssertionError(f"the kv manager actor did not restart within {DEADLINE_S}s")
 
 
-def test_restart_empties_the_ledger_and_in_flight_rounds_get_a_retriable_error(ray_session: ModuleType) -> None:
+@pytest.mark.parametrize("transport", ["channel", "ray"])
+def test_restart_empties_the_ledger_and_in_flight_rounds_get_a_retriable_error(ray_session: ModuleType,
+                                                                               transport: str) -> None:
     actor = start_actor([NamespaceConfig(TARGET, num_blocks=16, block_size=4)])
     prompt = list(range(10))
     try:
-        kv = RemoteKV(actor)
+        kv = RemoteKV(actor, transport=transport)
         first = kv.incarnation
         holder = kv.register_worker("w0")
         kv.admit([AdmitItem(TARGET, "r", prompt, holder)])
@@ -183,7 +187,7 @@ def test_restart_empties_the_ledger_and_in_flight_rounds_get_a_retriable_error(r
         with pytest.raises(RetriableKVError):  # every call stays void: this client keeps the old incarnation
             kv.reserve([ReserveItem(TARGET, "r", 3, holder)])
 
-        fresh = RemoteKV(actor)  # a new client learns the new incarnation
+        fresh = RemoteKV(actor, transport=transport)  # a new client learns the new incarnation
         assert fresh.incarnation == second != first
         report = fresh.audit()
         assert report.counts[TARGET].free == 16 and report.ok  # the new ledger starts empty
