@@ -254,8 +254,10 @@ def _measure(s: ServeBenchSettings, client: SpecServeClient, prompt_ids: list[li
         from cluster.engine.factory import build_local_engine
         from cluster.serving.config import make_config
 
+        # warmed up as the cluster's engine is (ClusterConfig.warm_up): both auto policies start from measured
+        # costs, so with speculation on both sides choose k alike and the comparison is of the same decoding
         settings = make_config(model=s.model, draft=s.draft, max_batch=1, max_context=s.max_context, kv_blocks=None,
-                               warm_up=False)
+                               warm_up=True)
         progress("loading the in-process engine")
         engine = build_local_engine(s.model, s.draft, settings.engine_config(), settings.local_runtime())
     progress("warming up")
