@@ -39,8 +39,9 @@ class Drafter(FaultHooks, ChannelHost):
         checkpoint = prepare_model(model, progress=False)
         device = "cuda:0" if device.startswith("cuda") else device  # Ray shows only the assigned GPU
         precision = draft_dtype(dtype, device)
-        self.worker = self.compute.call(
-            lambda: DraftWorker(LocalRunner(str(checkpoint), num_blocks, block_size, device, precision)))
+        runner = self.compute.call(LocalRunner, str(checkpoint), num_blocks, block_size, device, precision)
+        self.compute.call(runner.warm_up, block_size)  # a replacement's first propose is not a cold start
+        self.worker = self.compute.call(DraftWorker, runner)
         self.model = model
         configure_tracing(TracingSettings.from_env(), "specserve-drafter")  # env set by the app (runtime_env)
         logger.info("drafter ready: %s (%s), %d KV blocks of %d", model, precision, num_blocks, block_size)

@@ -157,6 +157,7 @@ class Verifier(FaultHooks, ChannelHost):
         if tensor_parallel_size == 1:
             self.runner: Any = self.compute.call(LocalRunner, checkpoint, num_blocks, block_size,
                                                  worker_device(device), precision)
+            self.compute.call(self.runner.warm_up, block_size)  # a replacement's first verify is not a cold start
         else:
             self.runner = TPGroupRunner(checkpoint, tensor_parallel_size, num_blocks, block_size, device,
                                         worker_threads, gpus_per_rank, precision, round_transport)

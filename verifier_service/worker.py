@@ -50,6 +50,15 @@ class LocalRunner:
         self.rank.kv.copy_blocks(copy_blocks)
         return self.rank.forward(seqs)
 
+    def warm_up(self, block_size: int) -> None:
+        """A short prefill and one decode step into block 0, before the worker answers anything: a replica's first
+        round then runs at speed (its kernels, thread team and allocator already warm), not past the caller's
+        timeout. Block 0's slots hold nothing yet in a new process, and no grant reads a slot before writing it."""
+        n = max(1, min(4, block_size - 1))
+        self.forward([SeqInput([0] * n, 0, [0], list(range(n)), logits="last")], [])
+        if n < block_size:
+            self.forward([SeqInput([0], n, [0], [n], logits="last")], [])
+
 
 def decide(item: VerifyItem, logits: torch.Tensor, inject_bias: bool = False) -> Verdict:
     """Apply the request's penalties, transform and contract to its k+1 scored rows. `inject_bias`: see

@@ -136,14 +136,20 @@ def test_drafter_killed_mid_stream_falls_back_then_recovers(client: SpecServeCli
             new_pid = drafter_pid()
         except Exception:  # the handle may still route to the dead replica once
             continue
-    time.sleep(1.5)  # past drafter_retry_seconds
-    (after,) = collect(client.generate(PROMPT, max_tokens=AFTER_TOKENS, k=4, contract="greedy", draft="model",
-                                       ignore_eos=True)).values()
-    assert after["finish_reason"] == "length" and after["token_ids"] == plain_greedy[:AFTER_TOKENS]
+    # the engine's back-off doubles per failed retry (each try while the replica restarts is one), so the first
+    # request after the replacement may still decode plainly: within a deadline, one must speculate throughout
+    deadline = time.monotonic() + 60
+    while True:
+        (after,) = collect(client.generate(PROMPT, max_tokens=AFTER_TOKENS, k=4, contract="greedy", draft="model",
+                                           ignore_eos=True)).values()
+        assert after["finish_reason"] == "length" and after["token_ids"] == plain_greedy[:AFTER_TOKENS]
+        reasons = [event["reason"] for event in after["stats"]["policy_events"]]
+        if not any(reason.startswith("fallback") for reason in reasons) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert not any(reason.startswith("fallback") for reason in reasons), reasons
     acceptance = after["stats"]["acceptance"]
     assert acceptance["proposed"] > 0 and acceptance["accepted"] == acceptance["proposed"], after["stats"]
-    reasons = [event["reason"] for event in after["stats"]["policy_events"]]
-    assert not any(reason.startswith("fallback") for reason in reasons), reasons
     events = [event["event"] for event in client.stats()["engine"]["fallback_events"]]
     assert "drafter retried" in events, events
     assert_no_leaks()
