@@ -80,6 +80,10 @@ class ChannelTotals:
     round_trip_seconds: float = 0.0
     handler_seconds: float = 0.0
 
+    def __add__(self, other: ChannelTotals) -> ChannelTotals:
+        return ChannelTotals(self.calls + other.calls, self.round_trip_seconds + other.round_trip_seconds,
+                             self.handler_seconds + other.handler_seconds)
+
     @property
     def transport_seconds(self) -> float:
         return self.round_trip_seconds - self.handler_seconds
@@ -213,7 +217,8 @@ def _reply(conn: socket.socket, call_id: int, method: str, ok: bool, value: Any,
         pass  # the caller went away: its connection thread ends on its next read
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """`n` bytes, read into one buffer (no copy: pickle, struct and hmac read it as it is)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -222,7 +227,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             raise ChannelLost("connection closed by the other side")
         got += k
-    return bytes(buf)
+    return buf
 
 
 class ChannelClient:
@@ -234,6 +239,8 @@ class ChannelClient:
         self._lock = threading.Lock()
         self._next_id = 0
         self._sock: socket.socket | None = self._connect(local_node_id, connect_timeout_s)
+        self._sock.settimeout(None)
+        self._timeout_s: float | None = None  # the socket's current timeout (set only when a call's differs)
 
     def _connect(self, local_node_id: str | None, timeout_s: float) -> socket.socket:
         ep = self.endpoint
@@ -268,7 +275,9 @@ class ChannelClient:
             call_id = self._next_id
             start = time.perf_counter()
             try:
-                sock.settimeout(timeout_s)
+                if timeout_s != self._timeout_s:
+                    sock.settimeout(timeout_s)
+                    self._timeout_s = timeout_s
                 sock.sendall(_dumps((call_id, method, args, kwargs)))
                 if on_sent is not None:
                     on_sent()
@@ -325,8 +334,7 @@ class ChannelLink:
             return self._client
 
     def _retire(self, client: ChannelClient) -> None:
-        for key in ("calls", "round_trip_seconds", "handler_seconds"):
-            setattr(self._done, key, getattr(self._done, key) + getattr(client.totals, key))
+        self._done = self._done + client.totals
         client.close()
         if self._client is client:
             self._client = None
@@ -337,10 +345,7 @@ class ChannelLink:
 
     def totals(self) -> ChannelTotals:
         with self._lock:
-            live = self._client.totals if self._client is not None else ChannelTotals()
-            return ChannelTotals(self._done.calls + live.calls,
-                                 self._done.round_trip_seconds + live.round_trip_seconds,
-                                 self._done.handler_seconds + live.handler_seconds)
+            return self._done + (self._client.totals if self._client is not None else ChannelTotals())
 
     def close(self) -> None:
         with self._lock:
