@@ -127,15 +127,33 @@ def transform_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, stable=True)  # ascending
-        tail_mass = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = tail_mass <= 1.0 - params.top_p
-        drop_sorted[..., -1] = False  # always keep the most likely token
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+        logits = logits.masked_fill(top_p_drop(logits, params.top_p), float("-inf"))
     if params.min_p > 0.0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return logits.softmax(-1)
+
+
+def top_p_drop(logits: torch.Tensor, top_p: float, first_candidates: int = 64) -> torch.Tensor:
+    """bool [n,V]: the tokens top-p drops from each row of `logits` [n,V] (float32, -inf for tokens already out).
+
+    A row keeps its most likely tokens down to the first whose mass (with every more likely one's) reaches
+    top_p, and every token tied with that one: the rule of top-k's ties, so the set does not depend on how a
+    sort orders equal values. The masses are float64 sums in descending order over `torch.topk`'s candidates
+    (64, then 4x as many for rows whose candidates hold less than top_p, up to the vocabulary), not a sort of the
+    whole vocabulary: a row's set depends only on the row (tests/verifier_service/test_sampling.py).
+    """
+    probs = logits.double().softmax(-1)
+    vocab_size = probs.shape[-1]
+    width = min(vocab_size, first_candidates)
+    while True:
+        ranked = torch.topk(probs, width, dim=-1).values  # descending
+        mass = ranked.cumsum(-1)
+        if width == vocab_size or bool((mass[..., -1] >= top_p).all()):
+            break
+        width = min(vocab_size, width * 4)
+    first_reaching = (mass < top_p).sum(-1, keepdim=True).clamp(max=width - 1)  # its rank in each row
+    return probs < ranked.gather(-1, first_reaching)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from verifier_service.sampling import (
     request_uniforms,
     sample_token,
     sample_with_uniforms,
+    top_p_drop,
     transform_logits,
 )
 
@@ -136,6 +137,43 @@ def test_transform_is_one_function_of_the_row_for_p_and_q() -> None:
     p, q = transform_logits(target, params), transform_logits(draft, params)
     assert torch.equal(p[2], q[1])
     assert torch.equal(transform_logits(target[2:3], params)[0], p[2])
+
+
+def _kept_by_brute_force(row: torch.Tensor, top_p: float) -> set[int]:
+    """Top-p's kept set of one row by the definition: most likely first, down to the first token whose mass with
+    the ones before reaches top_p, and every token tied with it (float64 sums, as the rule states)."""
+    probs = row.double().softmax(-1)
+    mass, last = 0.0, None
+    for token in probs.argsort(descending=True, stable=True).tolist():
+        mass += float(probs[token])
+        last = token
+        if mass >= top_p:
+            break
+    return set((probs >= probs[last]).nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_over_a_large_vocabulary_keeps_the_rule_s_set_alone_or_in_any_batch(top_p: float) -> None:
+    """Rows whose nucleus needs more than the first 64 candidates (flat rows) beside peaked ones: each row's set is
+    the rule's, and the same alone as in the batch (the candidate count grows for the batch, not the row)."""
+    vocab = 4096
+    g = torch.Generator().manual_seed(7)
+    flat = torch.randn(3, vocab, generator=g) * 0.1
+    peaked = torch.randn(3, vocab, generator=g) * 6
+    logits = torch.cat([peaked, flat])
+    dropped = top_p_drop(logits, top_p)
+    for row in range(logits.shape[0]):
+        kept = set((~dropped[row]).nonzero().flatten().tolist())
+        assert kept == _kept_by_brute_force(logits[row], top_p)
+        assert torch.equal(top_p_drop(logits[row : row + 1], top_p)[0], dropped[row])
+    assert (~dropped[3:]).sum(-1).min() > 64  # the flat rows did need the wider candidates
+
+
+def test_top_p_keeps_every_token_tied_with_the_last_one_it_needs() -> None:
+    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.1, 0.1]]))
+    assert (~top_p_drop(logits, 0.5)).nonzero()[:, 1].tolist() == [0, 1, 2]  # 0.4 + 0.2 reaches 0.5: both 0.2s
+    assert (~top_p_drop(logits, 0.4)).nonzero()[:, 1].tolist() == [0]
+    assert (~top_p_drop(logits, 1.0 - 1e-9)).nonzero()[:, 1].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_temperature_zero_is_a_one_hot_at_the_lowest_argmax() -> None:
