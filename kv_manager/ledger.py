@@ -6,6 +6,8 @@ Glossary:
   committed_len  tokens of a request whose KV is final (verified); positions [0, committed_len)
   reservation    slots granted for one round at positions [committed_len, committed_len + n),
                  for the plan's maximum (k+1 target slots, or every tree node)
+  window         a reservation kept across commits (`keep_reserved`) and grown (`extend`): the next
+                 round's slots granted while this round verifies (docs/ARCHITECTURE.md §4)
   accepted_len   how many leading reserved positions the round keeps; the rest return at commit
   holder         (worker, epoch) holding a request's blocks; a dead epoch's grants are rolled back
 
@@ -246,11 +248,14 @@ class BlockLedger:
                 for dst, src in enumerate(item.accepted_path)
                 if src != dst
             )
-        num_freed = truncate(pool, state, start + item.accepted_len)
+        reserved_end = start + state.reserved_len
+        num_freed = 0 if item.keep_reserved else truncate(pool, state, start + item.accepted_len)
         if item.accepted_len:
             mark_committed(pool, state, start + item.accepted_len)
             if pool.config.prefix_caching:
                 num_freed += index_full_blocks(pool, state, item.token_ids)
+        if item.keep_reserved:
+            state.reserved_len = reserved_end - state.committed_len
         result = CommitResult(
             item.namespace, item.request_id, state.committed_len, tuple(state.block_table), slot_moves, num_freed
         )
@@ -326,7 +331,7 @@ class BlockLedger:
                 namespace=item.namespace,
                 request_id=item.request_id,
             )
-        if state.reserved_len:
+        if state.reserved_len and not item.extend:
             raise ReservationInFlight(
                 "commit or roll back the previous reservation first",
                 namespace=item.namespace,
@@ -334,7 +339,8 @@ class BlockLedger:
             )
         bs = pool.block_size
         start = state.committed_len
-        total_blocks = cdiv(start + item.num_new_slots, bs)
+        num_slots = max(item.num_new_slots, state.reserved_len)  # an extend never shrinks a window
+        total_blocks = cdiv(start + num_slots, bs)
         if total_blocks > pool.num_blocks:
             raise ExceedsCapacity(
                 f"{total_blocks} blocks exceed the namespace's {pool.num_blocks}",
@@ -342,9 +348,11 @@ class BlockLedger:
                 request_id=item.request_id,
             )
         table = state.block_table
-        assert len(table) == cdiv(start, bs), (len(table), start)
-        # in an atomic batch of fork siblings this may count a copy that a sibling's copy makes needless
-        plan = _ReservePlan(pool, state, item.num_new_slots, total_blocks - len(table), needs_copy(pool, state))
+        assert len(table) == cdiv(start + state.reserved_len, bs), (len(table), start, state.reserved_len)
+        # in an atomic batch of fork siblings this may count a copy that a sibling's copy makes needless; a window
+        # in flight was copied when it was first reserved
+        copy = not state.reserved_len and needs_copy(pool, state)
+        plan = _ReservePlan(pool, state, num_slots, total_blocks - len(table), copy)
         if plan.blocks_needed + blocks_promised > pool.num_free:
             raise OutOfBlocks(
                 f"needs {plan.blocks_needed} blocks, {pool.num_free - blocks_promised} free",
@@ -355,7 +363,8 @@ class BlockLedger:
 
     def _apply_reserve(self, plan: _ReservePlan) -> Reservation:
         pool, state = plan.pool, plan.state
-        copies = grow(pool, state, plan.num_new_blocks)
+        # a fork sibling's copy earlier in an atomic batch may have made this one's needless
+        copies = grow(pool, state, plan.num_new_blocks, plan.copy_on_write and needs_copy(pool, state))
         start = state.committed_len
         slots = slot_mapping(pool, state, start, start + plan.num_new_slots)
         state.reserved_len = plan.num_new_slots

@@ -72,11 +72,12 @@ def needs_copy(pool: BlockPool, state: RequestBlocks) -> bool:
     return state.committed_len % pool.block_size != 0 and pool.blocks[state.block_table[-1]].ref_count > 1
 
 
-def grow(pool: BlockPool, state: RequestBlocks, num_new_blocks: int) -> tuple[tuple[int, int], ...]:
-    """Copy the partial last block if shared, then append new blocks; returns the copies to run."""
+def grow(pool: BlockPool, state: RequestBlocks, num_new_blocks: int, copy: bool) -> tuple[tuple[int, int], ...]:
+    """Copy the partial last block if `copy` (it is shared: `needs_copy`), then append new blocks; returns the
+    copies to run."""
     table = state.block_table
     copies: tuple[tuple[int, int], ...] = ()
-    if needs_copy(pool, state):
+    if copy:
         source = pool.blocks[table[-1]]
         assert source.ref_count > 1 and source.state is BlockState.COMMITTED, source
         copy = pool.allocate()
@@ -91,9 +92,10 @@ def grow(pool: BlockPool, state: RequestBlocks, num_new_blocks: int) -> tuple[tu
 
 
 def mark_committed(pool: BlockPool, state: RequestBlocks, new_len: int) -> None:
-    """Positions [committed_len, new_len) hold verified KV now (the table already ends at new_len)."""
+    """Positions [committed_len, new_len) hold verified KV now (the table covers them; a reservation window's
+    positions past new_len keep their reserved blocks)."""
     bs = pool.block_size
-    for index in range(state.committed_len // bs, len(state.block_table)):
+    for index in range(state.committed_len // bs, cdiv(new_len, bs)):  # a window's blocks past it stay reserved
         block = pool.blocks[state.block_table[index]]
         assert block.ref_count == 1 and block.state is not BlockState.FREE, block
         block.committed_slots = min(bs, new_len - index * bs)

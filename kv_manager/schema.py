@@ -67,12 +67,17 @@ class Admission:
 
 @dataclass(frozen=True)
 class ReserveItem:
-    """Reserve `num_new_slots` positions starting at the request's committed_len."""
+    """Reserve `num_new_slots` positions starting at the request's committed_len.
+
+    `extend=True` grows the reservation in flight (a reservation window, kept by `keep_reserved` commits) to
+    `num_new_slots` positions from committed_len, or leaves it as it is if it is that long; a request with none
+    in flight reserves as usual. The grant covers the whole window."""
 
     namespace: str
     request_id: str
     num_new_slots: int
     holder: Holder
+    extend: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,8 @@ class CommitItem:
     For a tree reservation, `accepted_path` lists the reserved offsets (0-based, increasing) of
     the accepted nodes; the result's `slot_moves` compact them to the front of the reservation.
     `finished=True` releases the request right after the commit (one RPC instead of two).
+    `keep_reserved=True` keeps the reserved positions past the accepted ones reserved (the request's reservation
+    window: the next round's slots, already granted); without it they return to the pool.
     """
 
     namespace: str
@@ -108,6 +115,7 @@ class CommitItem:
     holder: Holder
     accepted_path: Sequence[int] | None = None
     finished: bool = False
+    keep_reserved: bool = False
 
 
 @dataclass(frozen=True)

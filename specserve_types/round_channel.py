@@ -267,37 +267,63 @@ class ChannelClient:
              on_sent: Callable[[], None] | None = None, **kwargs: Any) -> Any:
         """`method(*args, **kwargs)` on the worker; `on_sent()` runs once the request is on its way, before the
         wait for the answer (the caller's other work overlaps the worker's)."""
-        with self._lock:
+        pending = self.send(method, *args, timeout_s=timeout_s, **kwargs)
+        if on_sent is not None:
+            try:
+                on_sent()
+            except BaseException:
+                pending.result()  # the answer is read whatever the hook did (the connection stays in step)
+                raise
+        return pending.result()
+
+    def send(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> PendingCall:
+        """Send the call and return at once; the client is this call's until its `result()` is read (which it
+        must be: other calls wait for it)."""
+        self._lock.acquire()
+        try:
             sock = self._sock
             if sock is None:
                 raise ChannelLost(f"channel to {self.endpoint!r} is closed")
             self._next_id += 1
-            call_id = self._next_id
             start = time.perf_counter()
             try:
                 if timeout_s != self._timeout_s:
                     sock.settimeout(timeout_s)
                     self._timeout_s = timeout_s
-                sock.sendall(_dumps((call_id, method, args, kwargs)))
-                if on_sent is not None:
-                    on_sent()
+                sock.sendall(_dumps((self._next_id, method, args, kwargs)))
+            except OSError as exc:
+                self._close_locked()
+                raise ChannelLost(f"{method}: {exc}") from exc
+        except BaseException:
+            self._lock.release()
+            raise
+        return PendingCall(self, self._next_id, method, start, timeout_s)
+
+    def _receive(self, pending: PendingCall) -> tuple[bool, Any]:
+        """The answer of the call `pending` sent (the lock `send` took is released here)."""
+        try:
+            sock = self._sock
+            if sock is None:
+                raise ChannelLost(f"{pending.method}: the connection closed before its answer")
+            method = pending.method
+            try:
                 (length,) = HEADER.unpack(_recv_exact(sock, HEADER.size))
                 reply_id, ok, value, handler_s = pickle.loads(_recv_exact(sock, length))
             except TimeoutError as exc:
                 self._close_locked()
-                raise ChannelTimeout(f"{method}: no reply within {timeout_s}s") from exc
+                raise ChannelTimeout(f"{method}: no reply within {pending.timeout_s}s") from exc
             except OSError as exc:  # ChannelLost included
                 self._close_locked()
                 raise ChannelLost(f"{method}: {exc}") from exc
-            if reply_id != call_id:
+            if reply_id != pending.call_id:
                 self._close_locked()
-                raise ChannelLost(f"{method}: reply {reply_id} to call {call_id}")
+                raise ChannelLost(f"{method}: reply {reply_id} to call {pending.call_id}")
             self.totals.calls += 1
-            self.totals.round_trip_seconds += time.perf_counter() - start
+            self.totals.round_trip_seconds += time.perf_counter() - pending.start
             self.totals.handler_seconds += handler_s
-        if not ok:
-            raise value
-        return value
+            return ok, value
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         with self._lock:
@@ -309,6 +335,35 @@ class ChannelClient:
                 self._sock.close()
             finally:
                 self._sock = None
+
+
+class PendingCall:
+    """A call on its way (`ChannelClient.send`); `result()` waits for its answer once, then returns it again (or
+    raises what the worker raised, or ChannelLost / ChannelTimeout). Owner: the thread that sent it."""
+
+    def __init__(self, client: ChannelClient, call_id: int, method: str, start: float,
+                 timeout_s: float | None) -> None:
+        self.client = client
+        self.call_id = call_id
+        self.method = method
+        self.start = start
+        self.timeout_s = timeout_s
+        self._answer: tuple[bool, Any] | None = None
+        self._failure: BaseException | None = None
+
+    def result(self) -> Any:
+        if self._answer is None and self._failure is None:
+            try:
+                self._answer = self.client._receive(self)
+            except BaseException as exc:
+                self._failure = exc
+        if self._failure is not None:
+            raise self._failure
+        assert self._answer is not None
+        ok, value = self._answer
+        if not ok:
+            raise value
+        return value
 
 
 class ChannelLink:
@@ -342,6 +397,9 @@ class ChannelLink:
     def call(self, method: str, *args: Any, timeout_s: float | None = None,
              on_sent: Callable[[], None] | None = None, **kwargs: Any) -> Any:
         return self._current().call(method, *args, timeout_s=timeout_s, on_sent=on_sent, **kwargs)
+
+    def send(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> PendingCall:
+        return self._current().send(method, *args, timeout_s=timeout_s, **kwargs)
 
     def totals(self) -> ChannelTotals:
         with self._lock:

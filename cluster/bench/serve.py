@@ -58,6 +58,7 @@ class ServeBenchSettings:
     max_context: int = 1024
     server: str | None = None  # HOST:PORT of a running cluster's gRPC endpoint: measure it, deploy nothing
     round_transport: str = "channel"  # ClusterConfig.round_transport of the deployed cluster
+    reservation_windows: bool = True  # ClusterConfig.reservation_windows, of the cluster and the in-process engine
 
     def __post_init__(self) -> None:
         assert self.concurrency and all(c >= 1 for c in self.concurrency), self.concurrency
@@ -81,7 +82,7 @@ def cluster_config(s: ServeBenchSettings) -> Any:
     return load_config(model=s.model, draft=s.draft, worker_threads=s.threads, kv_blocks=s.kv_blocks,
                        max_batch=top, queue_capacity=2 * top, max_context=s.max_context, grpc_port=s.grpc_port,
                        http_port=s.http_port, graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=2.0,
-                       round_transport=s.round_transport)
+                       round_transport=s.round_transport, reservation_windows=s.reservation_windows)
 
 
 # ---------------------------------------------------------------------- one request
@@ -170,8 +171,9 @@ def round_split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, floa
     propose call, `kv` the reserve and commit calls, `other` the rest (planning, acceptance, bookkeeping).
     With round channels (the snapshots' `transport`, remote_backends.transport_totals) also each channel's own
     time per round, `<worker>_transport` (round trip minus the worker's handler: framing, pickling, sockets,
-    wake-ups), and `hops`: every cross-process cost of a round, the verify hop plus the drafter's and the
-    ledger's transport."""
+    wake-ups), and `hops`: every cross-process cost on the round's path, the verify hop plus the drafter's and
+    the ledger's transport plus `kv_ahead_wait` (the time waited for the ledger call made beside the verify
+    after the verify answered); `kv_ahead_transport` is that call's own transport, off the path."""
     rounds = after["rounds"] - before["rounds"]
     if rounds <= 0:
         return None
@@ -182,11 +184,13 @@ def round_split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, floa
     t0, t1 = before.get("transport") or {}, after.get("transport") or {}
     if t1.get("kind") == "channel":
         transport = {name: 1000 * (t1[name]["transport_seconds"] - t0.get(name, {}).get("transport_seconds", 0.0))
-                     / rounds for name in ("verifier", "drafter", "kv") if name in t1}
+                     / rounds for name in ("verifier", "drafter", "kv", "kv_ahead") if name in t1}
         split |= {f"{name}_transport_ms": value for name, value in transport.items()}
         split |= {f"{name}_calls_per_round": (t1[name]["calls"] - t0.get(name, {}).get("calls", 0)) / rounds
                   for name in transport}
-        split["hops_ms"] = ms["verify_hop"] + transport.get("drafter", 0.0) + transport.get("kv", 0.0)
+        wait = 1000 * (after.get("kv_ahead_wait_seconds", 0.0) - before.get("kv_ahead_wait_seconds", 0.0)) / rounds
+        split["kv_ahead_wait_ms"] = wait
+        split["hops_ms"] = ms["verify_hop"] + transport.get("drafter", 0.0) + transport.get("kv", 0.0) + wait
     split["transport"] = t1.get("kind", "in process")
     return split
 
@@ -257,7 +261,7 @@ def _measure(s: ServeBenchSettings, client: SpecServeClient, prompt_ids: list[li
         # warmed up as the cluster's engine is (ClusterConfig.warm_up): both auto policies start from measured
         # costs, so with speculation on both sides choose k alike and the comparison is of the same decoding
         settings = make_config(model=s.model, draft=s.draft, max_batch=1, max_context=s.max_context, kv_blocks=None,
-                               warm_up=True)
+                               warm_up=True, reservation_windows=s.reservation_windows)
         progress("loading the in-process engine")
         engine = build_local_engine(s.model, s.draft, settings.engine_config(), settings.local_runtime())
     progress("warming up")

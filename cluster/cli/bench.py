@@ -120,6 +120,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sv.add_argument("--round-transport", choices=["channel", "ray"], default=None,
                     help="how the deployed cluster's rounds reach the workers (ClusterConfig.round_transport; "
                          "default channel)")
+    sv.add_argument("--no-windows", action="store_true",
+                    help="reservation_windows off (the ledger call before each verify, as before; for comparison)")
     sv.add_argument("--grpc-port", type=int, default=None, help="default 9100")
     sv.add_argument("--http-port", type=int, default=None, help="default 8100")
     add_client_flags(sv)
@@ -378,7 +380,8 @@ def _run_serve(args: argparse.Namespace) -> int:
              "grpc_port": args.grpc_port, "http_port": args.http_port, "server": args.server,
              "round_transport": args.round_transport}
     settings = ServeBenchSettings(**{key: value for key, value in flags.items() if value is not None}, k=args.k,
-                                  threads=args.threads, inprocess=not args.no_inprocess)
+                                  threads=args.threads, inprocess=not args.no_inprocess,
+                                  reservation_windows=not args.no_windows)
     result = run_serve_bench(settings)
     write_json(result, args.json_out)
     print(format_serve(result))
@@ -421,7 +424,8 @@ def format_serve(result: dict[str, Any]) -> str:
         parts = ["round", "verify", "verify_hop", "draft", "kv", "other"]
         out.append(table(["side", "rounds", *parts], [[side, split[side]["rounds"], *[split[side][f"{p}_ms"] for p in parts]]
                                                       for side in ("cluster", "inprocess")]))
-        hops = [p for p in ("verifier_transport", "drafter_transport", "kv_transport", "hops") if f"{p}_ms" in split["cluster"]]
+        hops = [p for p in ("verifier_transport", "drafter_transport", "kv_transport", "kv_ahead_wait",
+                            "kv_ahead_transport", "hops") if f"{p}_ms" in split["cluster"]]
         if hops:  # round channels: each one's own time (round trip - the worker's handler), and every hop together
             out.append(f"cluster round transport: {split['cluster']['transport']}; ms per round: "
                        + ", ".join(f"{p} {split['cluster'][f'{p}_ms']:.3f}" for p in hops))

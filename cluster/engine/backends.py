@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
@@ -10,6 +11,15 @@ from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBa
 
 class VerifierBackend(Protocol):
     def verify(self, batch: VerifyBatch) -> VerifyResult: ...
+
+
+def verify_then(verifier: VerifierBackend, batch: VerifyBatch, on_sent: Callable[[], None]) -> VerifyResult:
+    """`verifier.verify(batch)`, with `on_sent()` run once the request is on its way where the verifier is remote
+    and says so (`sends_then_waits`: the hook's work overlaps the verifier's), else before the call."""
+    if getattr(verifier, "sends_then_waits", False):
+        return verifier.verify(batch, on_sent=on_sent)  # type: ignore[call-arg]
+    on_sent()
+    return verifier.verify(batch)
 
 
 class DrafterBackend(Protocol):

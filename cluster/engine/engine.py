@@ -35,10 +35,10 @@ from typing import Any
 from cluster.engine.accept import RoundOutcome, accept_round
 from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.admission import admit_draft, admit_target, running
-from cluster.engine.backends import DrafterBackend, VerifierBackend
+from cluster.engine.backends import DrafterBackend, VerifierBackend, verify_then
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
 from cluster.engine.give_back import abort_now, check_commits, preempt, recover_verifier, restart_draft_caches
-from cluster.engine.held_commit import HeldCommitKV
+from cluster.engine.held_commit import Ahead, HeldCommitKV
 from cluster.engine.inbox import RequestInbox
 from cluster.engine.kv_client import KVClient
 from cluster.engine.overlap_policy import engine_overlap
@@ -54,6 +54,7 @@ from cluster.engine.round_plan import (
     propose_item,
     target_slots,
     verify_item,
+    window_items,
     with_draft_pending,
     with_drafts,
     with_grants,
@@ -323,20 +324,52 @@ class SpecEngine:
 
     def _verify(self, plans: list[RoundPlan]) -> VerifyResult:
         items = [verify_item(p) for p in plans]
-        call_start = time.perf_counter()
         self.trace.begin(plans)
+        # the held commit and the next round's windows, on a ledger call sent once the verify is on its way
+        # (held_commit.py; in process it runs before the verify, in microseconds)
+        ahead = self.kv.ahead(window_items(plans, self.config.k_max, self.health.verifier_holder,
+                                           self.health.drafter_holder)) if self._windows() else None
+        call_start = time.perf_counter()
         try:
             with self.trace.phase("verify.forward", requests=len(items),
                                   tokens=sum(len(i.input_ids) + len(i.draft_ids) for i in items)):
-                result = self.verifier.verify(VerifyBatch(items, self.trace.trace_context))
+                batch = VerifyBatch(items, self.trace.trace_context)
+                result = self.verifier.verify(batch) if ahead is None else verify_then(self.verifier, batch,
+                                                                                        ahead.send)
         except Exception as exc:
+            if ahead is not None:
+                self._land_ahead(ahead, quiet=True)
             time.sleep(self.health.verifier_failed(exc))  # re-raises after too many failures in a row
             raise VerifierLost(f"verifier failed: {exc!r}") from exc
+        if ahead is not None:
+            self._land_ahead(ahead)
         if self.health.verifier_answered(result.worker_instance):
             raise VerifierLost("verifier replaced (new process, empty KV pool)")
-        self.totals["verify_call_seconds"] += time.perf_counter() - call_start  # result.seconds + the hop
+        # result.seconds + the hop (the ledger call's sending is the ledger's: in process, all of that call)
+        self.totals["verify_call_seconds"] += time.perf_counter() - call_start - (ahead.send_seconds if ahead else 0.0)
         self.cost.observe_verify(sum(len(i.input_ids) + len(i.draft_ids) for i in items), result.seconds)
         return result
+
+    def _windows(self) -> bool:
+        """Reservation windows: serial steps, while the target pool is not short of blocks (a window holds the
+        next round's slots a round early)."""
+        return self.config.reservation_windows and self.mode.windows and \
+            self.kv.free_fraction(TARGET_NAMESPACE) > self.config.pressure_free_fraction
+
+    def _land_ahead(self, ahead: Ahead, quiet: bool = False) -> None:
+        """The ahead call's answer; the time waited for it after the verify is the ledger's share of the round.
+        `quiet`: the round is lost anyway (the verifier failed), a failed ledger call is only logged."""
+        wait_start = time.perf_counter()
+        try:
+            self.kv.land_ahead(ahead)
+        except Exception:
+            if not quiet:
+                raise
+            log.warning("the ledger call beside a failed verify failed too", exc_info=True)
+        finally:
+            waited = time.perf_counter() - wait_start
+            self.totals["kv_seconds"] += waited + ahead.send_seconds
+            self.totals["kv_ahead_wait_seconds"] += waited
 
     def _commit(self, outcome: RoundOutcome) -> None:
         for record in outcome.acceptance:

@@ -1,12 +1,14 @@
 """The engine's view of the KV-block manager: the `KVClient` protocol, and `LocalKV`, its in-process
 implementation over a `BlockLedger`. The other implementations: `RemoteKV` (the Ray actor's client,
 cluster/serving/remote_backends.py) and the engine's own wrapper `HeldCommitKV` (held_commit.py).
-Each round makes one `reserve` and one `commit` call for the whole batch (docs/ARCHITECTURE.md §4).
+Each round makes one `reserve` and one `commit` call for the whole batch, or with reservation windows one
+`commit_then_reserve_ahead` beside the verify (docs/ARCHITECTURE.md §4).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from typing import Protocol
 
 from kv_manager.errors import KVError, UnknownRequest
@@ -23,6 +25,12 @@ from kv_manager.schema import (
 )
 
 ForkItem = tuple[str, str, str]  # (namespace, parent_id, child_id)
+
+
+class PendingRound(Protocol):
+    """A `commit_then_reserve_ahead` on its way: `result()` waits for its answer (raises what the call raised)."""
+
+    def result(self) -> tuple[list[CommitResult | KVError], list[Reservation | KVError]]: ...
 
 
 class KVClient(Protocol):
@@ -48,6 +56,12 @@ class KVClient(Protocol):
 
     def commit_then_reserve(self, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]
                             ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError]]: ...
+
+    def commit_then_reserve_ahead(self, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]
+                                  ) -> PendingRound:
+        """`commit_then_reserve` on a call that runs while the caller goes on (beside the verify); the future
+        raises what the call raised."""
+        ...
 
     def rollback(self, keys: Sequence[tuple[str, str]]) -> None: ...
 
@@ -110,6 +124,13 @@ class LocalKV:
                             ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError]]:
         """A deferred commit and the next reserve as one step (one round trip for the remote client)."""
         return self.ledger.commit(commits), self.ledger.reserve(reserves)
+
+    def commit_then_reserve_ahead(self, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]
+                                  ) -> Future[tuple[list[CommitResult | KVError], list[Reservation | KVError]]]:
+        """Done at once: the ledger is in this process, a call costs microseconds."""
+        done: Future[tuple[list[CommitResult | KVError], list[Reservation | KVError]]] = Future()
+        done.set_result(self.commit_then_reserve(commits, reserves))
+        return done
 
     def rollback(self, keys: Sequence[tuple[str, str]]) -> None:
         for namespace, request_id in keys:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from cluster.engine.request_state import RequestState
-from kv_manager.schema import Reservation
+from kv_manager.schema import Holder, Reservation, ReserveItem
 from specserve_types.round_messages import ProposeItem, VerifyItem
 from verifier_service.tree_contracts import TokenTree
 
@@ -85,6 +85,27 @@ def target_slots(plan: RoundPlan) -> int:
 def draft_slots(plan: RoundPlan) -> int:
     """Draft slots the drafter writes: its catch-up, then k - 1 drafts (a tree: its fed nodes' scratch)."""
     return len(plan.draft_pending) + (MODEL_TREE_WIDTH * (plan.k - 1) if plan.tree_budget else plan.k - 1)
+
+
+def window_items(plans: Sequence[RoundPlan], k_max: int, verifier: Holder, drafter: Holder | None
+                 ) -> list[ReserveItem]:
+    """The reservation windows a round asks for beside its verify (held_commit.py): each reservation grown by
+    the next round's maximum (its catch-up, then k_max drafts, or as many nodes as this round's tree), in each
+    namespace the plan writes. None for a prompt group's prefill (its entry is forked after the commit)."""
+    items: list[ReserveItem] = []
+    for plan in plans:
+        if plan.target_grant is None or plan.prefill_to is not None:
+            continue
+        spec = plan.state.request.spec
+        k = 0 if spec.draft == "none" else max(spec.k if spec.k is not None else k_max, plan.k)
+        nodes = max(k, plan.tree_budget, len(plan.drafts))
+        items.append(ReserveItem(plan.target_grant.namespace, plan.request_id,
+                                 len(plan.target_grant.slot_mapping) + 1 + nodes, verifier, extend=True))
+        if plan.draft_grant is not None and plan.uses_model_drafter and drafter is not None and k:
+            scratch = MODEL_TREE_WIDTH * (k - 1) if plan.tree_budget else k - 1
+            items.append(ReserveItem(plan.draft_grant.namespace, plan.request_id,
+                                     len(plan.draft_grant.slot_mapping) + 2 + scratch, drafter, extend=True))
+    return items
 
 
 def plain(plan: RoundPlan, reason: str) -> RoundPlan:

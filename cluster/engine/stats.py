@@ -55,7 +55,9 @@ def engine_stats(identity: Mapping[str, Any], totals: Mapping[str, float], accep
         "reconcile_seconds": totals.get("reconcile_seconds", 0.0),
         "round_seconds": totals.get("round_seconds", 0.0),
         "verify_call_seconds": totals.get("verify_call_seconds", 0.0),  # verify + the hop to it
-        "kv_seconds": totals.get("kv_seconds", 0.0),  # the round's reserve and commit calls
+        "kv_seconds": totals.get("kv_seconds", 0.0),  # the round's reserve and commit calls (on its path)
+        # of which: waited for the ledger call beside the verify, after the verify answered (held_commit.py)
+        "kv_ahead_wait_seconds": totals.get("kv_ahead_wait_seconds", 0.0),
         "cost_model": {"draft_token_seconds": cost.draft_token,
                        "verify_seconds_by_tokens": dict(cost.verify_by_tokens)},
         **busy_fractions(totals),

@@ -57,6 +57,8 @@ class StepMode(Protocol):
     drafts_own_step: bool  # the drafter call drafts this step's round (so it continues this step's trace)
     model_trees: bool  # a draft model may draft token trees (`model_tree_nodes`; serial only: the others draft
     # ahead in chains)
+    windows: bool  # reservation windows: the next round granted beside this one's verify (held_commit.py; serial
+    # only: pre-drafting reserves its drafts' slots itself, two groups interleave their rounds)
 
     def prepare(self, engine: RoundHost) -> tuple[list[RoundPlan], float]:
         """This step's plans, reserved and drafted, and the drafter seconds they cost."""
@@ -88,6 +90,7 @@ class Serial:
     holds_commits = True
     drafts_own_step = True
     model_trees = True
+    windows = True
 
     def prepare(self, engine: RoundHost) -> tuple[list[RoundPlan], float]:
         return engine.prepare(engine.running, may_preempt=True)
@@ -124,6 +127,7 @@ class PingPong(Serial):
     holds_commits = False
     drafts_own_step = False  # the drafter call drafts the other group's next step
     model_trees = False
+    windows = False
 
     def __init__(self, pipeline: DraftPipeline) -> None:
         self.pipeline = pipeline
@@ -183,6 +187,7 @@ class PingPong(Serial):
 
 class PreDraft(Serial):
     model_trees = False
+    windows = False
 
     def __init__(self, predrafter: PreDrafter) -> None:
         self.predrafter = predrafter

@@ -111,7 +111,10 @@ class ClusterConfig(BaseModel):
     probe_every: int = Field(32, ge=1, le=1 << 20,
                              description="rounds of plain decoding before auto re-measures acceptance")
     pressure_free_fraction: float = Field(0.1, ge=0, le=1, description="while the target KV pool has less than this "
-                                          "fraction free, auto caps k at 1")
+                                          "fraction free, auto caps k at 1 (and no reservation windows are held)")
+    reservation_windows: bool = Field(True, description="serial rounds: the ledger call (last round's commit, next "
+                                      "round's grant) runs beside the verify instead of before it "
+                                      "(cluster/engine/held_commit.py)")
     drafter_retry_seconds: float = Field(5.0, ge=0, le=3600, description="wait before a failed drafter is tried "
                                          "again (doubling per consecutive failure, up to 32x)")
     max_verifier_failures: int = Field(20, ge=0, le=1 << 20,
@@ -289,6 +292,7 @@ class ClusterConfig(BaseModel):
             drafter_retry_seconds=self.drafter_retry_seconds, max_verifier_failures=self.max_verifier_failures,
             overlap=overlap.enabled, overlap_reason=overlap.reason, predraft=self.predraft,
             tree_nodes=self.tree_nodes, model_tree_nodes=self.model_tree_nodes,
+            reservation_windows=self.reservation_windows,
         )
 
     def local_runtime(self) -> LocalRuntime:

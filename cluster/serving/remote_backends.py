@@ -14,6 +14,8 @@ With `round_transport: ray` every call is a Serve handle or actor call.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -38,7 +40,7 @@ from kv_manager.schema import (
     ReserveItem,
 )
 from specserve_types.ray_channel import link_to
-from specserve_types.round_channel import ChannelLink, ChannelLost, ChannelTimeout
+from specserve_types.round_channel import ChannelLink, ChannelLost, ChannelTimeout, PendingCall
 from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
 from specserve_types.tracing import CURRENT_CARRIER
 
@@ -61,12 +63,19 @@ class HandleVerifier:
         self.link = serve_link(handle, timeout_s) if transport == "channel" else None
         self.on_sent: Callable[[], None] | None = None
 
-    def verify(self, batch: VerifyBatch) -> VerifyResult:
+    sends_then_waits = True  # takes a call's own `on_sent` (backends.verify_then: the engine's ledger call)
+
+    def verify(self, batch: VerifyBatch, on_sent: Callable[[], None] | None = None) -> VerifyResult:
+        hooks = [hook for hook in (on_sent, self.on_sent) if hook is not None]
+
+        def sent() -> None:
+            for hook in hooks:
+                hook()
+
         if self.link is not None:
-            return self.link.call("verify", batch, timeout_s=self.timeout_s, on_sent=self.on_sent)
+            return self.link.call("verify", batch, timeout_s=self.timeout_s, on_sent=sent)
         response = self.handle.verify.remote(batch)
-        if self.on_sent is not None:
-            self.on_sent()
+        sent()
         return response.result(timeout_s=self.timeout_s)
 
 
@@ -111,11 +120,17 @@ class RemoteKV:
         self._free_lock = threading.Lock()  # the engine calls from one thread; tests share a client across threads
         self.link = link_to(lambda: ray.get(actor.channel.remote(), timeout=timeout_s)) if transport == "channel" \
             else None
+        # the ahead calls' own connection (channel) or thread (Ray path): they run beside the verify (their totals
+        # apart: off the round's path)
+        self.ahead_link = link_to(lambda: ray.get(actor.channel.remote(), timeout=timeout_s)) \
+            if transport == "channel" else None
+        self._ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-ahead")
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if self.link is not None:
+    def _call(self, method: str, *args: Any, link: ChannelLink | None = None, **kwargs: Any) -> Any:
+        link = link or self.link
+        if link is not None:
             try:
-                return self.link.call(method, self.incarnation, *args, timeout_s=self.timeout_s, **kwargs)
+                return link.call(method, self.incarnation, *args, timeout_s=self.timeout_s, **kwargs)
             except (ChannelLost, RayActorError) as lost:  # the actor died (or is restarting): this call is void
                 raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
         try:
@@ -134,11 +149,12 @@ class RemoteKV:
         finally:
             self._free = None
 
-    def _reporting(self, method: str, *args: Any) -> Any:
+    def _reporting(self, method: str, *args: Any, link: ChannelLink | None = None) -> Any:
         """A call whose answer ends with the free fractions after it (the `*_with_free` methods)."""
         carrier = CURRENT_CARRIER.get()  # a traced step's: the actor continues its trace
         try:
-            *answer, free = self._call(method, *args, **({"trace_context": carrier} if carrier else {}))
+            *answer, free = self._call(method, *args, **({"trace_context": carrier} if carrier else {}),
+                                       **({"link": link} if link is not None else {}))
         except BaseException:
             self._free = None
             raise
@@ -181,6 +197,23 @@ class RemoteKV:
                             ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError]]:
         return self._reporting("commit_then_reserve_with_free", list(commits), list(reserves))
 
+    def commit_then_reserve_ahead(self, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]) -> Any:
+        """`commit_then_reserve`, sent now on its own connection and answered by `result()` (the caller's thread
+        makes no other ledger call in between: the engine waits for its verify). On the Ray path: an actor call on
+        a thread of its own."""
+        method, args = "commit_then_reserve_with_free", (list(commits), list(reserves))
+        if self.ahead_link is None:
+            context = contextvars.copy_context()  # the caller's trace context goes along
+            return self._ahead.submit(context.run, self._reporting, method, *args)
+        carrier = CURRENT_CARRIER.get()
+        try:
+            pending = self.ahead_link.send(method, self.incarnation, *args, timeout_s=self.timeout_s,
+                                           **({"trace_context": carrier} if carrier else {}))
+        except ChannelLost as lost:
+            self._free = None
+            raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
+        return _Reported(self, method, pending)
+
     def rollback(self, keys: Sequence[tuple[str, str]]) -> None:
         self._raise_unexpected(self._mutating("rollback", list(keys)))
 
@@ -217,13 +250,37 @@ class RemoteKV:
                 raise outcome
 
 
+class _Reported:
+    """An ahead ledger call's answer as `RemoteKV._reporting` gives it: the free fractions kept, a lost actor
+    raised as RetriableKVError."""
+
+    def __init__(self, kv: RemoteKV, method: str, pending: PendingCall) -> None:
+        self.kv = kv
+        self.method = method
+        self.pending = pending
+
+    def result(self) -> Any:
+        try:
+            *answer, free = self.pending.result()
+        except (ChannelLost, RayActorError) as lost:
+            self.kv._free = None
+            raise RetriableKVError(f"kv manager lost during {self.method}: {lost}") from lost
+        except BaseException:
+            self.kv._free = None
+            raise
+        self.kv._free = free
+        return tuple(answer)
+
+
 def transport_totals(engine: Any) -> dict[str, Any]:
     """The round channels' totals of a cluster engine (calls, round trip, handler and transport seconds per
     worker); {"kind": "ray"} where the rounds go through Serve and actor calls."""
     kv = getattr(engine, "kv", None)
+    inner_kv = getattr(kv, "inner", kv)  # HeldCommitKV wraps the RemoteKV
     backends = {"verifier": getattr(engine, "verifier", None), "drafter": getattr(engine, "drafter", None),
-                "kv": getattr(kv, "inner", kv)}  # HeldCommitKV wraps the RemoteKV
+                "kv": inner_kv}
     links = {name: getattr(backend, "link", None) for name, backend in backends.items()}
+    links["kv_ahead"] = getattr(inner_kv, "ahead_link", None)  # beside the verify: off the round's path
     if all(link is None for link in links.values()):
         return {"kind": "ray"}
     return {"kind": "channel", **{name: link.totals().to_dict() for name, link in links.items() if link is not None}}

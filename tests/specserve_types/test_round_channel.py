@@ -154,3 +154,20 @@ def test_a_future_answer_is_sent_when_it_completes(server: ChannelServer) -> Non
         client.call("later_fail")
     assert client.call("echo", 1) == ((1,), {})
     client.close()
+
+
+def test_a_sent_call_is_answered_by_its_result_and_holds_the_client_until_then(server: ChannelServer) -> None:
+    client = ChannelClient(server.start(), NODE)
+    pending = client.send("sleep", 0.05)
+    other: list[Any] = []
+    caller = threading.Thread(target=lambda: other.append(client.call("echo", "after")))
+    caller.start()
+    caller.join(0.02)
+    assert caller.is_alive() and not other  # the client is the pending call's until its answer is read
+    assert pending.result() is None and pending.result() is None  # read once, kept
+    caller.join(5)
+    assert other == [(("after",), {})]
+    failing = client.send("fail", "no")
+    with pytest.raises(Refused):
+        failing.result()
+    assert client.call("echo", 1) == ((1,), {}) and client.totals.calls == 4

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -63,6 +64,11 @@ class RecordingKV:
         committed, reserved = self.inner.commit_then_reserve(commits, reserves)
         self.commits += zip(commits, committed, strict=True)
         return committed, reserved
+
+    def commit_then_reserve_ahead(self, commits: list[CommitItem], reserves: list[Any]) -> Future[Any]:
+        done: Future[Any] = Future()
+        done.set_result(self.commit_then_reserve(commits, reserves))
+        return done
 
     def of(self, namespace: str, rid: str) -> list[tuple[CommitItem, Any]]:
         return [(item, res) for item, res in self.commits if item.namespace == namespace and item.request_id == rid]

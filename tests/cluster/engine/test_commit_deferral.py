@@ -1,10 +1,11 @@
-"""Deferred commit: a steady round costs one ledger call (the last round's commit rides with this
-round's reserve); a round that finishes a request, an abort or an admission sends a held commit
-first. A refused draft commit (held or not) restarts that request's draft cache. Every test ends
+"""Deferred commit: a steady round costs one ledger call, made beside its verify (the last round's commit
+and the next round's reservation window: held_commit.py); nothing reaches the ledger before the verify. A round
+that finishes a request, an abort or an admission sends a held commit first. A refused draft commit (held or not) restarts that request's draft cache. Every test ends
 with the ledger audit showing zero leaked blocks."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from kv_manager.errors import StaleEpoch
 from tests.cluster.engine.engine_helpers import local_engine, plain_greedy, request
 from tests.model_runtime.random_checkpoint import make_random_checkpoint
 
-LEDGER_CALLS = {"reserve", "commit", "commit_then_reserve", "admit", "can_admit", "release", "rollback",
+LEDGER_CALLS = {"reserve", "commit", "commit_then_reserve", "commit_then_reserve_ahead", "admit", "can_admit", "release", "rollback",
                 "register_worker", "expire_worker"}
 
 
@@ -72,8 +73,7 @@ def test_steady_rounds_make_one_ledger_call_and_finishing_rounds_commit_at_once(
             assert engine.kv.inner.calls[-1] == "commit", engine.kv.inner.calls
             for namespace in (TARGET_NAMESPACE, DRAFT_NAMESPACE):
                 assert not finished & live_ids(engine, namespace)
-        elif engine.kv.inner.calls and engine.kv.inner.calls[0] == "commit_then_reserve":
-            assert engine.kv.inner.calls == ["commit_then_reserve"], engine.kv.inner.calls
+        elif engine.kv.inner.calls == ["commit_then_reserve_ahead"]:  # granted from its window: no call before
             steady += 1
     assert steady >= 3  # most rounds of "long" after "short" finished
     assert out["short"] == plain_greedy(target, [3, 4, 5], 5)
@@ -130,6 +130,17 @@ class RefusingKV(CountingKV):
         if at is not None:
             committed = committed[:at] + [StaleEpoch("refused", namespace=self.draft_namespace)] + committed[at:]
         return committed, reserved
+
+
+    def commit_then_reserve_ahead(self, commits: list[Any], reserves: list[Any]) -> Future[Any]:
+        self.calls.append("commit_then_reserve_ahead")
+        kept, at = self._refuse(commits)
+        done: Future[Any] = Future()
+        committed, reserved = self.inner.commit_then_reserve(kept, reserves)
+        if at is not None:
+            committed = committed[:at] + [StaleEpoch("refused", namespace=self.draft_namespace)] + committed[at:]
+        done.set_result((committed, reserved))
+        return done
 
 
 def test_a_refused_draft_commit_restarts_that_draft_cache_and_output_stays_exact(pair) -> None:
