@@ -84,12 +84,16 @@ class Ahead:
     extends: list[ReserveItem]
     call: Callable[[list[CommitItem], list[ReserveItem]], PendingRound]
     future: PendingRound | None = None
+    failure: Exception | None = None  # the call could not be sent: raised by `land_ahead`, not by the verify's hook
     send_seconds: float = 0.0  # the engine thread's own time in `send` (all of the call where it is in process)
 
     def send(self) -> None:
-        if self.future is None:
+        if self.future is None and self.failure is None:
             start = time.perf_counter()
-            self.future = self.call(self.commits, self.extends)
+            try:
+                self.future = self.call(self.commits, self.extends)
+            except Exception as exc:  # a lost ledger: the verify goes on, the round fails when it lands
+                self.failure = exc
             self.send_seconds = time.perf_counter() - start
 
 
@@ -182,6 +186,8 @@ class HeldCommitKV:
         """The ahead call's answer: commits checked, grown windows recorded (a refused extend leaves its window
         as it was: the next round extends it in its own call). Raises what the call raised."""
         ahead.send()  # a verify that failed before its request left: the call still carries the held commit
+        if ahead.failure is not None:
+            raise ahead.failure
         assert ahead.future is not None
         committed, reserved = ahead.future.result()
         self._checked(ahead.commits, committed)

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from cluster.engine.held_commit import HeldCommitKV
 from cluster.engine.kv_client import LocalKV
 from kv_manager import BlockLedger, CommitItem, NamespaceConfig, Reservation, ReserveItem
+from kv_manager.errors import RetriableKVError
 from kv_manager.schema import AdmitItem
+from tests.cluster.engine.engine_helpers import fake_engine, fake_greedy, request
 
 TARGET = "verifier/target"
 
@@ -107,3 +111,43 @@ def test_a_refused_extend_keeps_the_window_and_the_next_round_still_gets_its_slo
     kv.rollback([(TARGET, "other")])
     kv.release("other", [TARGET])
     ledger.assert_no_leaks()
+
+
+class LostAhead:
+    """The in-process ledger, except that the ahead call cannot be sent (the ledger's actor is gone)."""
+
+    def __init__(self, inner: LocalKV) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def commit_then_reserve_ahead(self, commits: Any, reserves: Any) -> Any:
+        raise RetriableKVError("kv manager lost during commit_then_reserve_with_free (test)")
+
+
+def test_a_lost_ledger_on_the_windowed_call_fails_the_round_not_the_verifier() -> None:
+    engine = fake_engine(max_batch=2)
+    engine.submit(request("r", [3, 4, 5], max_tokens=40, k=2, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv.windows, "steady rounds hold windows"
+    engine.kv.inner = LostAhead(engine.kv.inner)
+    with pytest.raises(RetriableKVError):
+        engine.step()
+    assert engine.health._verifier_failures == 0  # the verify answered; the ledger is what failed
+
+
+def test_windows_on_and_off_decode_the_same_tokens_and_leave_nothing() -> None:
+    outputs = []
+    for windows in (True, False):
+        engine = fake_engine(max_batch=4, reservation_windows=windows)
+        for index, prompt in enumerate(([3, 4, 5], [6, 7], [8, 9, 10, 11, 12])):
+            engine.submit(request(f"r{index}", prompt, max_tokens=30, k=3 if index else None, ignore_eos=True))
+        out = {rid: [t for c in chunks for t in c.token_ids] for rid, chunks in engine.run_to_completion().items()}
+        assert out == {f"r{i}": fake_greedy(p, 30) for i, p in enumerate(([3, 4, 5], [6, 7], [8, 9, 10, 11, 12]))}
+        assert not engine.kv.windows
+        engine.check_ledger()
+        engine.kv.audit().assert_no_leaks()
+        outputs.append(out)
+    assert outputs[0] == outputs[1]
