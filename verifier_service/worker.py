@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -134,7 +135,9 @@ class VerifierWorker:
         # pool: a request's next round, a fork's copy, a prefix hit); written only by `verify`
         self._slot_moves: tuple[tuple[int, int], ...] = ()
 
-    def verify(self, batch: VerifyBatch) -> VerifyResult:
+    def verify(self, batch: VerifyBatch, on_sent: Callable[[], None] | None = None) -> VerifyResult:
+        if on_sent is not None:  # in process: the caller's hook runs first (cluster/engine/backends.py)
+            on_sent()
         start = time.perf_counter()
         trees = [None if item.draft_parents is None else tree_of(item) for item in batch.items]
         seqs = [seq_input(item, tree) for item, tree in zip(batch.items, trees, strict=True)]

@@ -10,16 +10,10 @@ from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBa
 
 
 class VerifierBackend(Protocol):
-    def verify(self, batch: VerifyBatch) -> VerifyResult: ...
-
-
-def verify_then(verifier: VerifierBackend, batch: VerifyBatch, on_sent: Callable[[], None]) -> VerifyResult:
-    """`verifier.verify(batch)`, with `on_sent()` run once the request is on its way where the verifier is remote
-    and says so (`sends_then_waits`: the hook's work overlaps the verifier's), else before the call."""
-    if getattr(verifier, "sends_then_waits", False):
-        return verifier.verify(batch, on_sent=on_sent)  # type: ignore[call-arg]
-    on_sent()
-    return verifier.verify(batch)
+    def verify(self, batch: VerifyBatch, on_sent: Callable[[], None] | None = None) -> VerifyResult:
+        """Score `batch`; `on_sent()` runs once the request is on its way (a remote verifier: the caller's work
+        overlaps the forward), or before the forward (in process)."""
+        ...
 
 
 class DrafterBackend(Protocol):

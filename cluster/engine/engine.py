@@ -35,7 +35,7 @@ from typing import Any
 from cluster.engine.accept import RoundOutcome, accept_round
 from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.admission import admit_draft, admit_target, running
-from cluster.engine.backends import DrafterBackend, VerifierBackend, verify_then
+from cluster.engine.backends import DrafterBackend, VerifierBackend
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
 from cluster.engine.give_back import abort_now, check_commits, preempt, recover_verifier, restart_draft_caches
 from cluster.engine.held_commit import Ahead, HeldCommitKV
@@ -333,9 +333,8 @@ class SpecEngine:
         try:
             with self.trace.phase("verify.forward", requests=len(items),
                                   tokens=sum(len(i.input_ids) + len(i.draft_ids) for i in items)):
-                batch = VerifyBatch(items, self.trace.trace_context)
-                result = self.verifier.verify(batch) if ahead is None else verify_then(self.verifier, batch,
-                                                                                        ahead.send)
+                result = self.verifier.verify(VerifyBatch(items, self.trace.trace_context),
+                                              on_sent=ahead.send if ahead is not None else None)
         except Exception as exc:
             if ahead is not None:
                 self._land_ahead(ahead, quiet=True)

@@ -63,8 +63,6 @@ class HandleVerifier:
         self.link = serve_link(handle, timeout_s) if transport == "channel" else None
         self.on_sent: Callable[[], None] | None = None
 
-    sends_then_waits = True  # takes a call's own `on_sent` (backends.verify_then: the engine's ledger call)
-
     def verify(self, batch: VerifyBatch, on_sent: Callable[[], None] | None = None) -> VerifyResult:
         hooks = [hook for hook in (on_sent, self.on_sent) if hook is not None]
 
@@ -124,13 +122,13 @@ class RemoteKV:
         # apart: off the round's path)
         self.ahead_link = link_to(lambda: ray.get(actor.channel.remote(), timeout=timeout_s)) \
             if transport == "channel" else None
-        self._ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-ahead")
+        self._ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-ahead") \
+            if self.ahead_link is None else None
 
-    def _call(self, method: str, *args: Any, link: ChannelLink | None = None, **kwargs: Any) -> Any:
-        link = link or self.link
-        if link is not None:
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.link is not None:
             try:
-                return link.call(method, self.incarnation, *args, timeout_s=self.timeout_s, **kwargs)
+                return self.link.call(method, self.incarnation, *args, timeout_s=self.timeout_s, **kwargs)
             except (ChannelLost, RayActorError) as lost:  # the actor died (or is restarting): this call is void
                 raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
         try:
@@ -149,12 +147,18 @@ class RemoteKV:
         finally:
             self._free = None
 
-    def _reporting(self, method: str, *args: Any, link: ChannelLink | None = None) -> Any:
+    def _reporting(self, method: str, *args: Any) -> Any:
         """A call whose answer ends with the free fractions after it (the `*_with_free` methods)."""
-        carrier = CURRENT_CARRIER.get()  # a traced step's: the actor continues its trace
+        return self._reported(method, lambda: self._call(method, *args, **_trace_kwargs()))
+
+    def _reported(self, method: str, answer_of: Callable[[], Any]) -> Any:
+        """A `*_with_free` answer: the free fractions kept (stale after a failure), a lost actor raised as
+        RetriableKVError."""
         try:
-            *answer, free = self._call(method, *args, **({"trace_context": carrier} if carrier else {}),
-                                       **({"link": link} if link is not None else {}))
+            *answer, free = answer_of()
+        except (ChannelLost, RayActorError) as lost:
+            self._free = None
+            raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
         except BaseException:
             self._free = None
             raise
@@ -202,13 +206,13 @@ class RemoteKV:
         makes no other ledger call in between: the engine waits for its verify). On the Ray path: an actor call on
         a thread of its own."""
         method, args = "commit_then_reserve_with_free", (list(commits), list(reserves))
-        if self.ahead_link is None:
+        if self._ahead is not None:
             context = contextvars.copy_context()  # the caller's trace context goes along
             return self._ahead.submit(context.run, self._reporting, method, *args)
-        carrier = CURRENT_CARRIER.get()
+        assert self.ahead_link is not None
         try:
             pending = self.ahead_link.send(method, self.incarnation, *args, timeout_s=self.timeout_s,
-                                           **({"trace_context": carrier} if carrier else {}))
+                                           **_trace_kwargs())
         except ChannelLost as lost:
             self._free = None
             raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
@@ -250,9 +254,13 @@ class RemoteKV:
                 raise outcome
 
 
+def _trace_kwargs() -> dict[str, Any]:
+    carrier = CURRENT_CARRIER.get()  # a traced step's: the actor continues its trace
+    return {"trace_context": carrier} if carrier else {}
+
+
 class _Reported:
-    """An ahead ledger call's answer as `RemoteKV._reporting` gives it: the free fractions kept, a lost actor
-    raised as RetriableKVError."""
+    """An ahead ledger call's answer, read as `RemoteKV._reporting` reads one (`RemoteKV._reported`)."""
 
     def __init__(self, kv: RemoteKV, method: str, pending: PendingCall) -> None:
         self.kv = kv
@@ -260,16 +268,7 @@ class _Reported:
         self.pending = pending
 
     def result(self) -> Any:
-        try:
-            *answer, free = self.pending.result()
-        except (ChannelLost, RayActorError) as lost:
-            self.kv._free = None
-            raise RetriableKVError(f"kv manager lost during {self.method}: {lost}") from lost
-        except BaseException:
-            self.kv._free = None
-            raise
-        self.kv._free = free
-        return tuple(answer)
+        return self.kv._reported(self.method, self.pending.result)
 
 
 def transport_totals(engine: Any) -> dict[str, Any]:

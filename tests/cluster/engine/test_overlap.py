@@ -118,11 +118,11 @@ class Faults:
         self.verify_calls = self.propose_calls = 0
         self.drafter_threads: set[str] = set()
 
-    def verify(self, batch: Any) -> Any:
+    def verify(self, batch: Any, on_sent: Any = None) -> Any:
         self.verify_calls += 1
         if self.verify_calls in self.verifier_fail_at:
             raise ConnectionError("verifier replica unreachable")
-        return self.verifier.verify(batch)
+        return self.verifier.verify(batch, on_sent)
 
     def propose(self, batch: Any) -> Any:
         self.propose_calls += 1

@@ -5,6 +5,7 @@ the ledger holds nothing for a request that waits or ended."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,13 +41,13 @@ class FaultyVerifier:
     def _new_worker(self) -> VerifierWorker:
         return VerifierWorker(LocalRunner(str(self.checkpoint), 256, 4))
 
-    def verify(self, batch: VerifyBatch) -> VerifyResult:
+    def verify(self, batch: VerifyBatch, on_sent: Any = None) -> VerifyResult:
         self.calls += 1
         if self.calls == self.fail_at:
             raise ConnectionError("verifier replica unreachable")
         if self.calls == self.replace_at:
             self.worker = self._new_worker()
-        return self.worker.verify(batch)
+        return self.worker.verify(batch, on_sent)
 
 
 class FailingVerifier:
@@ -55,11 +56,11 @@ class FailingVerifier:
     def __init__(self, inner: VerifierWorker, fail_at: int) -> None:
         self.inner, self.fail_at, self.calls = inner, fail_at, 0
 
-    def verify(self, batch: VerifyBatch) -> VerifyResult:
+    def verify(self, batch: VerifyBatch, on_sent: Any = None) -> VerifyResult:
         self.calls += 1
         if self.calls == self.fail_at:
             raise ConnectionError("verifier replica unreachable")
-        return self.inner.verify(batch)
+        return self.inner.verify(batch, on_sent)
 
 
 class DyingDrafter:

@@ -34,9 +34,9 @@ class RecordingVerifier:
     def instance(self) -> str:
         return self.inner.instance
 
-    def verify(self, batch: VerifyBatch) -> VerifyResult:
+    def verify(self, batch: VerifyBatch, on_sent: Any = None) -> VerifyResult:
         self.batches.append(batch)
-        return self.inner.verify(batch)
+        return self.inner.verify(batch, on_sent)
 
 
 def ledger_of(engine: SpecEngine) -> Any:
