@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from cluster.serving.config import ClusterConfig, load_config
+from cluster.serving.cpu_binding import thread_cpus
 
 APP = "specserve"
 GRPC_PORT, HTTP_PORT = 19710, 18710
@@ -32,10 +33,13 @@ def deploy_cluster(config: ClusterConfig) -> None:
 
     from cluster.serving.app import deploy
 
-    if not ray.is_initialized():
+    plan = None
+    if not ray.is_initialized():  # a Ray of our own: its processes on the service CPUs (cluster/serving/cpu_binding.py)
+        plan = config.cpu_plan()
         config.local_ray_env()
-        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
-    deploy(config)
+        with thread_cpus(plan.service if plan is not None else None):
+            ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
+    deploy(config, cpu_plan=plan)
 
 
 def shutdown_cluster() -> None:

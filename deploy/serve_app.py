@@ -4,7 +4,7 @@
     args: {model: ..., draft: ..., device: cuda, tensor_parallel_size: 2, ...}   # ClusterConfig fields
 
 Ray Serve calls an application builder with exactly one argument, the `args` mapping of the config.
-`cluster.serving.app.build_app(config, engine_builder=None)` takes two parameters and a `ClusterConfig`, so
+`cluster.serving.app.build_app(config, engine_builder=None, cpu_plan=None)` takes a `ClusterConfig`, so
 it cannot be named directly; this adapter validates `args` as a `ClusterConfig` (the same
 validation and error messages as `specserve up --config FILE`) and binds the same graph.
 
@@ -34,6 +34,7 @@ NOT_APP_ARGS: dict[str, str] = {
     "ray_address": "nothing: KubeRay deploys the application into its own Ray cluster",
     "ray_num_cpus": "rayStartParams num-cpus / the container's CPU limit",
     "worker_niceness": "the Ray container's env RAY_worker_niceness (read by the raylet)",
+    "cpu_binding": "the pods' CPUs (a Guaranteed pod under the kubelet's static CPU manager gets cores of its own)",
     # a key in serveConfigV2 is plain text in the manifest, in git and in `kubectl get rayservice -o yaml`
     "api_keys": "a Secret mounted on the worker, named by api_key_file (deploy/README.md, Access)",
 }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import time
+from collections.abc import Sequence
 
 import numpy as np
 from ray import serve
@@ -30,12 +30,12 @@ logger = logging.getLogger("ray.serve")
 
 class Drafter(FaultHooks, ChannelHost):
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
-                 worker_threads: int = 0, dtype: str = "auto") -> None:
+                 worker_threads: int = 0, dtype: str = "auto", cpus: Sequence[int] | None = None) -> None:
         from model_runtime.precision import draft_dtype
         from model_runtime.prepare import prepare_model
         from verifier_service.worker import LocalRunner
 
-        self.compute = ComputeThread("drafter-compute", worker_threads)
+        self.compute = ComputeThread("drafter-compute", worker_threads, cpus)  # cpus: cluster/serving/cpu_binding.py
         checkpoint = prepare_model(model, progress=False)
         device = "cuda:0" if device.startswith("cuda") else device  # Ray shows only the assigned GPU
         precision = draft_dtype(dtype, device)
@@ -52,9 +52,10 @@ class Drafter(FaultHooks, ChannelHost):
 
     def propose_soon(self, batch: ProposeBatch) -> concurrent.futures.Future[ProposeResult]:
         """One round's drafts, queued on the compute thread (the round channel's handler: the compute thread
-        sends the answer as the draft steps end). An injected latency delays the caller, not the compute thread."""
+        sends the answer as the draft steps end). An injected latency delays the answer,
+        not the compute thread (which may be the one calling: it reads the channel's connections)."""
         if FAULTS.active and (delay := FAULTS.take("drafter.latency")) is not None:
-            time.sleep(float(delay.get("seconds", 1.0)))
+            return self.compute.submit_after(float(delay.get("seconds", 1.0)), self._propose, batch)
         return self.compute.submit(self._propose, batch)
 
     def _propose(self, batch: ProposeBatch) -> ProposeResult:
@@ -73,6 +74,10 @@ class Drafter(FaultHooks, ChannelHost):
     def channel_handlers(self) -> dict[str, Handler]:
         """The round's hot path (specserve_types/round_channel.py): `propose`, as Serve would call it."""
         return {"propose": self.propose_soon}
+
+    def channel_reader(self) -> ComputeThread:
+        """The compute thread reads the channel's frames itself: a round's request wakes the thread that runs it."""
+        return self.compute
 
     def vocab_size(self) -> int:
         return self.worker.config.vocab_size

@@ -12,16 +12,17 @@ from collections.abc import Callable, Mapping
 
 import ray
 
-from specserve_types.round_channel import ChannelLink, ChannelServer, Endpoint, Handler
+from specserve_types.round_channel import ChannelLink, ChannelServer, Endpoint, FrameReader, Handler
 
 
 def this_node() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def open_server(handlers: Mapping[str, Handler], name: str) -> ChannelServer:
-    """A listening server for `handlers` on this node's address (and an abstract Unix socket)."""
-    server = ChannelServer(handlers, this_node(), ray.util.get_node_ip_address(), name)
+def open_server(handlers: Mapping[str, Handler], name: str, reader: FrameReader | None = None) -> ChannelServer:
+    """A listening server for `handlers` on this node's address (and an abstract Unix socket); `reader`: the
+    thread that reads its connections (None: a thread per connection)."""
+    server = ChannelServer(handlers, this_node(), ray.util.get_node_ip_address(), name, reader)
     server.start()
     return server
 
@@ -39,7 +40,12 @@ class ChannelHost:
     def channel_handlers(self) -> Mapping[str, Handler]:
         raise NotImplementedError
 
+    def channel_reader(self) -> FrameReader | None:
+        """The thread that reads the channel's connections (a worker's ComputeThread); None: their own threads."""
+        return None
+
     async def channel(self) -> Endpoint:
         if self._channel_server is None:  # no await before the assignment: one server per worker
-            self._channel_server = open_server(self.channel_handlers(), type(self).__name__.lower())
+            self._channel_server = open_server(self.channel_handlers(), type(self).__name__.lower(),
+                                               self.channel_reader())
         return self._channel_server.start()

@@ -2,8 +2,8 @@
 
     engine thread                                   worker process (a Serve replica, the KV actor)
     -------------                                   ----------------------------------------------
-    ChannelClient.call("verify", batch)  --frame-->  ChannelServer connection thread (blocking)
-         blocks on recv                 <--frame--   handlers["verify"](batch) -> the worker's ComputeThread
+    ChannelClient.call("verify", batch)  --frame-->  the worker's ComputeThread (the KV actor: a connection thread)
+         blocks on recv                 <--frame--   handlers["verify"](batch) -> the forward, then the reply
 
 Why not Serve's router or a Ray actor call for the hot path: each costs 1-10 ms on a busy CPU node (a router
 hop, the core worker's gRPC, an event loop's turn); a blocking socket between two threads costs tens of
@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger("specserve.channel")
 
@@ -46,7 +46,15 @@ HEADER = struct.Struct("!Q")
 NONCE_BYTES = 32
 MAX_FRAME = 1 << 34  # 16 GiB: a sanity bound on a length read off the wire
 
-Handler = Callable[..., Any]  # blocking; runs on the channel's connection thread
+Handler = Callable[..., Any]  # blocking; runs on the channel's connection thread (or its FrameReader's)
+FRAME_TIMEOUT_S = 10.0  # a watched connection's frame: its rest is due within this once its first bytes are in
+
+
+class FrameReader(Protocol):
+    """A thread that reads connections itself (a worker's ComputeThread, model_runtime/compute_thread.py):
+    `watch` calls `on_readable()` on that thread whenever the socket has data, until it raises."""
+
+    def watch(self, sock: socket.socket, on_readable: Callable[[], None]) -> None: ...
 
 
 class ChannelLost(ConnectionError):
@@ -103,16 +111,19 @@ def _dumps(value: Any) -> bytes:
 
 
 class ChannelServer:
-    """Serves `handlers` on its own threads: one listener per socket, one thread per connection, calls on a
-    connection one after another (a caller's calls are serial anyway). A handler answers with a value, or with a
-    `concurrent.futures.Future` whose done-callback sends the reply from the thread that completes it (the
-    verifier's and drafter's: their worker's ComputeThread sends the answer as the forward ends, with no
-    hand-back to the connection thread). A handler is responsible for its own synchronization with the rest of
-    its process (the verifier's and drafter's queue their work on the ComputeThread; the KV manager's take the
-    ledger's lock)."""
+    """Serves `handlers`: one listener thread per socket; each connection read by a thread of its own, or, given a
+    `reader`, by that thread (the verifier's and drafter's ComputeThread: the request wakes the thread that runs
+    it, with no hand-off between two threads on the round's path). Calls on a connection run one after another
+    (a caller's calls are serial anyway). A handler answers with a value, or with a `concurrent.futures.Future`
+    whose done-callback sends the reply from the thread that completes it (the verifier's and drafter's: their
+    ComputeThread sends the answer as the forward ends). A handler is responsible for its own synchronization
+    with the rest of its process (the verifier's and drafter's queue their work on the ComputeThread and never
+    block it; the KV manager's take the ledger's lock)."""
 
-    def __init__(self, handlers: Mapping[str, Handler], node_id: str, host: str, name: str) -> None:
+    def __init__(self, handlers: Mapping[str, Handler], node_id: str, host: str, name: str,
+                 reader: FrameReader | None = None) -> None:
         self.handlers = dict(handlers)
+        self.reader = reader
         self.node_id = node_id
         self.host = host
         self.name = name
@@ -162,25 +173,36 @@ class ChannelServer:
             threading.Thread(target=self._serve, args=(conn,), name=f"{self.name}-channel", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.settimeout(10.0)
-                nonce = secrets.token_bytes(NONCE_BYTES)
-                conn.sendall(nonce)
-                if not hmac.compare_digest(_recv_exact(conn, 32), _digest(self.secret, nonce)):
-                    log.warning("%s channel: a connection without the secret was refused", self.name)
-                    return
-                conn.sendall(b"\1")
-                conn.settimeout(None)
-                while not self._closed.is_set():
-                    (length,) = HEADER.unpack(_recv_exact(conn, HEADER.size))
-                    if length > MAX_FRAME:
-                        log.warning("%s channel: a %d-byte frame refused", self.name, length)
-                        return
-                    call_id, method, args, kwargs = pickle.loads(_recv_exact(conn, length))
-                    self._answer(conn, call_id, method, args, kwargs)
-            except OSError:
-                pass  # the caller went away (ChannelLost included)
+        try:
+            conn.settimeout(10.0)
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            conn.sendall(nonce)
+            if not hmac.compare_digest(_recv_exact(conn, 32), _digest(self.secret, nonce)):
+                log.warning("%s channel: a connection without the secret was refused", self.name)
+                conn.close()
+                return
+            conn.sendall(b"\1")
+            if self.reader is not None:  # the worker's compute thread reads this connection's frames itself
+                conn.settimeout(FRAME_TIMEOUT_S)  # a frame's rest, once its first bytes are in
+                self.reader.watch(conn, lambda: self._read_frame(conn))
+                return
+            conn.settimeout(None)
+            while not self._closed.is_set():
+                self._read_frame(conn)
+        except OSError:
+            pass  # the caller went away (ChannelLost included)
+        conn.close()
+
+    def _read_frame(self, conn: socket.socket) -> None:
+        """Read one call off the connection and answer it (raises OSError once the connection is done)."""
+        if self._closed.is_set():
+            raise ChannelLost("the server closed")
+        (length,) = HEADER.unpack(_recv_exact(conn, HEADER.size))
+        if length > MAX_FRAME:
+            log.warning("%s channel: a %d-byte frame refused", self.name, length)
+            raise ChannelLost("frame too large")
+        call_id, method, args, kwargs = pickle.loads(_recv_exact(conn, length))
+        self._answer(conn, call_id, method, args, kwargs)
 
     def _answer(self, conn: socket.socket, call_id: int, method: str, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> None:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import socket
 import threading
-import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -59,14 +60,28 @@ class TPRankActor(ChannelHost):
     """One tensor-parallel rank: its shard of the weights and of the paged KV pool. `forward` also over a round
     channel (the replica's fan-out: no Ray task, no object store for rank 0's logits); one caller at a time."""
 
-    def __init__(self, rank: int, world_size: int, worker_threads: int) -> None:
-        if worker_threads > 0:
-            torch.set_num_threads(worker_threads)
+    def __init__(self, rank: int, world_size: int, worker_threads: int, cpus: Sequence[int] | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.worker_threads = worker_threads
+        self.cpus = cpus  # this rank's compute CPUs (cluster/serving/cpu_binding.py); None: unbound
         self.tp_rank: Any = None
-        self._sized_threads: set[int] = {threading.get_ident()}  # threads whose torch thread count is set
+        self._sized_threads: set[int] = set()  # threads whose CPUs and torch thread count are set
+        self._size_thread()
+
+    def _size_thread(self) -> None:
+        """The calling thread on this rank's CPUs with its torch thread count (each thread that computes: setup's,
+        then a channel's connection thread)."""
+        if threading.get_ident() in self._sized_threads:
+            return
+        if self.cpus:
+            try:
+                os.sched_setaffinity(0, set(self.cpus))
+            except OSError as exc:
+                logger.warning("TP rank %d: cannot run on CPUs %s (%s)", self.rank, self.cpus, exc)
+        if self.worker_threads > 0:
+            torch.set_num_threads(self.worker_threads)
+        self._sized_threads.add(threading.get_ident())
 
     def channel_handlers(self) -> dict[str, Handler]:
         return {"forward": self.forward}
@@ -88,9 +103,7 @@ class TPRankActor(ChannelHost):
 
     def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]],
                 slot_moves: tuple[tuple[int, int], ...] = ()) -> list[torch.Tensor] | None:
-        if self.worker_threads > 0 and threading.get_ident() not in self._sized_threads:  # a channel's thread
-            torch.set_num_threads(self.worker_threads)
-            self._sized_threads.add(threading.get_ident())
+        self._size_thread()  # a channel's connection thread the first time
         self.tp_rank.kv.move_slots(list(slot_moves))  # the last round's accepted tree paths first
         self.tp_rank.kv.copy_blocks(copy_blocks)
         logits = self.tp_rank.forward(seqs)
@@ -101,7 +114,8 @@ class TPGroupRunner:
     """ForwardRunner over `world_size` rank actors in the replica's placement group."""
 
     def __init__(self, checkpoint_dir: str, world_size: int, num_blocks: int, block_size: int, device: str,
-                 worker_threads: int, gpus_per_rank: float, dtype: torch.dtype, transport: str = "channel") -> None:
+                 worker_threads: int, gpus_per_rank: float, dtype: torch.dtype, transport: str = "channel",
+                 rank_cpus: Sequence[Sequence[int]] | None = None) -> None:
         from model_runtime.config import ModelConfig
 
         self.config = ModelConfig.from_dir(checkpoint_dir)
@@ -113,7 +127,8 @@ class TPGroupRunner:
             options: dict[str, Any] = {"num_cpus": RANK_CPUS if group is not None else 0, "num_gpus": gpus_per_rank}
             if group is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=1 + rank)
-            self.ranks.append(actor_cls.options(**options).remote(rank, world_size, worker_threads))
+            cpus = list(rank_cpus[rank]) if rank_cpus else None
+            self.ranks.append(actor_cls.options(**options).remote(rank, world_size, worker_threads, cpus))
         init_method = ray.get(self.ranks[0].rendezvous_address.remote())
         ray.get([r.setup.remote(init_method, checkpoint_dir, num_blocks, block_size, worker_device(device), dtype)
                  for r in self.ranks])
@@ -147,11 +162,15 @@ class TPGroupRunner:
 class Verifier(FaultHooks, ChannelHost):
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
                  tensor_parallel_size: int = 1, worker_threads: int = 0, gpus_per_rank: float = 0.0,
-                 dtype: str = "auto", round_transport: str = "channel") -> None:
+                 dtype: str = "auto", round_transport: str = "channel",
+                 rank_cpus: Sequence[Sequence[int]] | None = None) -> None:
+        """`rank_cpus`: each TP rank's compute CPUs on a local node (cluster/serving/cpu_binding.py); None: unbound."""
         from model_runtime.precision import target_dtype
         from model_runtime.prepare import prepare_model
 
-        self.compute = ComputeThread("verifier-compute", worker_threads)  # owns the runner and its KV pool
+        # owns the runner and its KV pool; with TP > 1 it only drives the ranks (no CPUs of its own)
+        self.compute = ComputeThread("verifier-compute", worker_threads,
+                                     rank_cpus[0] if rank_cpus and tensor_parallel_size == 1 else None)
         checkpoint = str(prepare_model(model, progress=False))
         precision = target_dtype(dtype, worker_device(device))
         if tensor_parallel_size == 1:
@@ -160,7 +179,7 @@ class Verifier(FaultHooks, ChannelHost):
             self.compute.call(self.runner.warm_up, block_size)  # a replacement's first verify is not a cold start
         else:
             self.runner = TPGroupRunner(checkpoint, tensor_parallel_size, num_blocks, block_size, device,
-                                        worker_threads, gpus_per_rank, precision, round_transport)
+                                        worker_threads, gpus_per_rank, precision, round_transport, rank_cpus)
         self.worker = VerifierWorker(self.runner)
         self.tensor_parallel_size = tensor_parallel_size
         configure_tracing(TracingSettings.from_env(), "specserve-verifier")  # env set by the app (runtime_env)
@@ -173,9 +192,10 @@ class Verifier(FaultHooks, ChannelHost):
 
     def verify_soon(self, batch: VerifyBatch) -> concurrent.futures.Future[VerifyResult]:
         """One round's verify, queued on the compute thread (the round channel's handler: the compute thread
-        sends the answer as the forward ends). An injected latency delays the caller, not the compute thread."""
+        sends the answer as the forward ends). An injected latency delays the answer,
+        not the compute thread (which may be the one calling: it reads the channel's connections)."""
         if FAULTS.active and (delay := FAULTS.take("verifier.latency")) is not None:
-            time.sleep(float(delay.get("seconds", 1.0)))
+            return self.compute.submit_after(float(delay.get("seconds", 1.0)), self._verify, batch)
         return self.compute.submit(self._verify, batch)
 
     def _verify(self, batch: VerifyBatch) -> VerifyResult:
@@ -198,6 +218,10 @@ class Verifier(FaultHooks, ChannelHost):
     def rank_actors(self) -> list[Any]:
         """The TP rank actors' handles (chaos runs kill one); empty with TP = 1."""
         return list(self.runner.ranks) if isinstance(self.runner, TPGroupRunner) else []
+
+    def channel_reader(self) -> ComputeThread:
+        """The compute thread reads the channel's frames itself: a round's request wakes the thread that runs it."""
+        return self.compute
 
     def vocab_size(self) -> int:
         return self.worker.config.vocab_size

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from cluster.bench.serve_metrics import SLO, RequestTiming, summarize
 from cluster.bench.spec import CATEGORIES, load_prompts
 from cluster.client import SpecServeClient
 from cluster.engine.acceptance_stats import AcceptanceStats
+from cluster.serving.cpu_binding import thread_cpus
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
 
 WARMUP_TOKENS = 8
@@ -59,6 +61,8 @@ class ServeBenchSettings:
     server: str | None = None  # HOST:PORT of a running cluster's gRPC endpoint: measure it, deploy nothing
     round_transport: str = "channel"  # ClusterConfig.round_transport of the deployed cluster
     reservation_windows: bool = True  # ClusterConfig.reservation_windows, of the cluster and the in-process engine
+    cpu_binding: bool = True  # ClusterConfig.cpu_binding: the verifier's compute thread (and the in-process engine's
+    # requests) on CPUs of their own, everything else on the rest, where the CPUs allow (cluster/serving/cpu_binding.py)
 
     def __post_init__(self) -> None:
         assert self.concurrency and all(c >= 1 for c in self.concurrency), self.concurrency
@@ -82,7 +86,8 @@ def cluster_config(s: ServeBenchSettings) -> Any:
     return load_config(model=s.model, draft=s.draft, worker_threads=s.threads, kv_blocks=s.kv_blocks,
                        max_batch=top, queue_capacity=2 * top, max_context=s.max_context, grpc_port=s.grpc_port,
                        http_port=s.http_port, graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=2.0,
-                       round_transport=s.round_transport, reservation_windows=s.reservation_windows)
+                       round_transport=s.round_transport, reservation_windows=s.reservation_windows,
+                       cpu_binding=s.cpu_binding)
 
 
 # ---------------------------------------------------------------------- one request
@@ -98,18 +103,21 @@ def stream_request(client: SpecServeClient, prompt_ids: list[int], fields: dict[
 
 
 def run_in_process(engine: Any, request_id: str, prompt_ids: list[int], fields: dict[str, Any],
-                   max_tokens: int) -> RequestTiming:
+                   max_tokens: int, cpus: Sequence[int] | None = None) -> RequestTiming:
+    """One request through the in-process engine on this thread; `cpus`: the verifier's compute CPUs while it runs
+    (the cluster's verifier runs on them: the same forward on the same core)."""
     request = GenerationRequest(request_id, tuple(prompt_ids), SamplingParams(max_tokens=max_tokens),
                                 SpecParams(contract="greedy", k=fields["k"], draft=fields["draft"]))
     timing = RequestTiming(sent_at=time.perf_counter())
-    engine.submit(request)
-    while engine.has_unfinished():
-        chunks = engine.step()
-        now = time.perf_counter()
-        for chunk in chunks:
-            timing.add_chunk(chunk.token_ids, now)
-            if chunk.finished:
-                timing.finish(chunk.finish_reason, now, chunk.stats)
+    with thread_cpus(cpus):
+        engine.submit(request)
+        while engine.has_unfinished():
+            chunks = engine.step()
+            now = time.perf_counter()
+            for chunk in chunks:
+                timing.add_chunk(chunk.token_ids, now)
+                if chunk.finished:
+                    timing.finish(chunk.finish_reason, now, chunk.stats)
     return timing
 
 
@@ -124,7 +132,8 @@ def run_level(client: SpecServeClient, prompts: list[list[int]], concurrency: in
 
 
 def run_sequential(s: ServeBenchSettings, client: SpecServeClient, engine: Any | None,
-                   prompts: list[list[int]]) -> dict[str, dict[str, list[RequestTiming]]]:
+                   prompts: list[list[int]], cpus: Sequence[int] | None = None,
+                   ) -> dict[str, dict[str, list[RequestTiming]]]:
     """Concurrency 1: every request through the cluster and (if `engine`) in process, interleaved."""
     runs: dict[str, dict[str, list[RequestTiming]]] = {m: {"cluster": [], "inprocess": []} for m in MODES}
     for index, prompt in enumerate(prompts):
@@ -135,7 +144,8 @@ def run_sequential(s: ServeBenchSettings, client: SpecServeClient, engine: Any |
                 if side == "cluster":
                     runs[mode][side].append(stream_request(client, prompt, fields, s.max_tokens))
                 else:
-                    runs[mode][side].append(run_in_process(engine, f"{mode}-{index}", prompt, fields, s.max_tokens))
+                    runs[mode][side].append(run_in_process(engine, f"{mode}-{index}", prompt, fields, s.max_tokens,
+                                                           cpus))
     return runs
 
 
@@ -236,23 +246,28 @@ def run_serve_bench(s: ServeBenchSettings) -> dict[str, Any]:
         with SpecServeClient(s.server, timeout_s=600) as client:
             return _measure(s, client, prompt_ids, env)
     started_ray = not ray.is_initialized()
-    if started_ray:
-        progress("starting a local Ray (loopback)")
-        config.local_ray_env()
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    try:
-        progress(f"deploying {s.model} (draft {s.draft}) on gRPC 127.0.0.1:{s.grpc_port}")
-        deploy(config)
-        with SpecServeClient(f"127.0.0.1:{s.grpc_port}", timeout_s=600) as client:
-            return _measure(s, client, prompt_ids, env)
-    finally:
-        serve.shutdown()
+    plan = config.cpu_plan() if started_ray else None  # a Ray someone else started is placed as it is
+    env["cpu_plan"] = plan.describe() if plan is not None else None
+    # this thread (the clients' threads it starts, and a local Ray's processes) on the service CPUs
+    with thread_cpus(plan.service if plan is not None else None):
         if started_ray:
-            ray.shutdown()
+            progress("starting a local Ray (loopback)" + (f"; CPUs: {plan.describe()}" if plan else ""))
+            config.local_ray_env()
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+                     log_to_driver=False)
+        try:
+            progress(f"deploying {s.model} (draft {s.draft}) on gRPC 127.0.0.1:{s.grpc_port}")
+            deploy(config, cpu_plan=plan)
+            with SpecServeClient(f"127.0.0.1:{s.grpc_port}", timeout_s=600) as client:
+                return _measure(s, client, prompt_ids, env, plan.ranks[0] if plan is not None else None)
+        finally:
+            serve.shutdown()
+            if started_ray:
+                ray.shutdown()
 
 
 def _measure(s: ServeBenchSettings, client: SpecServeClient, prompt_ids: list[list[int]],
-             env: dict[str, Any]) -> dict[str, Any]:
+             env: dict[str, Any], inprocess_cpus: Sequence[int] | None = None) -> dict[str, Any]:
     engine = None
     if s.inprocess and 1 in s.concurrency:
         from cluster.engine.factory import build_local_engine
@@ -268,7 +283,8 @@ def _measure(s: ServeBenchSettings, client: SpecServeClient, prompt_ids: list[li
     for mode in MODES:
         stream_request(client, prompt_ids[-1], s.mode_fields(mode), WARMUP_TOKENS)
         if engine is not None:
-            run_in_process(engine, f"warmup-{mode}", prompt_ids[-1], s.mode_fields(mode), WARMUP_TOKENS)
+            run_in_process(engine, f"warmup-{mode}", prompt_ids[-1], s.mode_fields(mode), WARMUP_TOKENS,
+                           inprocess_cpus)
     cycle = itertools.cycle(prompt_ids)
     levels, overheads, rounds = [], [], {}
     for level_index, concurrency in enumerate(s.concurrency):
@@ -276,7 +292,7 @@ def _measure(s: ServeBenchSettings, client: SpecServeClient, prompt_ids: list[li
         progress(f"concurrency {concurrency}: {len(prompts)} requests per mode, max {s.max_tokens} tokens")
         if concurrency == 1:
             before = {"cluster": cluster_snapshot(client), "inprocess": engine.stats() if engine else None}
-            runs = run_sequential(s, client, engine, prompts)
+            runs = run_sequential(s, client, engine, prompts, inprocess_cpus)
             timed = {m: (runs[m]["cluster"], sum(t.latency or 0.0 for t in runs[m]["cluster"])) for m in MODES}
             if engine is not None:
                 overheads = [overhead_row(m, runs[m]["cluster"], runs[m]["inprocess"]) for m in MODES]

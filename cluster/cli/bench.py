@@ -122,6 +122,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                          "default channel)")
     sv.add_argument("--no-windows", action="store_true",
                     help="reservation_windows off (the ledger call before each verify, as before; for comparison)")
+    sv.add_argument("--no-cpu-binding", action="store_true",
+                    help="cpu_binding off (every process on every CPU, as before; for comparison)")
     sv.add_argument("--grpc-port", type=int, default=None, help="default 9100")
     sv.add_argument("--http-port", type=int, default=None, help="default 8100")
     add_client_flags(sv)
@@ -381,7 +383,7 @@ def _run_serve(args: argparse.Namespace) -> int:
              "round_transport": args.round_transport}
     settings = ServeBenchSettings(**{key: value for key, value in flags.items() if value is not None}, k=args.k,
                                   threads=args.threads, inprocess=not args.no_inprocess,
-                                  reservation_windows=not args.no_windows)
+                                  reservation_windows=not args.no_windows, cpu_binding=not args.no_cpu_binding)
     result = run_serve_bench(settings)
     write_json(result, args.json_out)
     print(format_serve(result))
@@ -430,7 +432,8 @@ def format_serve(result: dict[str, Any]) -> str:
             out.append(f"cluster round transport: {split['cluster']['transport']}; ms per round: "
                        + ", ".join(f"{p} {split['cluster'][f'{p}_ms']:.3f}" for p in hops))
     env = result["environment"]
-    out.append(f"\nload average {env['loadavg_at_start'][0]:.1f} -> {env['loadavg_at_end'][0]:.1f}; "
+    out.append(f"\nCPU: {env['cpu']} ({env['cpu_kernel']} kernels); CPU binding: {env.get('cpu_plan') or 'none'}")
+    out.append(f"load average {env['loadavg_at_start'][0]:.1f} -> {env['loadavg_at_end'][0]:.1f}; "
                f"KV blocks leaked: {result['cluster']['kv_leaked_blocks']}; "
                f"fallback events: {len(result['cluster']['fallback_events'])}")
     return "\n".join(out)

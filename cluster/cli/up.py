@@ -156,6 +156,12 @@ def _up(config: ClusterConfig, args: argparse.Namespace, out: TextIO) -> int:
         if not config.ray_address:
             log.info("checking models %s / %s", config.model, config.draft)
             preflight(config)
+        # a local node's CPUs (cluster/serving/cpu_binding.py): this process and the Ray it starts on the service
+        # CPUs, the model processes' compute threads on their own
+        plan = None if config.ray_address else config.cpu_plan()
+        if plan is not None:
+            log.info("CPU binding: %s", plan.describe())
+            os.sched_setaffinity(0, set(plan.service))
         dashboard = init_ray(config)
         for sig in previous:  # Ray's core worker installs its own SIGTERM handler: ours goes back on top
             signal.signal(sig, on_signal)
@@ -163,7 +169,7 @@ def _up(config: ClusterConfig, args: argparse.Namespace, out: TextIO) -> int:
 
         log.info("deploying %s: model %s, draft %s, TP %d, %d KV blocks of %d", APP_NAME, config.model, config.draft,
                  config.tensor_parallel_size, config.kv_pool_blocks, config.block_size)
-        deploy(config)
+        deploy(config, cpu_plan=plan)
         scheme = "https" if config.uses_tls else "http"
         addresses = {"grpc": f"{config.host}:{config.grpc_port}", "http": f"{scheme}://{config.host}:{config.http_port}",
                      "dashboard": f"http://{dashboard}" if dashboard else "(none)"}

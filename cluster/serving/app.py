@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve.config import HTTPOptions
 
 from cluster.serving.config import ClusterConfig
+from cluster.serving.cpu_binding import CpuPlan
 from cluster.serving.ingress import IngressDeployment
 from cluster.serving.scheduler import EngineBuilder, SchedulerDeployment
 from drafter_service.deployment import DrafterDeployment
@@ -49,8 +50,9 @@ def _tracing_env(config: ClusterConfig) -> dict[str, Any]:
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 
-def bind_verifier(config: ClusterConfig) -> serve.Application:
-    """The Verifier; with TP > 1 its replica's placement group holds one bundle per rank."""
+def bind_verifier(config: ClusterConfig, cpu_plan: CpuPlan | None = None) -> serve.Application:
+    """The Verifier; with TP > 1 its replica's placement group holds one bundle per rank. `cpu_plan`: its ranks'
+    compute CPUs on a local node (cluster/serving/cpu_binding.py)."""
     options: dict[str, Any] = {"num_replicas": config.verifier_replicas, "max_ongoing_requests": 4,
                                **_common_options(config)}
     gpus = config.gpus_per_worker if config.uses_gpu else 0.0
@@ -62,10 +64,11 @@ def bind_verifier(config: ClusterConfig) -> serve.Application:
                     "ray_actor_options": {"num_cpus": bundles[0]["CPU"], **_tracing_env(config)}}
     return VerifierDeployment.options(**options).bind(
         config.model, config.kv_pool_blocks, config.block_size, config.device, config.tensor_parallel_size,
-        config.threads_per_worker, gpus, config.dtype, config.round_transport)
+        config.threads_per_worker, gpus, config.dtype, config.round_transport,
+        cpu_plan.ranks if cpu_plan is not None else None)
 
 
-def bind_drafter(config: ClusterConfig) -> serve.Application | None:
+def bind_drafter(config: ClusterConfig, cpu_plan: CpuPlan | None = None) -> serve.Application | None:
     """The Drafter, or None with n-gram drafting (the engine drafts in the scheduler's process)."""
     if not config.uses_draft_model:
         return None
@@ -75,11 +78,13 @@ def bind_drafter(config: ClusterConfig) -> serve.Application | None:
                            **_tracing_env(config)},
         **_common_options(config),
     ).bind(config.draft, config.kv_pool_blocks, config.block_size, config.device, config.threads_per_worker,
-                                config.draft_dtype)
+           config.draft_dtype, cpu_plan.drafter if cpu_plan is not None else None)
 
 
-def build_app(config: ClusterConfig, engine_builder: EngineBuilder | None = None) -> serve.Application:
-    """Bind the deployment graph (nothing starts until `serve.run`)."""
+def build_app(config: ClusterConfig, engine_builder: EngineBuilder | None = None,
+              cpu_plan: CpuPlan | None = None) -> serve.Application:
+    """Bind the deployment graph (nothing starts until `serve.run`). `cpu_plan`: only for a local node this
+    process started (`ClusterConfig.cpu_plan()`); None elsewhere (KubeRay: the workers' CPUs are not ours)."""
     common = _common_options(config)
     # Serve must never queue generation streams on its own: the scheduler refuses beyond
     # queue_capacity at once (RESOURCE_EXHAUSTED / 429), so Serve's limits sit above it.
@@ -87,7 +92,7 @@ def build_app(config: ClusterConfig, engine_builder: EngineBuilder | None = None
     scheduler = SchedulerDeployment.options(
         num_replicas=config.scheduler_replicas, max_ongoing_requests=streams,
         ray_actor_options={"num_cpus": 0}, **common,
-    ).bind(config, bind_drafter(config), bind_verifier(config), engine_builder)
+    ).bind(config, bind_drafter(config, cpu_plan), bind_verifier(config, cpu_plan), engine_builder)
     return IngressDeployment.options(
         num_replicas=config.ingress_replicas, max_ongoing_requests=streams,
         ray_actor_options={"num_cpus": 0}, **common,
@@ -107,7 +112,8 @@ def start_serve(config: ClusterConfig) -> None:
     serve.start(**serve_options(config))
 
 
-def deploy(config: ClusterConfig, engine_builder: EngineBuilder | None = None) -> serve.handle.DeploymentHandle:
+def deploy(config: ClusterConfig, engine_builder: EngineBuilder | None = None,
+           cpu_plan: CpuPlan | None = None) -> serve.handle.DeploymentHandle:
     """Start Serve (proxies) and run the application; returns once every replica is up."""
     start_serve(config)
-    return serve.run(build_app(config, engine_builder), name=APP_NAME, route_prefix="/")
+    return serve.run(build_app(config, engine_builder, cpu_plan), name=APP_NAME, route_prefix="/")

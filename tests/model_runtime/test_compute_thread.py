@@ -1,9 +1,11 @@
-"""ComputeThread: every call runs on one thread, in order; errors reach the caller."""
+"""ComputeThread: every call runs on one thread, in order; errors reach the caller; watched sockets are read there."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -53,3 +55,47 @@ def test_async_run_does_not_block_the_loop_and_raises_errors() -> None:
         assert compute.call(lambda: 7) == 7  # an error does not kill the thread
     finally:
         compute.close()
+
+
+def test_a_watched_socket_is_read_on_the_compute_thread_between_calls_until_its_reader_raises() -> None:
+    compute = ComputeThread("test-compute")
+    ours, theirs = socket.socketpair()
+    read: list[tuple[bytes, int]] = []
+
+    def on_readable() -> None:
+        data = ours.recv(16)
+        if not data:
+            raise ConnectionError("closed by the peer")
+        read.append((data, threading.get_native_id()))
+
+    try:
+        compute.watch(ours, on_readable)
+        theirs.sendall(b"a")
+        assert compute.call(lambda: 1) == 1
+        deadline = time.monotonic() + 5
+        while not read and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert read == [(b"a", compute.native_id)]
+        theirs.close()  # the reader raises: the socket is dropped and closed, the thread goes on
+        while ours.fileno() != -1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert ours.fileno() == -1 and compute.call(lambda: 2) == 2
+    finally:
+        compute.close()
+
+
+def test_submit_after_delays_the_work_not_the_thread_and_close_refuses_new_work() -> None:
+    compute = ComputeThread("test-compute")
+    start = time.monotonic()
+    later = compute.submit_after(0.2, threading.get_native_id)
+    assert compute.call(lambda: 3) == 3 and time.monotonic() - start < 0.2  # the thread was free meanwhile
+    assert later.result(5) == compute.native_id and time.monotonic() - start >= 0.2
+    with pytest.raises(ZeroDivisionError):
+        compute.submit_after(0.01, lambda: 1 / 0).result(5)
+    ours, theirs = socket.socketpair()
+    compute.watch(ours, lambda: None)
+    compute.close()
+    assert ours.fileno() == -1  # the sockets it watched closed with it
+    theirs.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        compute.submit(lambda: 1)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from model_runtime.compute_thread import ComputeThread
 from specserve_types.round_channel import (
     ChannelClient,
     ChannelLink,
@@ -39,12 +40,41 @@ def handlers() -> dict[str, Any]:
             "later_fail": lambda: pool.submit(fail, "later")}
 
 
-@pytest.fixture
-def server() -> Any:
-    srv = ChannelServer(handlers(), NODE, "127.0.0.1", "test")
+@pytest.fixture(params=["connection-threads", "compute-thread"])
+def server(request: pytest.FixtureRequest) -> Any:
+    """Each test runs with connections read by their own threads and by a worker's ComputeThread."""
+    compute = ComputeThread("test-compute") if request.param == "compute-thread" else None
+    srv = ChannelServer(handlers(), NODE, "127.0.0.1", "test", reader=compute)
     srv.start()
     yield srv
     srv.close()
+    if compute is not None:
+        compute.close()
+
+
+def test_a_compute_thread_reads_its_connections_runs_the_calls_and_drops_a_closed_one() -> None:
+    compute = ComputeThread("test-compute")
+    srv = ChannelServer({"where": threading.get_native_id,
+                         "queued": lambda: compute.submit(threading.get_native_id)}, NODE, "127.0.0.1", "test",
+                        reader=compute)
+    try:
+        clients = [ChannelClient(srv.start(), NODE) for _ in range(2)]
+        for client in clients:
+            assert client.call("where") == compute.native_id  # the handler ran on the compute thread
+            assert client.call("queued") == compute.native_id  # a future it queued there answers too
+        assert compute.call(lambda: len(compute._selector.get_map())) == 3  # the wake pipe + two connections
+        clients[0].close()
+        deadline = time.monotonic() + 5
+        while compute.call(lambda: len(compute._selector.get_map())) != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert compute.call(lambda: len(compute._selector.get_map())) == 2  # the closed one was dropped
+        assert clients[1].call("where") == compute.native_id  # the other is served on
+        srv.close()  # a closed server ends its watched connections at their next frame
+        with pytest.raises(ChannelLost):
+            clients[1].call("where")
+    finally:
+        srv.close()
+        compute.close()
 
 
 @pytest.mark.parametrize("caller_node", [NODE, "node-b"], ids=["unix", "tcp"])

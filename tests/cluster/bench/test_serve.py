@@ -92,3 +92,4 @@ def test_bench_serve_smoke(ray_session: Any, smollm2_dir: Path, tmp_path: Path,
     assert result["cluster"]["kv_leaked_blocks"] == 0 and result["cluster"]["scheduler"]["live"] == 0
     printed = capsys.readouterr().out
     assert "goodput/s" in printed and "cluster overhead vs the in-process engine" in printed
+    assert result["environment"]["cpu_plan"] is None and "CPU binding: none" in printed  # a Ray it did not start

@@ -1,0 +1,105 @@
+"""CPUs of their own for the model processes' compute threads on a local Ray node, the rest for everything else.
+
+On a small CPU node the verifier's forward shares the cores with a dozen other processes: Ray's daemons, Serve's
+controller and proxy, the ingress, the scheduler, the KV ledger, the benchmark's client. Each wakes many times a
+round, and the kernel puts a woken thread on the busy core as often as on the idle one: measured on a 2-vCPU Xeon
+(`bench serve --threads 1`, 2026-12-03), the verifier's compute thread was preempted ~220 times per CPU-second
+(the in-process engine's thread: ~13), and its forward ran 7-9% slower than the same forward in process. With
+the compute thread alone on its CPU and everything else on the other, the same run's verify fell from ~60 to ~48
+ms a round. llama.cpp (`--cpu-mask`, `--prio`) and vLLM's CPU backend (`VLLM_CPU_OMP_THREADS_BIND`) bind their
+compute threads the same way.
+
+    CPUs (this process's affinity mask)    0 .. n-1
+    compute: verifier rank r               the last threads CPUs, rank 0 last
+             drafter                       rank 0's CPUs (it drafts while the verifier waits), or CPUs of its
+                                           own when it drafts beside the verifier (overlap)
+    service: everything else               the CPUs left (at least one); a local Ray starts on them
+
+A plan exists only where the CPUs are this node's to give: a local Ray that our command starts (`specserve up`
+without `ray_address`, `bench serve`, chaos runs), a mask no larger than the cgroup quota (a pod sharing a node's
+cores under a quota gets no plan: pinning there would put two pods' threads on one core), and more CPUs than the
+model threads need. Otherwise None, and nothing is bound. No Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from cluster.serving.cpu_quota import cgroup_cpu_limit
+
+__all__ = ["CpuPlan", "own_cpus", "plan_cpus", "thread_cpus"]
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """Which CPUs each compute thread and everything else may use (sorted tuples of CPU ids)."""
+
+    service: tuple[int, ...]
+    ranks: tuple[tuple[int, ...], ...]  # verifier TP rank r's compute thread
+    drafter: tuple[int, ...] | None  # the draft model's compute thread; None: no draft model
+
+    def describe(self) -> str:
+        parts = [f"verifier rank {r}: {_cpus(c)}" for r, c in enumerate(self.ranks)]
+        if self.drafter is not None:
+            parts.append(f"drafter: {_cpus(self.drafter)}")
+        return "; ".join([*parts, f"everything else: {_cpus(self.service)}"])
+
+
+def _cpus(cpus: Sequence[int]) -> str:
+    return "CPU " + ",".join(str(c) for c in cpus)
+
+
+def plan_cpus(cpus: Sequence[int], rank_threads: int, ranks: int = 1, drafter_threads: int | None = None,
+              drafter_beside: bool = False) -> CpuPlan | None:
+    """Compute CPUs from the end of `cpus`, `rank_threads` per verifier rank, then the drafter's if it drafts beside
+    the verifier; None if that leaves no CPU for the rest."""
+    if rank_threads < 1 or ranks < 1:
+        raise ValueError(f"rank_threads and ranks must be >= 1, got {rank_threads}, {ranks}")
+    order = sorted(set(cpus))
+    own_drafter = drafter_threads is not None and drafter_beside
+    needed = rank_threads * ranks + (drafter_threads if own_drafter and drafter_threads else 0)
+    if needed >= len(order):
+        return None
+    free = list(order)
+
+    def take(n: int) -> tuple[int, ...]:
+        taken = free[-n:]
+        del free[-n:]
+        return tuple(sorted(taken))
+
+    rank_cpus = tuple(take(rank_threads) for _ in range(ranks))
+    drafter: tuple[int, ...] | None = None
+    if drafter_threads is not None:
+        drafter = take(drafter_threads) if drafter_beside else rank_cpus[0]
+    return CpuPlan(service=tuple(free), ranks=rank_cpus, drafter=drafter)
+
+
+def own_cpus() -> list[int] | None:
+    """This process's CPUs if they are its own to hand out: its affinity mask, when no cgroup quota is below the
+    mask's size (else the cores are shared with other cgroups); None where there is no affinity API."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    mask = sorted(os.sched_getaffinity(0))
+    limit = cgroup_cpu_limit()
+    if limit is not None and math.floor(limit) < len(mask):
+        return None
+    return mask
+
+
+@contextlib.contextmanager
+def thread_cpus(cpus: Sequence[int] | None) -> Iterator[None]:
+    """The calling thread (and the threads and processes it starts meanwhile) on `cpus`; its mask restored after.
+    None: unchanged."""
+    if cpus is None or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
