@@ -61,8 +61,8 @@ class ServeBenchSettings:
     server: str | None = None  # HOST:PORT of a running cluster's gRPC endpoint: measure it, deploy nothing
     round_transport: str = "channel"  # ClusterConfig.round_transport of the deployed cluster
     reservation_windows: bool = True  # ClusterConfig.reservation_windows, of the cluster and the in-process engine
-    cpu_binding: bool = True  # ClusterConfig.cpu_binding: the verifier's compute thread (and the in-process engine's
-    # requests) on CPUs of their own, everything else on the rest, where the CPUs allow (cluster/serving/cpu_binding.py)
+    cpu_binding: str = "auto"  # ClusterConfig.cpu_binding: the verifier's compute thread (and the in-process
+    # engine's requests) on CPUs of their own, everything else on the rest (cluster/serving/cpu_binding.py)
 
     def __post_init__(self) -> None:
         assert self.concurrency and all(c >= 1 for c in self.concurrency), self.concurrency

@@ -122,8 +122,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                          "default channel)")
     sv.add_argument("--no-windows", action="store_true",
                     help="reservation_windows off (the ledger call before each verify, as before; for comparison)")
-    sv.add_argument("--no-cpu-binding", action="store_true",
-                    help="cpu_binding off (every process on every CPU, as before; for comparison)")
+    sv.add_argument("--cpu-binding", choices=("auto", "on", "off"), default="auto",
+                    help="ClusterConfig.cpu_binding of the local cluster (and the in-process engine's CPU): auto "
+                         "(default) binds where 2 CPUs are left for the rest, on wherever one is, off never")
     sv.add_argument("--grpc-port", type=int, default=None, help="default 9100")
     sv.add_argument("--http-port", type=int, default=None, help="default 8100")
     add_client_flags(sv)
@@ -383,7 +384,7 @@ def _run_serve(args: argparse.Namespace) -> int:
              "round_transport": args.round_transport}
     settings = ServeBenchSettings(**{key: value for key, value in flags.items() if value is not None}, k=args.k,
                                   threads=args.threads, inprocess=not args.no_inprocess,
-                                  reservation_windows=not args.no_windows, cpu_binding=not args.no_cpu_binding)
+                                  reservation_windows=not args.no_windows, cpu_binding=args.cpu_binding)
     result = run_serve_bench(settings)
     write_json(result, args.json_out)
     print(format_serve(result))

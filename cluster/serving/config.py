@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from cluster.serving.cpu_binding import CpuPlan, own_cpus, plan_cpus
+from cluster.serving.cpu_binding import AUTO_SERVICE_CPUS, CpuPlan, own_cpus, plan_cpus
 from cluster.serving.cpu_quota import available_cpus
 from specserve_types.api import DRAFT_AUTO, TARGET_AUTO
 from specserve_types.tracing import ENV_OTLP_ENDPOINT, OTEL_ENDPOINT_VARS, TracingSettings
@@ -87,9 +87,11 @@ class ClusterConfig(BaseModel):
                                 description="torch threads per model process; 0 = the CPUs this process may use "
                                             "(affinity, capped by the cgroup CPU limit: a pod's limits.cpu) "
                                             "shared evenly among the model processes (TP ranks + drafter)")
-    cpu_binding: bool = Field(True, description="on a local Ray node (started by specserve) whose CPUs outnumber "
-                              "the model threads: each model process's compute thread gets CPUs of its own and "
-                              "everything else the rest (cluster/serving/cpu_binding.py)")
+    cpu_binding: Literal["auto", "on", "off"] = Field(
+        "auto", description="on a local Ray node (started by specserve): each model process's compute thread on CPUs "
+        "of its own, everything else on the rest (cluster/serving/cpu_binding.py). auto: only where at least "
+        f"{AUTO_SERVICE_CPUS} CPUs are left for the rest (a replacement replica then still starts on more than one "
+        "core); on: wherever one is left; off: never")
     gpus_per_worker: float = Field(1.0, gt=0, le=1, description="CUDA only: GPUs per drafter replica and per "
                                    "verifier TP rank (0.5 lets a drafter share a TP=1 verifier's GPU)")
 
@@ -265,13 +267,16 @@ class ClusterConfig(BaseModel):
     def cpu_plan(self) -> CpuPlan | None:
         """The CPUs of a local Ray node this process starts (cluster/serving/cpu_binding.py): None when binding is
         off, on GPUs, where the CPUs are not this process's to give, or when the model threads need them all."""
-        cpus = own_cpus() if self.cpu_binding and not self.uses_gpu else None
+        cpus = own_cpus() if self.cpu_binding != "off" and not self.uses_gpu else None
         if cpus is None:
             return None
         threads = self.threads_per_worker
         beside = self.uses_draft_model and self.overlap_decision(in_process=False).enabled
-        return plan_cpus(cpus, threads, self.tensor_parallel_size, threads if self.uses_draft_model else None,
+        plan = plan_cpus(cpus, threads, self.tensor_parallel_size, threads if self.uses_draft_model else None,
                          beside)
+        if plan is None or (self.cpu_binding == "auto" and len(plan.service) < AUTO_SERVICE_CPUS):
+            return None
+        return plan
 
     @property
     def uses_draft_model(self) -> bool:

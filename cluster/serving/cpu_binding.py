@@ -15,6 +15,11 @@ compute threads the same way.
                                            own when it drafts beside the verifier (overlap)
     service: everything else               the CPUs left (at least one); a local Ray starts on them
 
+The trade: Ray's processes and a replacement replica start on the service CPUs only. With one left (2 vCPUs,
+`worker_threads: 1`), a killed scheduler's replacement took 19 s to its first success against 11.5 s unbound
+(`specserve chaos run --scenario scheduler-kill`, 2026-12-03), so `cpu_binding: auto` (the default) binds only where
+at least AUTO_SERVICE_CPUS CPUs are left; `on` binds wherever one is.
+
 A plan exists only where the CPUs are this node's to give: a local Ray that our command starts (`specserve up`
 without `ray_address`, `bench serve`, chaos runs), a mask no larger than the cgroup quota (a pod sharing a node's
 cores under a quota gets no plan: pinning there would put two pods' threads on one core), and more CPUs than the
@@ -31,7 +36,9 @@ from dataclasses import dataclass
 
 from cluster.serving.cpu_quota import cgroup_cpu_limit
 
-__all__ = ["CpuPlan", "own_cpus", "plan_cpus", "thread_cpus"]
+__all__ = ["AUTO_SERVICE_CPUS", "CpuPlan", "own_cpus", "plan_cpus", "thread_cpus"]
+
+AUTO_SERVICE_CPUS = 2  # `cpu_binding: auto` binds only where this many CPUs are left for everything else
 
 
 @dataclass(frozen=True)

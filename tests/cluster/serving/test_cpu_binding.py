@@ -11,7 +11,7 @@ import pytest
 
 from cluster.serving import cpu_quota
 from cluster.serving.config import make_config
-from cluster.serving.cpu_binding import CpuPlan, own_cpus, plan_cpus, thread_cpus
+from cluster.serving.cpu_binding import AUTO_SERVICE_CPUS, CpuPlan, own_cpus, plan_cpus, thread_cpus
 from model_runtime.compute_thread import ComputeThread
 from tests.cluster.serving.test_cpu_quota import v2_tree
 
@@ -51,18 +51,21 @@ def test_cpus_under_a_quota_smaller_than_the_mask_are_not_ours(tmp_path: Path, m
         monkeypatch.setattr(cpu_quota, "CGROUP_ROOT", root)
         monkeypatch.setattr(cpu_quota, "PROC_SELF_CGROUP", proc)
         assert own_cpus() is None
-        assert make_config(model="smollm2-135m", draft="ngram", worker_threads=1).cpu_plan() is None
+        assert make_config(model="smollm2-135m", draft="ngram", worker_threads=1, cpu_binding="on").cpu_plan() is None
 
 
 @needs_two
 def test_the_config_plans_only_when_binding_is_on_on_cpu_and_cpus_are_left(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_quota, "CGROUP_ROOT", tmp_path / "absent")  # no quota
-    plan = make_config(model="smollm2-135m", draft="ngram", worker_threads=1).cpu_plan()
+    plan = make_config(model="smollm2-135m", draft="ngram", worker_threads=1, cpu_binding="on").cpu_plan()
     assert plan == CpuPlan(service=tuple(MASK[:-1]), ranks=((MASK[-1],),), drafter=None)
-    assert make_config(model="smollm2-135m", draft="ngram", worker_threads=1, cpu_binding=False).cpu_plan() is None
-    assert make_config(model="smollm2-135m", draft="ngram", worker_threads=1, device="cuda").cpu_plan() is None
-    assert make_config(model="smollm2-135m", draft="ngram").cpu_plan() is None  # the default threads take them all
+    auto = make_config(model="smollm2-135m", draft="ngram", worker_threads=1).cpu_plan()
+    assert auto == (plan if len(MASK) - 1 >= AUTO_SERVICE_CPUS else None)  # auto leaves two CPUs or binds nothing
+    assert make_config(model="smollm2-135m", draft="ngram", worker_threads=1, cpu_binding="off").cpu_plan() is None
+    assert make_config(model="smollm2-135m", draft="ngram", worker_threads=1, cpu_binding="on",
+                       device="cuda").cpu_plan() is None
+    assert make_config(model="smollm2-135m", draft="ngram", cpu_binding="on").cpu_plan() is None  # threads take all
 
 
 @needs_two
