@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 _Work = tuple[concurrent.futures.Future, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
-def _bind(name: str, cpus: Sequence[int]) -> tuple[int, ...] | None:
-    """Pin the calling thread to `cpus`; None (and a warning) where the kernel refuses them."""
+def bind_thread(name: str, cpus: Sequence[int]) -> tuple[int, ...] | None:
+    """Pin the calling thread (and the threads it starts later: its OpenMP team) to `cpus`; None (and a warning)
+    where the kernel refuses them."""
     try:
         os.sched_setaffinity(0, set(cpus))
     except (OSError, AttributeError) as exc:  # CPUs outside this process's cpuset; no affinity API
@@ -69,7 +70,7 @@ class ComputeThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self.native_id: int = self.call(threading.get_native_id)
-        self.cpus: tuple[int, ...] | None = self.call(_bind, name, cpus) if cpus else None
+        self.cpus: tuple[int, ...] | None = self.call(bind_thread, name, cpus) if cpus else None
         if torch_threads > 0:
             self.call(torch.set_num_threads, torch_threads)
 
@@ -96,7 +97,10 @@ class ComputeThread:
 
         def chain(inner: concurrent.futures.Future[T]) -> None:
             exc = inner.exception()
-            outer.set_result(inner.result()) if exc is None else outer.set_exception(exc)
+            if exc is None:
+                outer.set_result(inner.result())
+            else:
+                outer.set_exception(exc)
 
         def later() -> None:
             try:

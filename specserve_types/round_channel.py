@@ -173,25 +173,28 @@ class ChannelServer:
             threading.Thread(target=self._serve, args=(conn,), name=f"{self.name}-channel", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        adopted = False  # handed to the reader, which closes it
         try:
             conn.settimeout(10.0)
             nonce = secrets.token_bytes(NONCE_BYTES)
             conn.sendall(nonce)
             if not hmac.compare_digest(_recv_exact(conn, 32), _digest(self.secret, nonce)):
                 log.warning("%s channel: a connection without the secret was refused", self.name)
-                conn.close()
                 return
             conn.sendall(b"\1")
             if self.reader is not None:  # the worker's compute thread reads this connection's frames itself
                 conn.settimeout(FRAME_TIMEOUT_S)  # a frame's rest, once its first bytes are in
                 self.reader.watch(conn, lambda: self._read_frame(conn))
+                adopted = True
                 return
             conn.settimeout(None)
             while not self._closed.is_set():
                 self._read_frame(conn)
         except OSError:
             pass  # the caller went away (ChannelLost included)
-        conn.close()
+        finally:
+            if not adopted:
+                conn.close()
 
     def _read_frame(self, conn: socket.socket) -> None:
         """Read one call off the connection and answer it (raises OSError once the connection is done)."""

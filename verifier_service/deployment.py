@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from model_runtime.batch import SeqInput
-from model_runtime.compute_thread import ComputeThread
+from model_runtime.compute_thread import ComputeThread, bind_thread
 from specserve_types.faults import FAULTS, FaultHooks, InjectedFault
 from specserve_types.ray_channel import ChannelHost, link_to
 from specserve_types.round_channel import Handler
@@ -75,10 +74,7 @@ class TPRankActor(ChannelHost):
         if threading.get_ident() in self._sized_threads:
             return
         if self.cpus:
-            try:
-                os.sched_setaffinity(0, set(self.cpus))
-            except OSError as exc:
-                logger.warning("TP rank %d: cannot run on CPUs %s (%s)", self.rank, self.cpus, exc)
+            bind_thread(f"TP rank {self.rank}", self.cpus)
         if self.worker_threads > 0:
             torch.set_num_threads(self.worker_threads)
         self._sized_threads.add(threading.get_ident())

@@ -29,12 +29,11 @@ model threads need. Otherwise None, and nothing is bound. No Ray, no torch.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from cluster.serving.cpu_quota import cgroup_cpu_limit
+from cluster.serving.cpu_quota import available_cpus
 
 __all__ = ["AUTO_SERVICE_CPUS", "CpuPlan", "own_cpus", "plan_cpus", "thread_cpus"]
 
@@ -91,10 +90,7 @@ def own_cpus() -> list[int] | None:
     if not hasattr(os, "sched_getaffinity"):
         return None
     mask = sorted(os.sched_getaffinity(0))
-    limit = cgroup_cpu_limit()
-    if limit is not None and math.floor(limit) < len(mask):
-        return None
-    return mask
+    return mask if available_cpus() == len(mask) else None  # a quota below the mask caps available_cpus
 
 
 @contextlib.contextmanager
