@@ -15,7 +15,8 @@ bind a Serve replica's methods, and the verifier and drafter stay Serve deployme
 
 Same node (same Ray node id): a Linux abstract Unix socket, else TCP on the worker node's address with
 TCP_NODELAY. Every connection proves it holds the endpoint's secret (HMAC-SHA256 of a server nonce) before any
-frame is unpickled; the secret travels only inside Ray. A frame is an 8-byte length and a pickle.
+frame is decoded; the secret travels only inside Ray. A frame is a length, a kind and a payload: the round's hot
+methods (`verify`, `propose`) as typed MessagePack, everything else a pickle (specserve_types/round_codec.py).
 
 A call's reply carries the handler's own seconds, so a client knows its transport's own time: round trip minus
 handler (`ChannelTotals`). Failures: a broken connection raises `ChannelLost` (a ConnectionError), a reply
@@ -30,19 +31,25 @@ import hashlib
 import hmac
 import logging
 import os
-import pickle
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from specserve_types.round_codec import (
+    FRAME_HEADER,
+    CallFrame,
+    decode_answer,
+    decode_call,
+    encode_answer,
+    encode_call,
+)
+
 log = logging.getLogger("specserve.channel")
 
-HEADER = struct.Struct("!Q")
 NONCE_BYTES = 32
 MAX_FRAME = 1 << 34  # 16 GiB: a sanity bound on a length read off the wire
 
@@ -103,11 +110,6 @@ class ChannelTotals:
 
 def _digest(secret: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, nonce, hashlib.sha256).digest()
-
-
-def _dumps(value: Any) -> bytes:
-    payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    return HEADER.pack(len(payload)) + payload
 
 
 class ChannelServer:
@@ -200,20 +202,20 @@ class ChannelServer:
         """Read one call off the connection and answer it (raises OSError once the connection is done)."""
         if self._closed.is_set():
             raise ChannelLost("the server closed")
-        (length,) = HEADER.unpack(_recv_exact(conn, HEADER.size))
-        if length > MAX_FRAME:
+        length, kind = FRAME_HEADER.unpack(_recv_exact(conn, FRAME_HEADER.size))
+        if not 1 <= length <= MAX_FRAME:
             log.warning("%s channel: a %d-byte frame refused", self.name, length)
             raise ChannelLost("frame too large")
-        call_id, method, args, kwargs = pickle.loads(_recv_exact(conn, length))
-        self._answer(conn, call_id, method, args, kwargs)
+        self._answer(conn, decode_call(kind, _recv_exact(conn, length - 1)))
 
-    def _answer(self, conn: socket.socket, call_id: int, method: str, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> None:
+    def _answer(self, conn: socket.socket, call: CallFrame) -> None:
         start = time.perf_counter()
+        call_id, method = call.call_id, call.method
         try:
             handler = self.handlers.get(method)
             if handler is None:
                 raise AttributeError(f"{self.name} channel has no method {method!r}")
+            args, kwargs = call.arguments()  # a typed frame's are validated here: an error goes back to the caller
             value = handler(*args, **kwargs)
         except Exception as exc:  # raised at the caller, as a Serve or actor call would
             _reply(conn, call_id, method, False, exc, start)
@@ -233,9 +235,9 @@ def _reply(conn: socket.socket, call_id: int, method: str, ok: bool, value: Any,
     """Send a call's answer (on the connection's thread, or the thread that completed a handler's future)."""
     seconds = time.perf_counter() - start
     try:
-        frame = _dumps((call_id, ok, value, seconds))
-    except Exception as exc:  # an unpicklable answer or exception
-        frame = _dumps((call_id, False, RuntimeError(f"{method}: unpicklable reply: {exc!r}"), seconds))
+        frame = encode_answer(call_id, method, ok, value, seconds)
+    except Exception as exc:  # an answer or exception that neither codec can encode
+        frame = encode_answer(call_id, method, False, RuntimeError(f"{method}: unencodable reply: {exc!r}"), seconds)
     try:
         conn.sendall(frame)
     except OSError:
@@ -243,7 +245,7 @@ def _reply(conn: socket.socket, call_id: int, method: str, ok: bool, value: Any,
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    """`n` bytes, read into one buffer (no copy: pickle, struct and hmac read it as it is)."""
+    """`n` bytes, read into one buffer (no copy: the codecs, struct and hmac read it as it is)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -315,7 +317,7 @@ class ChannelClient:
                 if timeout_s != self._timeout_s:
                     sock.settimeout(timeout_s)
                     self._timeout_s = timeout_s
-                sock.sendall(_dumps((self._next_id, method, args, kwargs)))
+                sock.sendall(encode_call(self._next_id, method, args, kwargs))
             except OSError as exc:
                 self._close_locked()
                 raise ChannelLost(f"{method}: {exc}") from exc
@@ -332,14 +334,21 @@ class ChannelClient:
                 raise ChannelLost(f"{pending.method}: the connection closed before its answer")
             method = pending.method
             try:
-                (length,) = HEADER.unpack(_recv_exact(sock, HEADER.size))
-                reply_id, ok, value, handler_s = pickle.loads(_recv_exact(sock, length))
+                length, kind = FRAME_HEADER.unpack(_recv_exact(sock, FRAME_HEADER.size))
+                if length < 1:
+                    raise ChannelLost(f"an empty frame of kind {kind}")
+                payload = _recv_exact(sock, length - 1)
             except TimeoutError as exc:
                 self._close_locked()
                 raise ChannelTimeout(f"{method}: no reply within {pending.timeout_s}s") from exc
             except OSError as exc:  # ChannelLost included
                 self._close_locked()
                 raise ChannelLost(f"{method}: {exc}") from exc
+            try:
+                reply_id, ok, value, handler_s = decode_answer(kind, payload, method)
+            except Exception as exc:  # a worker of another version, or a corrupt frame: the link is not usable
+                self._close_locked()
+                raise ChannelLost(f"{method}: an answer that does not decode: {exc!r}") from exc
             if reply_id != pending.call_id:
                 self._close_locked()
                 raise ChannelLost(f"{method}: reply {reply_id} to call {pending.call_id}")

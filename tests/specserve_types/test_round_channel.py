@@ -98,7 +98,7 @@ def test_a_handlers_exception_is_raised_at_the_caller_and_the_connection_stays(s
         client.call("fail", "no")
     with pytest.raises(AttributeError, match="no method 'missing'"):
         client.call("missing")
-    with pytest.raises(RuntimeError, match="unpicklable reply"):
+    with pytest.raises(RuntimeError, match="unencodable reply"):
         client.call("unpicklable")
     assert client.call("echo", 7) == ((7,), {})  # same connection
     client.close()
