@@ -10,17 +10,20 @@
     bench kv        the KV-block manager: ledger rounds in process, and the actor's round trip through
                     RemoteKV (cluster/bench/kv.py; starts Ray: run it under scripts/in-netns.sh)
 
-Figures only, never timed assertions. Progress lines go to stderr, tables to stdout.
+Figures only, never timed assertions. Progress lines go to stderr, tables to stdout (bench_tables.py; the spec
+and serve reports: bench_spec_report.py, bench_serve_report.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from cluster.cli.bench_serve_report import format_serve
+from cluster.cli.bench_spec_report import format_spec, plot_spec
+from cluster.cli.bench_tables import table, write_json
 from cluster.cli.client_flags import add_client_flags, apply_client_flags
 from cluster.cli.generate import parse_k
 from specserve_types.api import DRAFT_AUTO, DRAFT_DTYPES, TARGET_DTYPES
@@ -124,7 +127,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     help="reservation_windows off (the ledger call before each verify, as before; for comparison)")
     sv.add_argument("--cpu-binding", choices=("auto", "on", "off"), default="auto",
                     help="ClusterConfig.cpu_binding of the local cluster (and the in-process engine's CPU): auto "
-                         "(default) binds where 2 CPUs are left for the rest, on wherever one is, off never")
+                         "(default: the rest on CPUs of its own where 2 are left, else the compute threads pinned alone), on (the "
+                         "rest off the compute CPUs wherever one is left), off (nothing pinned)")
     sv.add_argument("--grpc-port", type=int, default=None, help="default 9100")
     sv.add_argument("--http-port", type=int, default=None, help="default 8100")
     add_client_flags(sv)
@@ -146,31 +150,6 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return int(args._bench_run(args) or 0)
-
-
-def write_json(result: dict[str, Any], path: Path | None) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"JSON written to {path}", file=sys.stderr)
-
-
-def table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [[_fmt(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
-    return "\n".join(lines)
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.2f}" if abs(value) < 100 else f"{value:.0f}"
-    return str(value)
 
 
 # ---------------------------------------------------------------------- runtime
@@ -241,136 +220,6 @@ def _run_spec(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_spec(result: dict[str, Any]) -> str:
-    s = result["settings"]
-    out = [f"bench spec: {s['model']} (draft {s['draft']}), {len(result['prompts'])} prompts, "
-           f"max {s['max_tokens']} tokens; tok/s = output tokens / wall seconds (prefill included)"]
-    if not result["results"]:  # --llamacpp-only
-        return "\n".join(out + _llamacpp_lines(result))
-    headers = ["T", "batch", "config", "tok/s", "vs plain", "vs hf peer", "peer", "vs hf plain", "accept",
-               "tok/round", "mean k", "draft%", "verify%", "other%", "=plain"]
-    rows = []
-    for r in result["results"]:
-        acc = r.get("acceptance") or {}
-        frac = r.get("time_split_fraction", {})
-        rows.append([r["temperature"], r["batch"], r["label"], r["tokens_per_second"], r["speedup_vs_plain"],
-                     r["speedup_vs_hf_peer"], r["hf_peer"], r["speedup_vs_hf_plain"], acc.get("acceptance_rate"),
-                     acc.get("mean_tokens_per_round"), acc["proposed"] / acc["rounds"] if acc else None,
-                     _pct(frac.get("draft")), _pct(frac.get("verify")),
-                     _pct(sum(frac.get(k, 0.0) for k in ("reconcile", "plan_other", "outside"))),
-                     r.get("same_output_as_plain")])
-    out.append(table(headers, rows))
-    traced = [r for r in result["results"] if r.get("traced")]
-    if traced:
-        out.append("\ntracing on (every span sampled, exported to a JSON-lines file) vs off, same config, same run:")
-        out.append(table(["T", "batch", "config", "tok/s traced", "traced / untraced"],
-                         [[r["temperature"], r["batch"], r["label"], r["tokens_per_second"], r["speedup_vs_untraced"]]
-                          for r in traced]))
-    if result["hf"]:
-        out.append("\ntransformers (batch 1, one prompt at a time):")
-        out.append(table(["T", "mode", "tok/s", "vs hf plain", "=ours plain"],
-                         [[h["temperature"], h["mode"], h["tokens_per_second"], h["speedup_vs_hf_plain"],
-                           h.get("same_output_as_our_plain")] for h in result["hf"]]))
-    cats = [c for c in ("prose", "code", "qa", "summarisation", "copy-edit") if c in s["categories"]]
-    per_cat = [r for r in result["results"] if r["batch"] == 1 and r["draft"] != "none"]
-    if per_cat:
-        out.append("\nbatch 1 speedup over plain decoding per category (acceptance rate in brackets):")
-        out.append(table(["T", "config", *cats], [
-            [r["temperature"], r["label"], *[_cat_cell(r, c) for c in cats]] for r in per_cat]))
-    out.append("\nsurvival s_k per draft position (batch 1):")
-    out.append(table(["T", "config", "s_1..s_k"], [
-        [r["temperature"], r["label"], " ".join(f"{v:.2f}" for v in r["acceptance"]["survival"])]
-        for r in per_cat if r.get("acceptance")]))
-    return "\n".join(out + _llamacpp_lines(result))
-
-
-def _llamacpp_lines(result: dict[str, Any]) -> list[str]:
-    from cluster.bench.llamacpp import tables
-
-    section = result.get("llamacpp")
-    if not section:
-        return []
-    out = [f"{title}\n{table(headers, rows)}" for title, headers, rows in tables(section)]
-    modes = {m["mode"]: m for m in section["modes"]}
-    ours = [r for r in result["results"] if r["batch"] == 1 and r["temperature"] == 0.0]
-    if ours and "plain" in modes:
-        cpu = section["settings"].get("cpu") or "this CPU"
-        peer = "native llama.cpp" if section.get("native") else section["version"]
-        rows = [[r["label"], r["tokens_per_second"], *[r["tokens_per_second"] / modes[m]["tokens_per_second"]
-                                                       if modes[m]["tokens_per_second"] else None for m in modes]]
-                for r in ours]
-        out.append(f"\nours (greedy, batch 1) against {peer} on {cpu}, same prompts, same threads, one run:\n"
-                   + table(["config", "tok/s", *[f"x llama.cpp {m}" for m in modes]], rows))
-    return out
-
-
-def _pct(value: float | None) -> str | None:
-    return None if value is None else f"{100 * value:.0f}"
-
-
-def _cat_cell(row: dict[str, Any], category: str) -> str:
-    speedup = row["by_category_speedup_vs_plain"].get(category)
-    acc = row["by_category"].get(category, {}).get("acceptance")
-    if speedup is None:
-        return "-"
-    return f"{speedup:.2f}" + (f" ({acc['acceptance_rate']:.2f})" if acc else "")
-
-
-def plot_spec(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results = result["results"]
-    groups = sorted({(r["temperature"], r["batch"]) for r in results})
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
-    ax = axes[0]
-    labels, values, colors = [], [], []
-    for temperature, batch in groups:
-        for r in [r for r in results if (r["temperature"], r["batch"]) == (temperature, batch)]:
-            labels.append(f"T={temperature:g} b={batch}\n{r['label']}")
-            values.append(r["tokens_per_second"])
-            colors.append({"none": "grey", "model": "tab:blue", "ngram": "tab:orange", "suffix": "tab:red"}[r["draft"]])
-        if batch == 1:
-            for h in [h for h in result["hf"] if h["temperature"] == temperature]:
-                labels.append(f"T={temperature:g} b=1\nhf {h['mode']}")
-                values.append(h["tokens_per_second"])
-                colors.append("tab:green")
-    ax.bar(range(len(values)), values, color=colors)
-    ax.set_xticks(range(len(values)), labels, rotation=90, fontsize=7)
-    ax.set_ylabel("output tokens / s")
-    ax.set_title(f"{result['settings']['model']}: throughput (green: transformers)")
-    ax = axes[1]
-    per_cat = [r for r in results if r["batch"] == 1 and r["draft"] != "none"]
-    cats = [c for c in result["settings"]["categories"]]
-    width = 0.8 / max(1, len(per_cat))
-    for i, r in enumerate(per_cat):
-        ax.bar([j + i * width for j in range(len(cats))],
-               [r["by_category_speedup_vs_plain"].get(c, 0.0) for c in cats], width,
-               label=f"T={r['temperature']:g} {r['label']}")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats)
-    ax.set_ylabel("speedup over plain decoding (batch 1)")
-    ax.set_title("per category")
-    ax.legend(fontsize=6, ncol=2)
-    ax = axes[2]
-    for r in per_cat:
-        if r.get("acceptance"):
-            surv = r["acceptance"]["survival"]
-            ax.plot(range(1, len(surv) + 1), surv, marker="o", label=f"T={r['temperature']:g} {r['label']}")
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("s_k = P(first k drafts accepted)")
-    ax.set_ylim(0, 1.02)
-    ax.set_title("acceptance per position (batch 1)")
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"plot written to {path}", file=sys.stderr)
-
-
 # ---------------------------------------------------------------------- serve
 def _run_serve(args: argparse.Namespace) -> int:
     from cluster.bench.serve import ServeBenchSettings, run_serve_bench
@@ -389,55 +238,6 @@ def _run_serve(args: argparse.Namespace) -> int:
     write_json(result, args.json_out)
     print(format_serve(result))
     return 0
-
-
-def format_serve(result: dict[str, Any]) -> str:
-    s = result["settings"]
-    ms = 1000.0
-
-    def dist(row: dict[str, Any], key: str, stat: str) -> float | None:
-        values = row[key]
-        return None if values is None else values[stat] * ms
-
-    out = [f"bench serve: {s['model']} (draft {s['draft']}) through gRPC, greedy, max {s['max_tokens']} tokens; "
-           f"latencies in ms, ITL per token (chunk = m tokens at once); SLO TTFT <= {s['slo_ttft_s'] * ms:.0f} ms "
-           f"and TPOT <= {s['slo_tpot_s'] * ms:.0f} ms"]
-    headers = ["conc", "mode", "reqs", "tok/s", "TTFT p50", "TTFT p99", "TPOT mean", "TPOT p99", "ITL p50",
-               "ITL p90", "ITL p99", "goodput/s", "SLO %", "accept", "tok/round", "=plain"]
-    rows = []
-    for r in result["levels"]:
-        acc = r.get("acceptance") or {}
-        rows.append([r["concurrency"], r["mode"], r["requests"], r["output_tokens_per_second"],
-                     dist(r, "ttft_seconds", "p50"), dist(r, "ttft_seconds", "p99"), dist(r, "tpot_seconds", "mean"),
-                     dist(r, "tpot_seconds", "p99"), dist(r, "itl_seconds", "p50"), dist(r, "itl_seconds", "p90"),
-                     dist(r, "itl_seconds", "p99"), r["goodput_requests_per_second"], _pct(r["slo_attainment"]),
-                     acc.get("acceptance_rate"), acc.get("mean_tokens_per_round"), r.get("same_output_as_plain")])
-    out.append(table(headers, rows))
-    if result["inprocess_overhead"]:
-        out.append("\ncluster overhead vs the in-process engine, concurrency 1, same requests (goal <= 10%):")
-        out.append(table(
-            ["mode", "reqs", "e2e ms", "in-proc ms", "e2e +%", "TTFT +%", "TPOT +%", "<=10%", "=in-proc"],
-            [[o["mode"], o["requests"], o["cluster"]["latency_seconds"] * ms, o["inprocess"]["latency_seconds"] * ms,
-              _pct(o["latency_overhead"]), _pct(o["ttft_overhead"]), _pct(o["tpot_overhead"]), o["meets_goal_10pct"],
-              o["same_output"]] for o in result["inprocess_overhead"]]))
-    split = result.get("round_split_concurrency_1") or {}
-    if all(split.get(side) for side in ("cluster", "inprocess")):
-        out.append("\nper engine round at concurrency 1 (ms; verify as timed in the verifier, verify_hop = the rest of "
-                   "its call, draft = the propose call, kv = reserve + commit calls, other = planning, acceptance):")
-        parts = ["round", "verify", "verify_hop", "draft", "kv", "other"]
-        out.append(table(["side", "rounds", *parts], [[side, split[side]["rounds"], *[split[side][f"{p}_ms"] for p in parts]]
-                                                      for side in ("cluster", "inprocess")]))
-        hops = [p for p in ("verifier_transport", "drafter_transport", "kv_transport", "kv_ahead_wait",
-                            "kv_ahead_transport", "hops") if f"{p}_ms" in split["cluster"]]
-        if hops:  # round channels: each one's own time (round trip - the worker's handler), and every hop together
-            out.append(f"cluster round transport: {split['cluster']['transport']}; ms per round: "
-                       + ", ".join(f"{p} {split['cluster'][f'{p}_ms']:.3f}" for p in hops))
-    env = result["environment"]
-    out.append(f"\nCPU: {env['cpu']} ({env['cpu_kernel']} kernels); CPU binding: {env.get('cpu_plan') or 'none'}")
-    out.append(f"load average {env['loadavg_at_start'][0]:.1f} -> {env['loadavg_at_end'][0]:.1f}; "
-               f"KV blocks leaked: {result['cluster']['kv_leaked_blocks']}; "
-               f"fallback events: {len(result['cluster']['fallback_events'])}")
-    return "\n".join(out)
 
 
 # ---------------------------------------------------------------------- kv

@@ -89,9 +89,10 @@ class ClusterConfig(BaseModel):
                                             "shared evenly among the model processes (TP ranks + drafter)")
     cpu_binding: Literal["auto", "on", "off"] = Field(
         "auto", description="on a local Ray node (started by specserve): each model process's compute thread on CPUs "
-        "of its own, everything else on the rest (cluster/serving/cpu_binding.py). auto: only where at least "
-        f"{AUTO_SERVICE_CPUS} CPUs are left for the rest (a replacement replica then still starts on more than one "
-        "core); on: wherever one is left; off: never")
+        "of its own, everything else on the rest (cluster/serving/cpu_binding.py). auto: the rest on CPUs of its own "
+        f"only where at least {AUTO_SERVICE_CPUS} are left (a replacement replica then still starts on more than one "
+        "core), else the compute threads pinned and the rest on every CPU; on: the rest kept off the compute CPUs "
+        "wherever one CPU is left for it; off: nothing pinned")
     gpus_per_worker: float = Field(1.0, gt=0, le=1, description="CUDA only: GPUs per drafter replica and per "
                                    "verifier TP rank (0.5 lets a drafter share a TP=1 verifier's GPU)")
 
@@ -274,8 +275,8 @@ class ClusterConfig(BaseModel):
         beside = self.uses_draft_model and self.overlap_decision(in_process=False).enabled
         plan = plan_cpus(cpus, threads, self.tensor_parallel_size, threads if self.uses_draft_model else None,
                          beside)
-        if plan is None or (self.cpu_binding == "auto" and len(plan.service) < AUTO_SERVICE_CPUS):
-            return None
+        if plan is not None and self.cpu_binding == "auto" and len(plan.service) < AUTO_SERVICE_CPUS:
+            return plan.sharing()
         return plan
 
     @property

@@ -17,8 +17,14 @@ compute threads the same way.
 
 The trade: Ray's processes and a replacement replica start on the service CPUs only. With one left (2 vCPUs,
 `worker_threads: 1`), a killed scheduler's replacement took 19 s to its first success against 11.5 s unbound
-(`specserve chaos run --scenario scheduler-kill`, 2026-12-03), so `cpu_binding: auto` (the default) binds only where
-at least AUTO_SERVICE_CPUS CPUs are left; `on` binds wherever one is.
+(`specserve chaos run --scenario scheduler-kill`, 2026-12-03). So `cpu_binding: auto` (the default) gives the rest
+CPUs of its own only where at least AUTO_SERVICE_CPUS are left; with fewer it pins the compute threads alone and
+lets everything else run on every CPU (`CpuPlan.shared`): the forward never migrates and a replacement starts on
+all the cores. `on` keeps the rest off the compute CPUs wherever one CPU is left for it.
+
+    auto, 2 vCPUs, 1 model thread    verifier rank 0: CPU 1; everything else: CPU 0,1 (shared)
+    on,   2 vCPUs, 1 model thread    verifier rank 0: CPU 1; everything else: CPU 0
+    auto, 8 vCPUs, 2 model threads   verifier rank 0: CPU 6,7; everything else: CPU 0-5
 
 A plan exists only where the CPUs are this node's to give: a local Ray that our command starts (`specserve up`
 without `ray_address`, `bench serve`, chaos runs), a mask no larger than the cgroup quota (a pod sharing a node's
@@ -31,28 +37,34 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cluster.serving.cpu_quota import available_cpus
 
 __all__ = ["AUTO_SERVICE_CPUS", "CpuPlan", "own_cpus", "plan_cpus", "thread_cpus"]
 
-AUTO_SERVICE_CPUS = 2  # `cpu_binding: auto` binds only where this many CPUs are left for everything else
+AUTO_SERVICE_CPUS = 2  # `cpu_binding: auto` keeps the rest off the compute CPUs only where this many are left to it
 
 
 @dataclass(frozen=True)
 class CpuPlan:
     """Which CPUs each compute thread and everything else may use (sorted tuples of CPU ids)."""
 
-    service: tuple[int, ...]
+    service: tuple[int, ...]  # everything else (a local Ray's processes, the command's own threads)
     ranks: tuple[tuple[int, ...], ...]  # verifier TP rank r's compute thread
     drafter: tuple[int, ...] | None  # the draft model's compute thread; None: no draft model
+    shared: bool = False  # True: `service` is every CPU, the compute ones included (only the compute threads pinned)
 
     def describe(self) -> str:
         parts = [f"verifier rank {r}: {_cpus(c)}" for r, c in enumerate(self.ranks)]
         if self.drafter is not None:
             parts.append(f"drafter: {_cpus(self.drafter)}")
-        return "; ".join([*parts, f"everything else: {_cpus(self.service)}"])
+        return "; ".join([*parts, f"everything else: {_cpus(self.service)}" + (" (shared)" if self.shared else "")])
+
+    def sharing(self) -> CpuPlan:
+        """The same compute CPUs, with everything else on every CPU (theirs included)."""
+        every = {*self.service, *(c for rank in self.ranks for c in rank), *(self.drafter or ())}
+        return replace(self, service=tuple(sorted(every)), shared=True)
 
 
 def _cpus(cpus: Sequence[int]) -> str:

@@ -110,6 +110,10 @@ def test_everything_else_is_pickled() -> None:
     assert split(encode_call(1, "verify", ({"not": "a batch"},), {}))[0] == KIND_PICKLE  # a test's fake
     assert split(encode_answer(1, "verify", False, ValueError("x"), 0.1))[0] == KIND_PICKLE  # an error
     assert split(encode_answer(1, "verify", True, {"fake": 1}, 0.1))[0] == KIND_PICKLE
+    odd = propose_result()
+    odd.outputs[0].draft_probs = object()  # type: ignore[assignment]  # no MessagePack form: pickled whole
+    kind, payload = split(encode_answer(2, "propose", True, odd, 0.1))
+    assert kind == KIND_PICKLE and decode_answer(kind, payload, "propose")[0] == 2
     kind, payload = split(encode_call(3, "verify", (verify_batch(),), {"extra": 1}))
     args, kwargs = decode_call(kind, payload).arguments()
     assert kwargs == {"extra": 1} and equal(args[0], verify_batch())

@@ -30,6 +30,17 @@ def test_compute_takes_the_last_cpus_and_leaves_the_rest_to_everything_else() ->
     assert plan_cpus(range(4), 2, drafter_threads=2) == CpuPlan(service=(0, 1), ranks=((2, 3),), drafter=(2, 3))
 
 
+def test_a_shared_plan_pins_the_compute_threads_and_gives_the_rest_every_cpu() -> None:
+    plan = plan_cpus([0, 1], 1)
+    assert plan is not None and not plan.shared
+    shared = plan.sharing()
+    assert shared == CpuPlan(service=(0, 1), ranks=((1,),), drafter=None, shared=True)
+    assert shared.describe() == "verifier rank 0: CPU 1; everything else: CPU 0,1 (shared)"
+    beside = plan_cpus(range(4), 1, drafter_threads=1, drafter_beside=True)
+    assert beside is not None and beside.sharing().service == (0, 1, 2, 3)
+    assert beside.sharing().ranks == beside.ranks and beside.sharing().drafter == beside.drafter
+
+
 def test_no_plan_when_the_model_threads_need_every_cpu() -> None:
     assert plan_cpus([0, 1], 2) is None
     assert plan_cpus(range(4), 2, ranks=2) is None
@@ -61,7 +72,9 @@ def test_the_config_plans_only_when_binding_is_on_on_cpu_and_cpus_are_left(tmp_p
     plan = make_config(model="smollm2-135m", draft="ngram", worker_threads=1, cpu_binding="on").cpu_plan()
     assert plan == CpuPlan(service=tuple(MASK[:-1]), ranks=((MASK[-1],),), drafter=None)
     auto = make_config(model="smollm2-135m", draft="ngram", worker_threads=1).cpu_plan()
-    assert auto == (plan if len(MASK) - 1 >= AUTO_SERVICE_CPUS else None)  # auto leaves two CPUs or binds nothing
+    # auto leaves two CPUs to the rest, or pins the compute threads alone and shares every CPU with the rest
+    assert plan is not None
+    assert auto == (plan if len(MASK) - 1 >= AUTO_SERVICE_CPUS else plan.sharing())
     assert make_config(model="smollm2-135m", draft="ngram", worker_threads=1, cpu_binding="off").cpu_plan() is None
     assert make_config(model="smollm2-135m", draft="ngram", worker_threads=1, cpu_binding="on",
                        device="cuda").cpu_plan() is None
