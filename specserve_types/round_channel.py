@@ -43,7 +43,6 @@ from specserve_types.round_codec import (
     FRAME_HEADER,
     CallFrame,
     decode_answer,
-    decode_call,
     encode_answer,
     encode_call,
 )
@@ -202,11 +201,7 @@ class ChannelServer:
         """Read one call off the connection and answer it (raises OSError once the connection is done)."""
         if self._closed.is_set():
             raise ChannelLost("the server closed")
-        length, kind = FRAME_HEADER.unpack(_recv_exact(conn, FRAME_HEADER.size))
-        if not 1 <= length <= MAX_FRAME:
-            log.warning("%s channel: a %d-byte frame refused", self.name, length)
-            raise ChannelLost("frame too large")
-        self._answer(conn, decode_call(kind, _recv_exact(conn, length - 1)))
+        self._answer(conn, CallFrame(*_recv_frame(conn)))
 
     def _answer(self, conn: socket.socket, call: CallFrame) -> None:
         start = time.perf_counter()
@@ -242,6 +237,15 @@ def _reply(conn: socket.socket, call_id: int, method: str, ok: bool, value: Any,
         conn.sendall(frame)
     except OSError:
         pass  # the caller went away: its connection thread ends on its next read
+
+
+def _recv_frame(sock: socket.socket) -> tuple[int, bytearray]:
+    """One frame's kind and payload (round_codec.py); ChannelLost for a length no frame has."""
+    length, kind = FRAME_HEADER.unpack(_recv_exact(sock, FRAME_HEADER.size))
+    if not 1 <= length <= MAX_FRAME:
+        log.warning("channel: a %d-byte frame refused", length)
+        raise ChannelLost(f"a {length}-byte frame")
+    return kind, _recv_exact(sock, length - 1)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -334,10 +338,7 @@ class ChannelClient:
                 raise ChannelLost(f"{pending.method}: the connection closed before its answer")
             method = pending.method
             try:
-                length, kind = FRAME_HEADER.unpack(_recv_exact(sock, FRAME_HEADER.size))
-                if length < 1:
-                    raise ChannelLost(f"an empty frame of kind {kind}")
-                payload = _recv_exact(sock, length - 1)
+                kind, payload = _recv_frame(sock)
             except TimeoutError as exc:
                 self._close_locked()
                 raise ChannelTimeout(f"{method}: no reply within {pending.timeout_s}s") from exc

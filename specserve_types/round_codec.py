@@ -30,8 +30,8 @@ import numpy as np
 
 from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
 
-__all__ = ["FRAME_HEADER", "KIND_MSGPACK", "KIND_PICKLE", "METHODS", "CallFrame", "MethodTypes", "decode_answer", "decode_call", "encode_answer",
-           "encode_call"]
+__all__ = ["FRAME_HEADER", "KIND_MSGPACK", "KIND_PICKLE", "METHODS", "CallFrame", "MethodTypes", "decode_answer",
+           "encode_answer", "encode_call"]
 
 FRAME_HEADER = struct.Struct("!QB")  # length (kind + payload), kind
 _CALL_HEAD = struct.Struct("!QB")  # call_id, len(method)
@@ -107,7 +107,8 @@ def encode_call(call_id: int, method: str, args: tuple[Any, ...], kwargs: dict[s
 
 
 class CallFrame:
-    """A decoded call's head; `arguments()` decodes the rest (on the handler's side of its error handling)."""
+    """A received call: its head decoded at once, `arguments()` the rest (inside the server's error handling, so a
+    call whose arguments do not validate is answered with the error)."""
 
     def __init__(self, kind: int, payload: bytearray) -> None:
         self._kind = kind
@@ -130,10 +131,6 @@ class CallFrame:
         if decoder is None:
             raise ValueError(f"{self.method}: no typed form of its arguments")
         return (decoder.decode(self._raw),), {}
-
-
-def decode_call(kind: int, payload: bytearray) -> CallFrame:
-    return CallFrame(kind, payload)
 
 
 def encode_answer(call_id: int, method: str, ok: bool, value: Any, seconds: float) -> bytes:

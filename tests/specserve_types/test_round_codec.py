@@ -17,8 +17,8 @@ from specserve_types.round_codec import (
     FRAME_HEADER,
     KIND_MSGPACK,
     KIND_PICKLE,
+    CallFrame,
     decode_answer,
-    decode_call,
     encode_answer,
     encode_call,
 )
@@ -85,7 +85,7 @@ def test_a_hot_call_travels_typed_and_decodes_to_the_same_values(batch: Any) -> 
     method = "verify" if isinstance(batch, VerifyBatch) else "propose"
     kind, payload = split(encode_call(41, method, (batch,), {}))
     assert kind == KIND_MSGPACK
-    call = decode_call(kind, payload)
+    call = CallFrame(kind, payload)
     assert (call.call_id, call.method) == (41, method)
     args, kwargs = call.arguments()
     assert kwargs == {} and len(args) == 1 and equal(args[0], batch)
@@ -115,14 +115,14 @@ def test_everything_else_is_pickled() -> None:
     kind, payload = split(encode_answer(2, "propose", True, odd, 0.1))
     assert kind == KIND_PICKLE and decode_answer(kind, payload, "propose")[0] == 2
     kind, payload = split(encode_call(3, "verify", (verify_batch(),), {"extra": 1}))
-    args, kwargs = decode_call(kind, payload).arguments()
+    args, kwargs = CallFrame(kind, payload).arguments()
     assert kwargs == {"extra": 1} and equal(args[0], verify_batch())
 
 
 def test_numpy_scalars_travel_as_numbers() -> None:
     batch = verify_batch()
     batch.items[0].draft_ids = [np.int64(11), np.int64(12), np.int64(13)]  # type: ignore[list-item]
-    args, _ = decode_call(*split(encode_call(1, "verify", (batch,), {}))).arguments()
+    args, _ = CallFrame(*split(encode_call(1, "verify", (batch,), {}))).arguments()
     assert args[0].items[0].draft_ids == [11, 12, 13]
 
 
@@ -131,19 +131,19 @@ def test_typed_arguments_are_validated_as_their_constructors_validate() -> None:
     payload = split(encode_call(1, "verify", (verify_batch(),), {}))[1]
     raw = msgspec.msgpack.decode(payload[head:])
     raw["items"][0]["sampling"]["temperature"] = -1.0  # what the constructor refuses
-    call = decode_call(KIND_MSGPACK, payload[:head] + msgspec.msgpack.encode(raw))
+    call = CallFrame(KIND_MSGPACK, payload[:head] + msgspec.msgpack.encode(raw))
     assert call.method == "verify"
     with pytest.raises(msgspec.ValidationError, match="temperature: must be a finite number"):
         call.arguments()  # SamplingParams' own check, reported with where it failed
     raw["items"][0]["sampling"]["temperature"] = 0.0
     raw["items"][0]["input_ids"] = "not a list"
     with pytest.raises(msgspec.ValidationError):
-        decode_call(KIND_MSGPACK, payload[:head] + msgspec.msgpack.encode(raw)).arguments()
+        CallFrame(KIND_MSGPACK, payload[:head] + msgspec.msgpack.encode(raw)).arguments()
 
 
 def test_an_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="kind"):
-        decode_call(9, bytearray(b"x"))
+        CallFrame(9, bytearray(b"x"))
     with pytest.raises(ValueError, match="kind"):
         decode_answer(9, bytearray(b"x"), "verify")
 
