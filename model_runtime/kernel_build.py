@@ -38,6 +38,24 @@ def build_dir(isa: str) -> Path:
     return path
 
 
+STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a process killed mid-build
+
+
+def clear_stale_lock(folder: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove torch's build lock (`folder/lock`) when it is older than `max_age_s`: a process killed while it built
+    leaves the lock behind, and torch's loader then waits for it forever in every later process. True if removed."""
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    log.warning("removing a build lock left %.0f s ago by a build that never finished: %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def build_extension(what: str, name: str, source: Path, cflags: list[str], folder: str,
                     isa: str) -> tuple[ModuleType | None, str]:
     """Build (or load the cached build of) one C++ source as torch extension `name`: (module, isa), or (None, why).
@@ -50,8 +68,10 @@ def build_extension(what: str, name: str, source: Path, cflags: list[str], folde
         start = time.perf_counter()
         log.info("loading the %s kernels (the first build on a machine takes about a minute)", what)
         digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+        folder_path = build_dir(folder)
+        clear_stale_lock(folder_path)
         module = load(name=name, sources=[str(source)], extra_cflags=[*cflags, f"-DSPECSERVE_SOURCE={digest}"],
-                      build_directory=str(build_dir(folder)), verbose=False)
+                      build_directory=str(folder_path), verbose=False)
     except Exception as exc:  # a missing compiler or a failed build: say so
         return None, f"off: the {what} kernels did not build ({type(exc).__name__}: {str(exc).strip()[:200]})"
     assert module.isa() == isa, (module.isa(), isa)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -211,6 +212,28 @@ def cluster_snapshot(client: SpecServeClient) -> dict[str, Any]:
     return {**stats["engine"], "transport": stats.get("transport")}
 
 
+BOOTSTRAP_SAMPLES = 2000
+BOOTSTRAP_SEED = 0
+
+
+def paired_ratio_interval(cluster: Sequence[float], inprocess: Sequence[float], level: float = 0.90,
+                          samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> tuple[float, float] | None:
+    """A percentile bootstrap interval for sum(cluster) / sum(inprocess), resampling the requests as pairs (each
+    request ran on both sides back to back, so a burst of the host's load falls on a pair, not on one side's mean).
+    None with fewer than two pairs. Seeded: the same timings give the same interval."""
+    pairs = [(c, i) for c, i in zip(cluster, inprocess, strict=True)]
+    if len(pairs) < 2:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(samples):
+        draw = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        ratios.append(sum(c for c, _ in draw) / sum(i for _, i in draw))
+    ratios.sort()
+    tail = (1.0 - level) / 2
+    return ratios[int(tail * (samples - 1))], ratios[int((1.0 - tail) * (samples - 1))]
+
+
 def overhead_row(mode: str, cluster: list[RequestTiming], inprocess: list[RequestTiming]) -> dict[str, Any]:
     def mean(values: list[float | None]) -> float:
         present = [v for v in values if v is not None]
@@ -219,9 +242,22 @@ def overhead_row(mode: str, cluster: list[RequestTiming], inprocess: list[Reques
     sides = {name: {"latency_seconds": mean([t.latency for t in ts]), "ttft_seconds": mean([t.ttft for t in ts]),
                     "tpot_seconds": mean([t.tpot for t in ts])} for name, ts in (("cluster", cluster),
                                                                                   ("inprocess", inprocess))}
+    # the work each side did for the same tokens: where the auto policies drafted differently (each times its own
+    # costs), the rounds differ, and the overhead is the policy's as much as the transport's
+    work = {name: {"rounds": sum(int((t.stats or {}).get("rounds", 0)) for t in ts),
+                   "drafted": sum(int(((t.stats or {}).get("acceptance") or {}).get("proposed", 0)) for t in ts),
+                   "per_request": [{"rounds": (t.stats or {}).get("rounds"), "latency_ms": round(1000 * t.latency, 2)
+                                    if t.latency is not None else None,
+                                    "ttft_ms": round(1000 * t.ttft, 2) if t.ttft is not None else None}
+                                   for t in ts]}
+            for name, ts in (("cluster", cluster), ("inprocess", inprocess))}
     overhead = {f"{key.removesuffix('_seconds')}_overhead": sides["cluster"][key] / sides["inprocess"][key] - 1.0
                 if sides["inprocess"][key] > 0 else None for key in sides["cluster"]}
-    return {"mode": mode, "requests": len(cluster), **sides, **overhead,
+    latencies = [(c.latency, i.latency) for c, i in zip(cluster, inprocess, strict=True)
+                 if c.latency is not None and i.latency is not None]
+    interval = paired_ratio_interval([c for c, _ in latencies], [i for _, i in latencies])
+    overhead["latency_overhead_ci90"] = None if interval is None else [interval[0] - 1.0, interval[1] - 1.0]
+    return {"mode": mode, "requests": len(cluster), **sides, **overhead, "work": work,
             "meets_goal_10pct": overhead["latency_overhead"] is not None and overhead["latency_overhead"] <= 0.10,
             "same_output": same_output(cluster, inprocess)}
 

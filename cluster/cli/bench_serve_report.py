@@ -7,6 +7,18 @@ from typing import Any
 from cluster.cli.bench_tables import pct, table
 
 
+def interval_cell(interval: list[float] | None) -> str:
+    return "-" if not interval else f"{pct(interval[0])}..{pct(interval[1])}"
+
+
+def work_cells(overhead: dict[str, Any]) -> list[str]:
+    """Rounds and drafted tokens, cluster / in process, for the same requests (absent in older JSON)."""
+    work = overhead.get("work")
+    if not work:
+        return ["-", "-"]
+    return [f"{work['cluster'][key]} / {work['inprocess'][key]}" for key in ("rounds", "drafted")]
+
+
 def format_serve(result: dict[str, Any]) -> str:
     s = result["settings"]
     ms = 1000.0
@@ -30,12 +42,15 @@ def format_serve(result: dict[str, Any]) -> str:
                      acc.get("acceptance_rate"), acc.get("mean_tokens_per_round"), r.get("same_output_as_plain")])
     out.append(table(headers, rows))
     if result["inprocess_overhead"]:
-        out.append("\ncluster overhead vs the in-process engine, concurrency 1, same requests (goal <= 10%):")
+        out.append("\ncluster overhead vs the in-process engine, concurrency 1, same requests (goal <= 10%; 90% CI: "
+                   "a paired bootstrap over the requests; rounds and drafted tokens cluster / in process):")
         out.append(table(
-            ["mode", "reqs", "e2e ms", "in-proc ms", "e2e +%", "TTFT +%", "TPOT +%", "<=10%", "=in-proc"],
+            ["mode", "reqs", "e2e ms", "in-proc ms", "e2e +%", "90% CI", "TTFT +%", "TPOT +%", "<=10%", "=in-proc",
+             "rounds", "drafted"],
             [[o["mode"], o["requests"], o["cluster"]["latency_seconds"] * ms, o["inprocess"]["latency_seconds"] * ms,
-              pct(o["latency_overhead"]), pct(o["ttft_overhead"]), pct(o["tpot_overhead"]), o["meets_goal_10pct"],
-              o["same_output"]] for o in result["inprocess_overhead"]]))
+              pct(o["latency_overhead"]), interval_cell(o.get("latency_overhead_ci90")), pct(o["ttft_overhead"]),
+              pct(o["tpot_overhead"]), o["meets_goal_10pct"],
+              o["same_output"], *work_cells(o)] for o in result["inprocess_overhead"]]))
     split = result.get("round_split_concurrency_1") or {}
     if all(split.get(side) for side in ("cluster", "inprocess")):
         out.append("\nper engine round at concurrency 1 (ms; verify as timed in the verifier, verify_hop = the rest of "

@@ -55,6 +55,22 @@ def test_summary_goodput_and_itl_zeros() -> None:
 
 
 @pytest.mark.timeout(180)
+def test_paired_interval_brackets_the_ratio_and_narrows_with_pairs() -> None:
+    from cluster.bench.serve import paired_ratio_interval
+
+    inprocess = [1.0, 1.2, 0.9, 1.1, 1.0, 1.3, 0.8, 1.0]
+    cluster = [x * f for x, f in zip(inprocess, [1.02, 1.10, 0.98, 1.06, 1.01, 1.12, 0.99, 1.04], strict=True)]
+    low, high = paired_ratio_interval(cluster, inprocess)
+    ratio = sum(cluster) / sum(inprocess)
+    assert low < ratio < high and 0.98 <= low and high <= 1.12
+    wide = paired_ratio_interval(cluster[:3], inprocess[:3])
+    assert wide is not None and wide[1] - wide[0] >= (high - low) * 0.9  # fewer pairs, no narrower
+    assert paired_ratio_interval(cluster, inprocess) == (low, high)  # seeded
+    assert paired_ratio_interval(cluster[:1], inprocess[:1]) is None
+    same = paired_ratio_interval([2.0, 3.0, 4.0], [1.0, 1.5, 2.0])  # every pair at 2x: no spread
+    assert same == (2.0, 2.0)
+
+
 def test_bench_serve_smoke(ray_session: Any, smollm2_dir: Path, tmp_path: Path,
                            capsys: pytest.CaptureFixture[str]) -> None:
     from cluster.cli import main
@@ -84,6 +100,10 @@ def test_bench_serve_smoke(ray_session: Any, smollm2_dir: Path, tmp_path: Path,
         assert o["same_output"] == 1.0 and o["requests"] == 2
         assert o["cluster"]["latency_seconds"] > 0 and o["inprocess"]["latency_seconds"] > 0
         assert o["latency_overhead"] > -1.0 and isinstance(o["meets_goal_10pct"], bool)
+        for side in ("cluster", "inprocess"):  # the same tokens: at least one round per request on each side
+            assert o["work"][side]["rounds"] >= o["requests"] and o["work"][side]["drafted"] >= 0
+        if o["mode"] == "plain":
+            assert o["work"]["cluster"]["drafted"] == o["work"]["inprocess"]["drafted"] == 0
     for side in ("cluster", "inprocess"):
         split = result["round_split_concurrency_1"][side]
         assert split["rounds"] > 0 and split["round_ms"] >= split["verify_ms"] > 0
