@@ -5,13 +5,19 @@
 #
 #   scripts/build-llamacpp.sh            build (or reuse) and print the bin folder
 #   LLAMACPP_NATIVE=OFF scripts/...      a portable build (-DGGML_NATIVE=OFF), e.g. where the native one dies
+#   LLAMACPP_AMX=OFF scripts/...         native, without llama.cpp's AMX kernels (-mno-amx-*): on the Sapphire Rapids
+#                                        machines of this project they crash in prompt processing (SIGSEGV in
+#                                        ggml_backend_amx_mul_mat, ggml-org/llama.cpp#20824); decoding alone runs
 #
 # The flags are recorded beside the binaries (build-info.txt) and in every bench JSON that uses them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=0.3.36
 NATIVE="${LLAMACPP_NATIVE:-ON}"
-ROOT="${SPECSERVE_CACHE:-$HOME/.cache/specserve}/llamacpp/$VERSION-native-$NATIVE"
+AMX="${LLAMACPP_AMX:-ON}"
+SUFFIX=""
+[ "$AMX" = "OFF" ] && SUFFIX="-noamx"
+ROOT="${SPECSERVE_CACHE:-$HOME/.cache/specserve}/llamacpp/$VERSION-native-$NATIVE$SUFFIX"
 BIN="$ROOT/build/bin"
 TARGETS=(llama-bench llama-cli llama-speculative-simple llama-server)
 if [ -f "$ROOT/build-info.txt" ] && for t in "${TARGETS[@]}"; do [ -x "$BIN/$t" ] || exit 1; done; then
@@ -31,6 +37,10 @@ if [ ! -d "$ROOT/src/vendor/llama.cpp" ]; then
 fi
 FLAGS=(-DGGML_NATIVE="$NATIVE" -DGGML_OPENMP=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
        -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release)
+if [ "$AMX" = "OFF" ]; then
+  FLAGS+=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+          "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+fi
 echo "configuring: cmake ${FLAGS[*]}" >&2
 cmake -S "$ROOT/src/vendor/llama.cpp" -B "$ROOT/build" "${FLAGS[@]}" > "$ROOT/cmake-configure.log" 2>&1 \
   || { tail -30 "$ROOT/cmake-configure.log" >&2; exit 1; }

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.llamacpp import PLAIN, LlamaCppMissingError, LlamaCppRun, LlamaCppSettings, summarise
+from model_runtime.kernel_build import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +40,24 @@ BUILD_HINT = ("native llama.cpp is not built: run `scripts/build-llamacpp.sh` (~
               "folder of the binaries), or pass --llamacpp-bin DIR / set SPECSERVE_LLAMACPP_BIN")
 
 
+AMX_CRASH_HINT = ("llama.cpp's AMX kernels crash in prompt processing on some AMX CPUs (SIGSEGV in "
+                  "ggml_backend_amx_mul_mat, ggml-org/llama.cpp#20824): build it without them, "
+                  "`LLAMACPP_AMX=OFF scripts/build-llamacpp.sh`, which the bench then prefers on this CPU")
+
+
 def default_bin_dir() -> Path:
-    """Where scripts/build-llamacpp.sh puts the binaries (its native build; LLAMACPP_NATIVE=OFF: the portable one)."""
+    """Where scripts/build-llamacpp.sh puts the binaries: its native build (on an AMX CPU its build without the AMX
+    kernels first, when there is one: the AMX kernels crash there, AMX_CRASH_HINT), else the portable one."""
     configured = os.environ.get("SPECSERVE_LLAMACPP_BIN")
     if configured:
         return Path(configured).expanduser()
-    root = Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve")).expanduser()
-    native = root / "llamacpp" / f"{VERSION}-native-ON" / "build" / "bin"
-    portable = root / "llamacpp" / f"{VERSION}-native-OFF" / "build" / "bin"
-    return native if (native / "llama-server").exists() or not (portable / "llama-server").exists() else portable
+    root = Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve")).expanduser() / "llamacpp"
+    names = [f"{VERSION}-native-ON", f"{VERSION}-native-ON-noamx", f"{VERSION}-native-OFF"]
+    if "amx_int8" in cpu_flags():
+        names.insert(0, names.pop(1))
+    folders = [root / name / "build" / "bin" for name in names]
+    return next((folder for folder in folders if (folder / "llama-server").exists()),
+                root / f"{VERSION}-native-ON" / "build" / "bin")  # nothing built: where the script's default goes
 
 
 def require_binaries(bin_dir: Path | None = None) -> Path:
@@ -102,7 +113,9 @@ class _Server:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {self.proc.returncode}: {log_path.read_text()[-1500:]}")
+                hint = f" ({AMX_CRASH_HINT})" if self.proc.returncode == -signal.SIGSEGV and "amx_int8" in cpu_flags() \
+                    else ""
+                raise RuntimeError(f"llama-server exited {self.proc.returncode}{hint}: {log_path.read_text()[-1500:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
                     if r.status == 200:

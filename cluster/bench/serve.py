@@ -322,7 +322,7 @@ def _measure(s: ServeBenchSettings, client: SpecServeClient, prompt_ids: list[li
             run_in_process(engine, f"warmup-{mode}", prompt_ids[-1], s.mode_fields(mode), WARMUP_TOKENS,
                            inprocess_cpus)
     cycle = itertools.cycle(prompt_ids)
-    levels, overheads, rounds = [], [], {}
+    levels, overheads, rounds, costs = [], [], {}, {}
     for level_index, concurrency in enumerate(s.concurrency):
         prompts = [next(cycle) for _ in range(s.requests_at(concurrency))]
         progress(f"concurrency {concurrency}: {len(prompts)} requests per mode, max {s.max_tokens} tokens")
@@ -334,6 +334,9 @@ def _measure(s: ServeBenchSettings, client: SpecServeClient, prompt_ids: list[li
                 overheads = [overhead_row(m, runs[m]["cluster"], runs[m]["inprocess"]) for m in MODES]
                 rounds = {"cluster": round_split(before["cluster"], cluster_snapshot(client)),
                           "inprocess": round_split(before["inprocess"], engine.stats())}
+                # each side's auto policy starts from its own warm-up's costs (seconds by rows scored): where they
+                # differ, the two sides may draft differently on the first requests
+                costs = {side: before[side].get("cost_model") for side in ("cluster", "inprocess")}
         else:
             order = MODES if level_index % 2 == 0 else MODES[::-1]
             timed = {m: run_level(client, prompts, concurrency, s.mode_fields(m), s.max_tokens) for m in order}
@@ -344,7 +347,7 @@ def _measure(s: ServeBenchSettings, client: SpecServeClient, prompt_ids: list[li
     stats = client.stats()
     env["loadavg_at_end"] = list(os.getloadavg())
     return {"settings": asdict(s), "environment": env, "levels": levels, "inprocess_overhead": overheads,
-            "round_split_concurrency_1": rounds,
+            "round_split_concurrency_1": rounds, "cost_models_at_concurrency_1": costs,
             "cluster": {"kv_leaked_blocks": stats["kv"]["leaked_blocks"], "scheduler": stats["scheduler"],
                         "fallback_events": stats["engine"].get("fallback_events", []),
                         "transport": stats.get("transport")}}

@@ -253,3 +253,29 @@ def test_native_llama_cpp_greedy_speculation_on_smollm2(smollm2_dir: Path, tmp_p
         assert report["settings"]["cpu"] and report["build"]
     finally:
         peer.close()
+
+
+def test_the_bench_prefers_llamacpp_without_amx_kernels_on_an_amx_cpu(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Native llama.cpp's AMX kernels crash in prompt processing on AMX CPUs (llama.cpp#20824): the build without
+    them (LLAMACPP_AMX=OFF) comes first there when it exists; elsewhere the native build does."""
+    import cluster.bench.llamacpp_native as native
+
+    monkeypatch.delenv("SPECSERVE_LLAMACPP_BIN", raising=False)
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    root = tmp_path / "llamacpp"
+
+    def build(name: str) -> Path:
+        folder = root / f"{native.VERSION}-{name}" / "build" / "bin"
+        folder.mkdir(parents=True)
+        (folder / "llama-server").touch()
+        return folder
+
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "amx_int8"}))
+    assert native.default_bin_dir() == root / f"{native.VERSION}-native-ON" / "build" / "bin"  # nothing built yet
+    with_amx = build("native-ON")
+    assert native.default_bin_dir() == with_amx
+    without_amx = build("native-ON-noamx")
+    assert native.default_bin_dir() == without_amx
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f"}))
+    assert native.default_bin_dir() == with_amx
