@@ -12,8 +12,9 @@ it at ~27-29 GB/s (fp32 MKL's rate) for 1..16 rows alike and gives a row the sam
 
 The build uses torch's C++ extension loader (a C++ compiler and ninja; the ninja wheel is a dependency) into
 `$SPECSERVE_CACHE/kernels` (default ~/.cache/specserve/kernels); torch's lock lets concurrent processes wait for
-one build (a lock older than ten minutes, left by a build that was killed, is removed: kernel_build.clear_stale_lock). `SPECSERVE_CPU_KERNEL` naming another path (avx512, avx2, torch) turns it off: model_runtime/cpu_kernels.py
-chooses which kernels a forward runs. Without AMX (`amx_bf16`, `amx_int8`, `amx_tile` in /proc/cpuinfo), a compiler, or the
+one build (a lock older than ten minutes, left by a build that was killed, is removed:
+kernel_build.load_extension). `SPECSERVE_CPU_KERNEL` naming another path (avx512, avx2, torch) turns it off:
+model_runtime/cpu_kernels.py chooses which kernels a forward runs. Without AMX (`amx_bf16`, `amx_int8`, `amx_tile` in /proc/cpuinfo), a compiler, or the
 kernel's permission from Linux, `kernel()` returns None and `status()` says why.
 
 Owner of `_STATE`: this module; set once per process by the first `kernel()` call, then only read.
@@ -24,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -56,36 +56,18 @@ def turned_off() -> bool:
     return requested() not in ("auto", "amx")
 
 
-def _build_dir() -> Path:
-    configured = os.environ.get("SPECSERVE_CACHE")
-    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "specserve"
-    import torch
-
-    path = root / "kernels" / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def _load() -> tuple[ModuleType | None, str]:
     if turned_off():
         return None, f"off: SPECSERVE_CPU_KERNEL={os.environ.get('SPECSERVE_CPU_KERNEL')}"
     if not cpu_has_amx():
         return None, "off: this CPU has no AMX (amx_bf16, amx_int8, amx_tile)"
     try:
-        import ninja  # type: ignore[import-untyped]
-        from torch.utils.cpp_extension import load
+        from model_runtime.kernel_build import build_dir, load_extension
 
-        from model_runtime.kernel_build import clear_stale_lock
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         start = time.perf_counter()
         log.info("loading the AMX kernels (the first build on a machine takes about a minute)")
         header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
-        folder = _build_dir()
-        clear_stale_lock(folder)
-        module = load(name="specserve_amx", sources=[str(p) for p in SOURCES],
-                      extra_cflags=[*CFLAGS, f"-DSPECSERVE_HEADERS={header}"],
-                      build_directory=str(folder), verbose=False)
+        module = load_extension("specserve_amx", SOURCES, [*CFLAGS, f"-DSPECSERVE_HEADERS={header}"], build_dir())
     except Exception as exc:  # a missing compiler or a failed build: fall back, and say so
         return None, f"off: the kernel did not build ({type(exc).__name__}: {str(exc).strip()[:200]})"
     if not module.amx_enable():

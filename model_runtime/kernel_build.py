@@ -29,11 +29,14 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def build_dir(isa: str) -> Path:
-    """One folder per build (torch's loader keeps one build.ninja and object per source in it)."""
+def build_dir(isa: str | None = None) -> Path:
+    """One folder per build (torch's loader keeps one build.ninja and object per source in it): `isa`'s, or with
+    None the folder of this torch and Python (the AMX extension's, amx_kernel.py)."""
     configured = os.environ.get("SPECSERVE_CACHE")
     root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "specserve"
-    path = root / "kernels" / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}" / isa
+    path = root / "kernels" / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    if isa is not None:
+        path = path / isa
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -56,22 +59,27 @@ def clear_stale_lock(folder: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
+def load_extension(name: str, sources: list[Path], cflags: list[str], folder: Path) -> ModuleType:
+    """torch's C++ extension loader (ninja on PATH) building `sources` into `folder`, after clearing a build lock
+    a killed build left there; raises what the build raises."""
+    import ninja  # type: ignore[import-untyped]
+    from torch.utils.cpp_extension import load
+
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    clear_stale_lock(folder)
+    return load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags, build_directory=str(folder),
+                verbose=False)
+
+
 def build_extension(what: str, name: str, source: Path, cflags: list[str], folder: str,
                     isa: str) -> tuple[ModuleType | None, str]:
     """Build (or load the cached build of) one C++ source as torch extension `name`: (module, isa), or (None, why).
     The source's hash is in the flags, so an edited source rebuilds."""
     try:
-        import ninja  # type: ignore[import-untyped]
-        from torch.utils.cpp_extension import load
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         start = time.perf_counter()
         log.info("loading the %s kernels (the first build on a machine takes about a minute)", what)
         digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-        folder_path = build_dir(folder)
-        clear_stale_lock(folder_path)
-        module = load(name=name, sources=[str(source)], extra_cflags=[*cflags, f"-DSPECSERVE_SOURCE={digest}"],
-                      build_directory=str(folder_path), verbose=False)
+        module = load_extension(name, [source], [*cflags, f"-DSPECSERVE_SOURCE={digest}"], build_dir(folder))
     except Exception as exc:  # a missing compiler or a failed build: say so
         return None, f"off: the {what} kernels did not build ({type(exc).__name__}: {str(exc).strip()[:200]})"
     assert module.isa() == isa, (module.isa(), isa)
