@@ -9,10 +9,13 @@
 The engine is never touched from two threads. A round that raises fails every live request with
 finish_reason="error" and aborts it in the engine (rolling back its reservations); the loop goes on.
 
-Held chunks (`hold_chunks_until`): a round's chunks are handed to the event loop once the next round's verify
-request is on its way (the verifier adapter's `on_sent`), not at the round's end: the event loop's streaming
-work then overlaps the verifier's forward instead of this thread's planning and ledger call (the two threads
-share one GIL). A round without a verify call releases them at its end; an idle loop before it waits.
+Held chunks (`hold_chunks_until`): a round's chunks are handed to the event loop once the next round's first
+worker request is on its way (the drafter's propose, or the verify where the round drafts nothing: the adapters'
+`on_sent`), not at the round's end: the event loop's streaming work then overlaps a worker's compute instead of
+this thread's planning and ledger call (the two threads share one GIL). Only a send from this thread releases
+them (with overlap, the propose runs on the draft thread and the verify releases). A round without a worker call
+releases them at its end; an idle loop before it waits. (Released at the verify alone, a Qwen pair's spec chunks
+waited for the propose before each verify: its first token reached the client 60-80 ms after the engine made it.)
 """
 
 from __future__ import annotations
@@ -127,12 +130,19 @@ class EngineLoop:
         self._thread.join(timeout_s)
 
     # -- engine thread ------------------------------------------------------------------------------
-    def hold_chunks_until(self, verifier: Any) -> None:
-        """While building the engine: if its verifier adapter has an `on_sent` hook, hold each round's chunks
-        until the next verify request is sent (module docstring)."""
-        if verifier is not None and hasattr(verifier, "on_sent"):
-            verifier.on_sent = self.release_held
-            self._hold = True
+    def hold_chunks_until(self, *workers: Any) -> None:
+        """While building the engine (on the engine thread): hold each round's chunks until the next request to
+        any of `workers` (the verifier and drafter adapters) with an `on_sent` hook is sent (module docstring)."""
+        for worker in workers:
+            if worker is not None and hasattr(worker, "on_sent"):
+                worker.on_sent = self._sent
+                self._hold = True
+
+    def _sent(self) -> None:
+        """A worker request is on its way: on the engine thread, the held chunks go out; from another thread
+        (the draft thread's propose, with overlap) nothing happens: the held chunks are this thread's."""
+        if threading.current_thread() is self._thread:
+            self.release_held()
 
     def release_held(self) -> None:
         """Deliver the held chunks (engine thread)."""

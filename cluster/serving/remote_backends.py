@@ -80,20 +80,24 @@ class HandleVerifier:
 class HandleDrafter:
     """Serve's router waits for a live replica without limit (a killed replica's calls are re-routed to
     its replacement), so an unanswered propose call is cancelled after `timeout_s` and raised as
-    DrafterUnavailable: the engine decodes plainly meanwhile instead of stalling every request."""
+    DrafterUnavailable: the engine decodes plainly meanwhile instead of stalling every request. `on_sent`, when set
+    (as HandleVerifier's), runs on the calling thread once each propose request is on its way."""
 
     def __init__(self, handle: Any, timeout_s: float | None = None, transport: str = "channel") -> None:
         self.handle = handle
         self.timeout_s = timeout_s
         self.link = serve_link(handle, timeout_s) if transport == "channel" else None
+        self.on_sent: Callable[[], None] | None = None
 
     def propose(self, batch: ProposeBatch) -> ProposeResult:
         if self.link is not None:
             try:
-                return self.link.call("propose", batch, timeout_s=self.timeout_s)
+                return self.link.call("propose", batch, timeout_s=self.timeout_s, on_sent=self.on_sent)
             except (ChannelTimeout, TimeoutError):  # the call, or finding a live replica
                 raise DrafterUnavailable(f"no drafter answer within {self.timeout_s}s") from None
         response = self.handle.propose.remote(batch)
+        if self.on_sent is not None:
+            self.on_sent()
         try:
             return response.result(timeout_s=self.timeout_s)
         except TimeoutError:

@@ -98,7 +98,7 @@ class Scheduler(FaultHooks):
         observer = one_observer(engine_observers(config, self.metrics))
         def build() -> Engine:
             engine = engine_builder(config, drafter, verifier, observer)
-            self._loop.hold_chunks_until(getattr(engine, "verifier", None))
+            self._loop.hold_chunks_until(getattr(engine, "drafter", None), getattr(engine, "verifier", None))
             return engine
 
         self._loop = EngineLoop(build)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import time
 from typing import Any
 
@@ -263,3 +264,46 @@ def test_a_rounds_chunks_go_out_once_the_next_verify_is_sent_and_the_last_before
     assert [c.token_ids for c in delivered] == [[3], [4], [5], [6]] and delivered[-1].finish_reason == "length"
     assert engine.at_start == [0, 0, 1, 2]  # a round's chunk is still held when the next round starts ...
     assert engine.at_sent == [0, 1, 2, 3]  # ... and goes out once that round's verify is sent
+
+
+class DraftingEngine(VerifyingEngine):
+    """Sends each round's propose before its verify, as a serial round with a draft model does: on the engine
+    thread, and also from another thread (the draft thread of an overlapped engine), which must release nothing."""
+
+    def __init__(self, delivered: list[TokenChunk]) -> None:
+        super().__init__(delivered)
+        self.drafter = ScriptedVerifier()
+        self.at_propose: list[int] = []
+        self.at_other_thread: list[int] = []
+
+    def step(self) -> list[TokenChunk]:
+        if self.running:
+            other = threading.Thread(target=self.drafter.on_sent)
+            other.start()
+            other.join()
+            self.at_other_thread.append(len(self.delivered))
+            self.drafter.on_sent()
+            self.at_propose.append(len(self.delivered))
+        return super().step()
+
+
+def test_a_rounds_chunks_go_out_once_the_next_propose_is_sent_from_the_engine_thread() -> None:
+    from cluster.serving.engine_loop import EngineLoop
+
+    delivered: list[TokenChunk] = []
+    engine = DraftingEngine(delivered)
+    loop = EngineLoop(lambda: engine)
+
+    def build() -> DraftingEngine:
+        loop.hold_chunks_until(engine.drafter, engine.verifier)
+        return engine
+
+    loop._build_engine = build
+    loop.start()
+    assert loop.wait_ready(5)
+    loop.submit(GenerationRequest("r1", (1, 2, 3), SamplingParams(max_tokens=4)), delivered.append).result(5)
+    assert wait_until(lambda: len(delivered) == 4)
+    loop.stop()
+    assert [c.token_ids for c in delivered] == [[3], [4], [5], [6]]
+    assert engine.at_other_thread == [0, 0, 1, 2]  # a send from another thread leaves the last round's chunk held
+    assert engine.at_propose == [0, 1, 2, 3]  # the propose (before the verify) sends it out
