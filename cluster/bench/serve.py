@@ -248,7 +248,15 @@ def overhead_row(mode: str, cluster: list[RequestTiming], inprocess: list[Reques
                    "drafted": sum(int(((t.stats or {}).get("acceptance") or {}).get("proposed", 0)) for t in ts),
                    "per_request": [{"rounds": (t.stats or {}).get("rounds"), "latency_ms": round(1000 * t.latency, 2)
                                     if t.latency is not None else None,
-                                    "ttft_ms": round(1000 * t.ttft, 2) if t.ttft is not None else None}
+                                    "ttft_ms": round(1000 * t.ttft, 2) if t.ttft is not None else None,
+                                    # where the request's time went, as its engine timed it (draft: the propose
+                                    # calls; verify: the verifier's forwards; queued: arrival to admission)
+                                    **{f"{part}_ms": round(1000 * v, 2) if isinstance(
+                                        v := (t.stats or {}).get(f"{part}_seconds"), float | int) else None
+                                       for part in ("draft", "verify", "queued")},
+                                    # the k auto chose and when (s after arrival): where the sides' policies part
+                                    "policy": [[e.get("at"), e.get("k")] for e in (t.stats or {}).get(
+                                        "policy_events", [])]}
                                    for t in ts]}
             for name, ts in (("cluster", cluster), ("inprocess", inprocess))}
     overhead = {f"{key.removesuffix('_seconds')}_overhead": sides["cluster"][key] / sides["inprocess"][key] - 1.0

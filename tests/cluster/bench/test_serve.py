@@ -102,13 +102,19 @@ def test_bench_serve_smoke(ray_session: Any, smollm2_dir: Path, tmp_path: Path,
         assert o["latency_overhead"] > -1.0 and isinstance(o["meets_goal_10pct"], bool)
         for side in ("cluster", "inprocess"):  # the same tokens: at least one round per request on each side
             assert o["work"][side]["rounds"] >= o["requests"] and o["work"][side]["drafted"] >= 0
+            for req in o["work"][side]["per_request"]:  # the k each request's policy chose, from its first round
+                assert req["policy"] and req["policy"][0][0] >= 0 and all(k >= 0 for _, k in req["policy"])
+                assert req["verify_ms"] > 0 and req["draft_ms"] >= 0 and req["queued_ms"] >= 0
         if o["mode"] == "plain":
             assert o["work"]["cluster"]["drafted"] == o["work"]["inprocess"]["drafted"] == 0
+            assert all(k == 0 for side in o["work"].values() for req in side["per_request"] for _, k in req["policy"])
     for side in ("cluster", "inprocess"):
         split = result["round_split_concurrency_1"][side]
         assert split["rounds"] > 0 and split["round_ms"] >= split["verify_ms"] > 0
-        assert split["verify_hop_ms"] >= 0 and split["kv_ms"] > 0 and split["other_ms"] >= 0
-        assert split["round_ms"] >= split["verify_ms"] + split["verify_hop_ms"] + split["kv_ms"]
+        # the hop is a difference of two clocks' spans (the engine's call, less the ledger send made inside it,
+        # and the worker's forward): in process it is ~0 and reads a few microseconds either side of it
+        assert split["verify_hop_ms"] >= -0.1 and split["kv_ms"] > 0 and split["other_ms"] >= -0.1
+        assert split["round_ms"] >= split["verify_ms"] + split["verify_hop_ms"] + split["kv_ms"] - 0.1
     assert result["cluster"]["kv_leaked_blocks"] == 0 and result["cluster"]["scheduler"]["live"] == 0
     printed = capsys.readouterr().out
     assert "goodput/s" in printed and "cluster overhead vs the in-process engine" in printed
