@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from cluster.bench.bench_prompts import CATEGORIES, load_prompts
 from cluster.bench.runtime import environment, progress, set_threads
 from cluster.bench.serve_metrics import SLO, RequestTiming, summarize
-from cluster.bench.spec import CATEGORIES, load_prompts
 from cluster.client import SpecServeClient
 from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.serving.cpu_binding import thread_cpus

@@ -25,20 +25,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from cluster.bench.llamacpp import LlamaCppJob, LlamaCppSettings, require_llama_cpp
-from cluster.bench.llamacpp_native import NativeLlamaCpp, require_binaries
-from cluster.bench.llamacpp_process import LlamaCppProcess
+from cluster.bench.bench_prompts import WARMUP_TOKENS, BenchPrompt, load_prompts
+from cluster.bench.llamacpp import LlamaCppJob, require_llama_cpp
+from cluster.bench.llamacpp_native import require_binaries
 from cluster.bench.runtime import environment, hf_model_sharing_weights, progress, set_threads
+from cluster.bench.spec_llamacpp import bin_dir, llamacpp_peer, llamacpp_run, run_llamacpp_only
+from cluster.bench.spec_settings import SpecSettings
+from cluster.bench.spec_tally import Tally, acc_rate, category_ratios, ratio, same_fraction
 from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.engine import SpecEngine
 from cluster.engine.factory import tokenize_prompt
@@ -49,68 +50,8 @@ from kv_manager.ledger import BlockLedger
 from model_runtime.model import CausalLM
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
 
-PROMPTS_PATH = Path(__file__).parent / "prompts" / "bench_prompts.jsonl"
-CATEGORIES = ("prose", "code", "qa", "summarisation", "copy-edit")
-WARMUP_TOKENS = 4
 TREE_DRAFTS = ("suffix", "model")  # draft kinds whose rounds may be token trees
 HF_PEER = {"none": "plain", "model": "assisted", "ngram": "prompt_lookup", "suffix": "prompt_lookup"}
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    id: str
-    category: str
-    text: str
-
-
-def load_prompts(categories: list[str], per_category: int, path: Path = PROMPTS_PATH) -> list[BenchPrompt]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    unknown = set(categories) - {r["category"] for r in rows}
-    if unknown:
-        raise ValueError(f"no prompts for categories {sorted(unknown)} in {path}")
-    return [BenchPrompt(r["id"], r["category"], r["prompt"])
-            for c in categories for r in [r for r in rows if r["category"] == c][:per_category]]
-
-
-@dataclass
-class SpecSettings:
-    model: str = "qwen2.5-coder-1.5b"
-    draft: str = "qwen2.5-coder-0.5b"  # the draft model; "none" = n-gram only
-    drafts: list[str] = field(default_factory=lambda: ["model", "ngram"])
-    categories: list[str] = field(default_factory=lambda: list(CATEGORIES))
-    per_category: int = 2
-    ks: list[int | None] = field(default_factory=lambda: [1, 2, 3, 4, None])  # None = auto
-    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
-    batches: list[int] = field(default_factory=lambda: [1, 8])
-    max_tokens: int = 64
-    threads: int = 2
-    seed: int = 1234
-    hf: bool = True
-    hf_lookup_tokens: int = 10  # transformers' prompt_lookup_num_tokens (its documented example value)
-    max_context: int = 1024
-    dtype: str = "auto"  # the target's: see model_runtime.precision.target_dtype
-    draft_dtype: str = "auto"  # see model_runtime.precision.draft_dtype
-    tracing_overhead: bool = False  # also run every config traced (every span sampled, exported to a file)
-    llamacpp: bool = False  # also llama.cpp on the same GGUF files, greedy (cluster/bench/llamacpp.py)
-    llamacpp_only: bool = False  # llama.cpp alone: neither our engine nor transformers
-    llamacpp_draft_tokens: int = 4  # tokens llama.cpp's draft model proposes per round
-    llamacpp_bin: str | None = None  # native llama.cpp binaries (default: scripts/build-llamacpp.sh's folder)
-    llamacpp_python: bool = False  # llama-cpp-python's Python loop instead (not how llama.cpp's users run it)
-    repeats: int = 1  # batch > 1: runs of every config, in rotating order (figures over all runs)
-    tree_nodes: list[int] = field(default_factory=lambda: [16])  # "suffix", "model" configs: 0 = chains, N = trees
-
-    def __post_init__(self) -> None:
-        if self.draft == "none" and "model" in self.drafts:
-            raise ValueError("draft kind 'model' needs a draft model (--draft)")
-        assert set(self.drafts) <= {"model", "ngram", "suffix"}, self.drafts
-        assert self.tree_nodes and all(0 <= n <= 64 for n in self.tree_nodes), self.tree_nodes
-        assert self.ks and all(k is None or 1 <= k <= 8 for k in self.ks), self.ks
-        assert all(b >= 1 for b in self.batches) and self.max_tokens >= 1 and self.per_category >= 1
-        assert self.repeats >= 1, self.repeats
-
-
-QUICK = dict(model="smollm2-135m", draft="none", drafts=["ngram"], categories=["code", "qa", "copy-edit"],
-             per_category=1, ks=[2, None], temperatures=[0.0], batches=[1], max_tokens=16)
 
 
 @dataclass(frozen=True)
@@ -128,49 +69,6 @@ class Config:
         if self.draft in TREE_DRAFTS:
             label += f" tree<={self.tree_nodes}" if self.tree_nodes else " chain"
         return label + (" +traced" if self.traced else "")
-
-
-@dataclass
-class Tally:
-    """Sums over the runs of one config (or one transformers mode)."""
-
-    output_tokens: int = 0
-    wall_seconds: float = 0.0
-    by_category: dict[str, list[float]] = field(default_factory=dict)  # category -> [tokens, seconds]
-    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
-    acceptance_by_category: dict[str, AcceptanceStats] = field(default_factory=dict)
-    split: dict[str, float] = field(default_factory=dict)
-    outputs: dict[str, list[int]] = field(default_factory=dict)  # prompt id -> output token ids
-    loadavg: list[float] = field(default_factory=list)
-    policy_reasons: dict[str, int] = field(default_factory=dict)  # why k was chosen, per request change
-
-    def add(self, category: str | None, tokens: int, seconds: float) -> None:
-        self.output_tokens += tokens
-        self.wall_seconds += seconds
-        if category is not None:
-            cell = self.by_category.setdefault(category, [0, 0.0])
-            cell[0] += tokens
-            cell[1] += seconds
-
-    def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "output_tokens": self.output_tokens, "wall_seconds": self.wall_seconds,
-            "tokens_per_second": self.output_tokens / self.wall_seconds if self.wall_seconds else 0.0,
-            "by_category": {c: {"output_tokens": int(t), "wall_seconds": s, "tokens_per_second": t / s if s else 0.0}
-                            for c, (t, s) in self.by_category.items()},
-            "mean_loadavg_1min": sum(self.loadavg) / len(self.loadavg) if self.loadavg else None,
-        }
-        if self.policy_reasons:
-            out["policy_reasons"] = dict(self.policy_reasons)
-        if self.acceptance.rounds:
-            out["acceptance"] = self.acceptance.to_dict()
-            for cat, acc in self.acceptance_by_category.items():
-                out["by_category"].setdefault(cat, {})["acceptance"] = acc.to_dict()
-        if self.split:
-            total = self.wall_seconds or 1.0
-            out["time_split_seconds"] = dict(self.split)
-            out["time_split_fraction"] = {name: s / total for name, s in self.split.items()}
-        return out
 
 
 class SpecBench:
@@ -448,32 +346,9 @@ def trace_file_tracer() -> Any:
     return provider.get_tracer("specserve-bench")
 
 
-def acc_rate(stats: dict[str, Any]) -> float:
-    return stats["acceptance"]["acceptance_rate"]
-
-
-def ratio(a: Tally, b: Tally) -> float | None:
-    if not (a.wall_seconds and b.wall_seconds and b.output_tokens):
-        return None
-    return (a.output_tokens / a.wall_seconds) / (b.output_tokens / b.wall_seconds)
-
-
-def category_ratios(a: Tally, b: Tally) -> dict[str, float]:
-    out = {}
-    for cat, (tokens, seconds) in a.by_category.items():
-        if cat in b.by_category and seconds and b.by_category[cat][0] and b.by_category[cat][1]:
-            out[cat] = (tokens / seconds) / (b.by_category[cat][0] / b.by_category[cat][1])
-    return out
-
-
-def same_fraction(a: Tally, b: Tally) -> float | None:
-    common = [pid for pid in a.outputs if pid in b.outputs]
-    return sum(a.outputs[pid] == b.outputs[pid] for pid in common) / len(common) if common else None
-
-
 def run_spec_bench(s: SpecSettings) -> dict[str, Any]:
     if s.llamacpp or s.llamacpp_only:  # before any model loads: LlamaCppMissingError says how to get it
-        require_llama_cpp() if s.llamacpp_python else require_binaries(_bin_dir(s))
+        require_llama_cpp() if s.llamacpp_python else require_binaries(bin_dir(s))
     if s.llamacpp_only:
         return run_llamacpp_only(s)
     set_threads(s.threads)
@@ -489,62 +364,3 @@ def run_spec_bench(s: SpecSettings) -> dict[str, Any]:
     return result
 
 
-# ---------------------------------------------------------------------- llama.cpp
-def _bin_dir(s: SpecSettings) -> Path | None:
-    return Path(s.llamacpp_bin) if s.llamacpp_bin else None
-
-
-def llamacpp_peer(s: SpecSettings, eos_token_ids: Any) -> NativeLlamaCpp | LlamaCppProcess:
-    """llama.cpp on the GGUF files `s.model` and `s.draft` are prepared from; modes follow `s.drafts`. Native
-    binaries (cluster/bench/llamacpp_native.py) unless `s.llamacpp_python` asks for the Python binding's loop."""
-    from cluster.bench.gguf_file import gguf_path
-
-    model_draft = s.draft != "none" and "model" in s.drafts
-    progress(f"spec: llama.cpp: loading the GGUF files of {s.model}" + (f" and {s.draft}" if model_draft else ""))
-    settings = LlamaCppSettings(
-        model_gguf=gguf_path(s.model), draft_gguf=gguf_path(s.draft) if model_draft else None, threads=s.threads,
-        n_ctx=s.max_context, draft_tokens=s.llamacpp_draft_tokens, lookup_tokens=s.hf_lookup_tokens,
-        lookup="ngram" in s.drafts, eos_token_ids=frozenset(eos_token_ids))
-    if s.llamacpp_python:
-        return LlamaCppProcess(settings)
-    return NativeLlamaCpp(settings, _bin_dir(s))
-
-
-def llamacpp_run(peer: NativeLlamaCpp | LlamaCppProcess, mode: str, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int,
-                 warmup: bool = False) -> None:
-    run = peer.run(mode, prompt.id, prompt.category, prompt_ids, max_tokens, warmup)
-    if not warmup:
-        n = len(run.token_ids)
-        progress(f"spec: T=0.0 batch 1 {prompt.id}: llama.cpp {mode}: {n} tokens in {run.seconds:.1f} s "
-                 f"({n / run.seconds:.2f} tok/s)")
-
-
-def run_llamacpp_only(s: SpecSettings) -> dict[str, Any]:
-    """`--llamacpp-only`: llama.cpp's modes alone over the bench's prompts (our chat template's token ids),
-    interleaved per prompt as in the full run; the JSON has the full run's shape with no results of ours."""
-    from cluster.engine.factory import eos_token_ids, load_tokenizer, model_dir
-    from model_runtime.config import ModelConfig
-
-    set_threads(s.threads)
-    env = environment()
-    target_dir = model_dir(s.model)
-    tokenizer = load_tokenizer(target_dir)
-    prompts = load_prompts(s.categories, s.per_category)
-    prompt_ids = {p.id: tokenize_prompt(tokenizer, p.text, chat=True) for p in prompts}
-    peer = llamacpp_peer(s, eos_token_ids(target_dir, ModelConfig.from_dir(target_dir), tokenizer))
-    modes = peer.modes()
-    progress("spec: warm-up")
-    for mode in modes:
-        llamacpp_run(peer, mode, prompts[0], prompt_ids[prompts[0].id], WARMUP_TOKENS, warmup=True)
-    for i, prompt in enumerate(prompts):
-        shift = i % len(modes)
-        for mode in modes[shift:] + modes[:shift]:
-            llamacpp_run(peer, mode, prompt, prompt_ids[prompt.id], s.max_tokens)
-    report = peer.report()
-    peer.close()
-    env["loadavg_at_end"] = list(os.getloadavg())
-    settings = dataclasses.asdict(s)
-    settings["ks"] = ["auto" if k is None else k for k in s.ks]
-    return {"bench": "spec", "settings": settings,
-            "prompts": [{"id": p.id, "category": p.category, "prompt_tokens": len(prompt_ids[p.id])} for p in prompts],
-            "results": [], "hf": [], "llamacpp": report, "environment": env}

@@ -192,7 +192,8 @@ def _run_precision(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- spec
 def _run_spec(args: argparse.Namespace) -> int:
     from cluster.bench.llamacpp import LlamaCppMissingError
-    from cluster.bench.spec import QUICK, SpecSettings, run_spec_bench
+    from cluster.bench.spec import run_spec_bench
+    from cluster.bench.spec_settings import QUICK, SpecSettings
 
     base: dict[str, Any] = dict(QUICK) if args.quick else {}
     flags = {"model": args.model, "draft": args.draft, "drafts": args.drafts, "categories": args.categories,

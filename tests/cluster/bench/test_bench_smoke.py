@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench.spec import CATEGORIES, load_prompts
+from cluster.bench.bench_prompts import CATEGORIES, load_prompts
 from cluster.cli import main
 
 
