@@ -243,24 +243,29 @@ class VerifyingEngine(ScriptedEngine):
         return super().step()
 
 
-def test_a_rounds_chunks_go_out_once_the_next_verify_is_sent_and_the_last_before_idling() -> None:
+def run_holding(engine: VerifyingEngine, *workers: Any) -> None:
+    """One 4-token request through an EngineLoop that holds each round's chunks until a request to one of
+    `workers` is sent (as the Scheduler builds it), until its last chunk is delivered."""
     from cluster.serving.engine_loop import EngineLoop
 
-    delivered: list[TokenChunk] = []
-    engine = VerifyingEngine(delivered)
     loop = EngineLoop(lambda: engine)
 
     def build() -> VerifyingEngine:
-        loop.hold_chunks_until(engine.verifier)
+        loop.hold_chunks_until(*workers)
         return engine
 
     loop._build_engine = build
     loop.start()
     assert loop.wait_ready(5)
-    request = GenerationRequest("r1", (1, 2, 3), SamplingParams(max_tokens=4))
-    loop.submit(request, delivered.append).result(5)
-    assert wait_until(lambda: len(delivered) == 4)  # the last round's chunk too, with no round after it
+    loop.submit(GenerationRequest("r1", (1, 2, 3), SamplingParams(max_tokens=4)), engine.delivered.append).result(5)
+    assert wait_until(lambda: len(engine.delivered) == 4)  # the last round's chunk too, with no round after it
     loop.stop()
+
+
+def test_a_rounds_chunks_go_out_once_the_next_verify_is_sent_and_the_last_before_idling() -> None:
+    delivered: list[TokenChunk] = []
+    engine = VerifyingEngine(delivered)
+    run_holding(engine, engine.verifier)
     assert [c.token_ids for c in delivered] == [[3], [4], [5], [6]] and delivered[-1].finish_reason == "length"
     assert engine.at_start == [0, 0, 1, 2]  # a round's chunk is still held when the next round starts ...
     assert engine.at_sent == [0, 1, 2, 3]  # ... and goes out once that round's verify is sent
@@ -288,22 +293,9 @@ class DraftingEngine(VerifyingEngine):
 
 
 def test_a_rounds_chunks_go_out_once_the_next_propose_is_sent_from_the_engine_thread() -> None:
-    from cluster.serving.engine_loop import EngineLoop
-
     delivered: list[TokenChunk] = []
     engine = DraftingEngine(delivered)
-    loop = EngineLoop(lambda: engine)
-
-    def build() -> DraftingEngine:
-        loop.hold_chunks_until(engine.drafter, engine.verifier)
-        return engine
-
-    loop._build_engine = build
-    loop.start()
-    assert loop.wait_ready(5)
-    loop.submit(GenerationRequest("r1", (1, 2, 3), SamplingParams(max_tokens=4)), delivered.append).result(5)
-    assert wait_until(lambda: len(delivered) == 4)
-    loop.stop()
+    run_holding(engine, engine.drafter, engine.verifier)
     assert [c.token_ids for c in delivered] == [[3], [4], [5], [6]]
     assert engine.at_other_thread == [0, 0, 1, 2]  # a send from another thread leaves the last round's chunk held
     assert engine.at_propose == [0, 1, 2, 3]  # the propose (before the verify) sends it out
