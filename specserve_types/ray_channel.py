@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 
 import ray
 
-from specserve_types.round_channel import ChannelLink, ChannelServer, Endpoint, FrameReader, Handler
+from specserve_types.round_channel import ChannelServer, Endpoint, FrameReader, Handler
+from specserve_types.round_channel_client import ChannelLink
 
 
 def this_node() -> str:

@@ -40,7 +40,8 @@ from kv_manager.schema import (
     ReserveItem,
 )
 from specserve_types.ray_channel import link_to
-from specserve_types.round_channel import ChannelLink, ChannelLost, ChannelTimeout, PendingCall
+from specserve_types.round_channel import ChannelLost, ChannelTimeout
+from specserve_types.round_channel_client import ChannelLink, PendingCall
 from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
 from specserve_types.tracing import CURRENT_CARRIER
 

@@ -13,14 +13,8 @@ from typing import Any
 import pytest
 
 from model_runtime.compute_thread import ComputeThread
-from specserve_types.round_channel import (
-    ChannelClient,
-    ChannelLink,
-    ChannelLost,
-    ChannelServer,
-    ChannelTimeout,
-    Endpoint,
-)
+from specserve_types.round_channel import ChannelLost, ChannelServer, ChannelTimeout, Endpoint
+from specserve_types.round_channel_client import ChannelClient, ChannelLink
 
 NODE = "node-a"
 

@@ -12,7 +12,8 @@ import pytest
 
 from model_runtime.compute_thread import ComputeThread
 from specserve_types.api import SamplingParams
-from specserve_types.round_channel import ChannelClient, ChannelLost, ChannelServer
+from specserve_types.round_channel import ChannelLost, ChannelServer
+from specserve_types.round_channel_client import ChannelClient
 from specserve_types.round_codec import (
     FRAME_HEADER,
     KIND_MSGPACK,

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from specserve_types.faults import FAULTS
-from specserve_types.round_channel import ChannelClient, ChannelServer
+from specserve_types.round_channel import ChannelServer
+from specserve_types.round_channel_client import ChannelClient
 from specserve_types.round_messages import VerifyBatch
 from verifier_service.deployment import Verifier
 
