@@ -170,6 +170,9 @@ def describe() -> list[str]:
     from model_runtime.quant_kernels import describe as quant_describe
 
     lines.append(quant_describe())
+    from model_runtime.huge_pages import describe as pages_describe
+
+    lines.append(pages_describe())
     return lines
 
 
