@@ -14,8 +14,9 @@ The build uses torch's C++ extension loader (a C++ compiler and ninja; the ninja
 `$SPECSERVE_CACHE/kernels` (default ~/.cache/specserve/kernels); torch's lock lets concurrent processes wait for
 one build (a lock older than ten minutes, left by a build that was killed, is removed:
 kernel_build.load_extension). `SPECSERVE_CPU_KERNEL` naming another path (avx512, avx2, torch) turns it off:
-model_runtime/cpu_kernels.py chooses which kernels a forward runs. Without AMX (`amx_bf16`, `amx_int8`, `amx_tile` in /proc/cpuinfo), a compiler, or the
-kernel's permission from Linux, `kernel()` returns None and `status()` says why.
+model_runtime/cpu_kernels.py chooses which kernels a forward runs. Without AMX (`amx_bf16`, `amx_int8`, `amx_tile`
+in /proc/cpuinfo), a compiler, or the kernel's permission from Linux, `kernel()` returns None and `status()` says
+why.
 
 Owner of `_STATE`: this module; set once per process by the first `kernel()` call, then only read.
 """

@@ -234,6 +234,20 @@ def paired_ratio_interval(cluster: Sequence[float], inprocess: Sequence[float], 
     return ratios[int(tail * (samples - 1))], ratios[int((1.0 - tail) * (samples - 1))]
 
 
+def request_work(t: RequestTiming) -> dict[str, Any]:
+    """One request's record in `work.per_request`: its rounds, latency and TTFT, where its time went as its engine
+    timed it (draft: the propose calls; verify: the verifier's forwards; queued: arrival to admission), and the k
+    auto chose and when (s after arrival: where the two sides' policies part)."""
+    stats = t.stats or {}
+
+    def ms(seconds: float | None) -> float | None:
+        return round(1000 * seconds, 2) if isinstance(seconds, float | int) else None
+
+    return {"rounds": stats.get("rounds"), "latency_ms": ms(t.latency), "ttft_ms": ms(t.ttft),
+            **{f"{part}_ms": ms(stats.get(f"{part}_seconds")) for part in ("draft", "verify", "queued")},
+            "policy": [[e.get("at"), e.get("k")] for e in stats.get("policy_events", [])]}
+
+
 def overhead_row(mode: str, cluster: list[RequestTiming], inprocess: list[RequestTiming]) -> dict[str, Any]:
     def mean(values: list[float | None]) -> float:
         present = [v for v in values if v is not None]
@@ -246,18 +260,7 @@ def overhead_row(mode: str, cluster: list[RequestTiming], inprocess: list[Reques
     # costs), the rounds differ, and the overhead is the policy's as much as the transport's
     work = {name: {"rounds": sum(int((t.stats or {}).get("rounds", 0)) for t in ts),
                    "drafted": sum(int(((t.stats or {}).get("acceptance") or {}).get("proposed", 0)) for t in ts),
-                   "per_request": [{"rounds": (t.stats or {}).get("rounds"), "latency_ms": round(1000 * t.latency, 2)
-                                    if t.latency is not None else None,
-                                    "ttft_ms": round(1000 * t.ttft, 2) if t.ttft is not None else None,
-                                    # where the request's time went, as its engine timed it (draft: the propose
-                                    # calls; verify: the verifier's forwards; queued: arrival to admission)
-                                    **{f"{part}_ms": round(1000 * v, 2) if isinstance(
-                                        v := (t.stats or {}).get(f"{part}_seconds"), float | int) else None
-                                       for part in ("draft", "verify", "queued")},
-                                    # the k auto chose and when (s after arrival): where the sides' policies part
-                                    "policy": [[e.get("at"), e.get("k")] for e in (t.stats or {}).get(
-                                        "policy_events", [])]}
-                                   for t in ts]}
+                   "per_request": [request_work(t) for t in ts]}
             for name, ts in (("cluster", cluster), ("inprocess", inprocess))}
     overhead = {f"{key.removesuffix('_seconds')}_overhead": sides["cluster"][key] / sides["inprocess"][key] - 1.0
                 if sides["inprocess"][key] > 0 else None for key in sides["cluster"]}

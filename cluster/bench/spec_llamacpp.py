@@ -37,8 +37,8 @@ def llamacpp_peer(s: SpecSettings, eos_token_ids: Any) -> NativeLlamaCpp | Llama
     return NativeLlamaCpp(settings, bin_dir(s))
 
 
-def llamacpp_run(peer: NativeLlamaCpp | LlamaCppProcess, mode: str, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int,
-                 warmup: bool = False) -> None:
+def llamacpp_run(peer: NativeLlamaCpp | LlamaCppProcess, mode: str, prompt: BenchPrompt, prompt_ids: list[int],
+                 max_tokens: int, warmup: bool = False) -> None:
     run = peer.run(mode, prompt.id, prompt.category, prompt_ids, max_tokens, warmup)
     if not warmup:
         n = len(run.token_ids)

@@ -42,7 +42,7 @@ def schedule(k_max: int, passes: int = PASSES) -> list[int]:
     return [k for p in range(passes) for k in (forward if p % 2 == 0 else forward[::-1])]
 
 
-def warm_up(engine: SpecEngine, rounds_per_k: int = ROUNDS_PER_VISIT, passes: int = PASSES) -> dict[str, object]:
+def warm_up(engine: SpecEngine, rounds_per_visit: int = ROUNDS_PER_VISIT, passes: int = PASSES) -> dict[str, object]:
     """Run on the engine's own thread before serving; returns the cost model it measured (the median of every
     sample of a row count, and of the draft step)."""
     assert not engine.has_unfinished(), "warm up an idle engine"
@@ -57,7 +57,7 @@ def warm_up(engine: SpecEngine, rounds_per_k: int = ROUNDS_PER_VISIT, passes: in
             for k in schedule(engine.config.k_max, passes):
                 request = GenerationRequest(
                     f"_warm-up-{k}-{time.monotonic_ns()}", prompt,
-                    SamplingParams(max_tokens=(k + 1) * rounds_per_k + 1, ignore_eos=True),
+                    SamplingParams(max_tokens=(k + 1) * rounds_per_visit + 1, ignore_eos=True),
                     SpecParams(contract="greedy", k=k, draft=draft if k else "none"))
                 engine.submit(request)
                 while engine.has_unfinished():

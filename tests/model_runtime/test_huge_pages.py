@@ -42,8 +42,10 @@ for line in open("/proc/self/smaps_rollup"):
 """
 
 
-@pytest.mark.skipif(huge_pages.system_setting() not in ("always", "madvise") or not Path("/proc/self/smaps_rollup").exists(),
-                    reason="the kernel offers no transparent huge pages here")
+NO_THP = huge_pages.system_setting() not in ("always", "madvise") or not Path("/proc/self/smaps_rollup").exists()
+
+
+@pytest.mark.skipif(NO_THP, reason="the kernel offers no transparent huge pages here")
 def test_a_large_tensor_lands_on_huge_pages_after_importing_the_package() -> None:
     env = {k: v for k, v in os.environ.items() if k != huge_pages.ENV}
     kib = int(subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,

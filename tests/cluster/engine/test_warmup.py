@@ -25,7 +25,7 @@ def test_warm_up_samples_every_row_count_in_every_pass_and_leaves_nothing() -> N
         submit(request)
 
     engine.submit = spy  # type: ignore[method-assign]
-    costs = warm_up(engine, rounds_per_k=2, passes=3)
+    costs = warm_up(engine, rounds_per_visit=2, passes=3)
     assert submitted == [0, 1, 2, 2, 1, 0, 0, 1, 2]
     # each request scores k + 1 rows per round after its prompt's round: at least 2 rounds a visit, 3 visits
     for rows in (1, 2, 3):
