@@ -308,7 +308,8 @@ class SpecEngine:
             restart_draft_caches(self)
             return plain_proposed(plans, "drafter replaced: re-prefilling its cache")
         if all(len(p.draft_pending) <= 2 for p in model_plans):  # a catch-up prefill is not a draft step
-            self.cost.observe_draft(max(p.k for p in model_plans), result.seconds)
+            self.cost.observe_draft(max(p.k for p in model_plans), result.seconds,
+                                    tree=any(p.tree_budget for p in model_plans))
         by_id = {o.request_id: o for o in result.outputs}
         refusal = invalid_drafts(model_plans, by_id, self.vocab_size)
         if refusal is not None:  # never trusted: the drafter is treated as failed, this round decodes plainly

@@ -104,8 +104,9 @@ def _tree_size(state: RequestState, ctx: PlanContext, k: int, catch_up: int, lim
     if state.request.spec.k is not None:
         return TreeDecision(limit, f"tree: up to {limit} nodes (fixed k)")
     if sampling.seed is not None and not sampling.is_greedy:
-        return tree_size_seeded(k, limit, state.acceptance, ctx.nominal)
-    return tree_size(TreeInputs(k, limit, catch_up, ctx.batch, ctx.cost, ctx.engine_acceptance))
+        return tree_size_seeded(k, limit, state.acceptance, ctx.nominal, state.request.spec.draft == "model")
+    return tree_size(TreeInputs(k, limit, catch_up, ctx.batch, ctx.cost, ctx.engine_acceptance, state.acceptance,
+                                model_draft=state.request.spec.draft == "model"))
 
 
 def _suffix_drafts(state: RequestState, ctx: PlanContext, k: int, catch_up: int,

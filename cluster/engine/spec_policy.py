@@ -57,6 +57,9 @@ class NominalCosts:
     verify: tuple[float, ...]  # index: scored rows - 1
     rows_per_unit: int
     draft_token: float  # one draft-model step; n-gram drafting costs 0
+    # one level of a draft model's token tree against one chain step: on the Xeon-AMX (int8 draft) 26 against 22 ms
+    # a step in `bench spec` (CostModel.draft_tree_level)
+    tree_level_factor: float = 1.2
 
     def verify_cost(self, rows: int) -> float:
         assert rows >= 1, rows
@@ -96,6 +99,7 @@ class CostModel:
 
     alpha: float = 0.2
     draft_token: float | None = None  # one draft step for one batch
+    draft_tree_level: float | None = None  # one level of a draft model's token tree, for one batch
     verify_by_tokens: dict[int, float] = field(default_factory=dict)  # rows scored by the batch -> verify time
     verify_samples: dict[int, int] = field(default_factory=dict)  # rows -> samples behind verify_by_tokens[rows]
     # during the engine's warm-up (cluster/engine/warmup.py): every sample kept, the estimate their median (a few
@@ -105,8 +109,13 @@ class CostModel:
     _fit: tuple[tuple[int, int, int], dict[int, float]] | None = field(default=None, repr=False, compare=False)
     _version: int = field(default=0, repr=False, compare=False)
 
-    def observe_draft(self, steps: int, seconds: float) -> None:
-        if steps > 0:
+    def observe_draft(self, steps: int, seconds: float, tree: bool = False) -> None:
+        """One propose call of `steps` draft steps (a tree's: levels, each feeding the nodes so far). A tree's
+        levels cost more than a chain's steps (more rows, a softmax per node), so they are kept apart: a chain's k
+        is chosen at a chain's step cost, and a tree's size at what its levels add (tree_policy.py)."""
+        if steps > 0 and tree:
+            self.draft_tree_level = self._blend("draft tree", self.draft_tree_level, seconds / steps)
+        elif steps > 0:
             self.draft_token = self._blend("draft", self.draft_token, seconds / steps)
 
     def observe_verify(self, rows: int, seconds: float) -> None:

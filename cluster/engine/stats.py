@@ -58,7 +58,7 @@ def engine_stats(identity: Mapping[str, Any], totals: Mapping[str, float], accep
         "kv_seconds": totals.get("kv_seconds", 0.0),  # the round's reserve and commit calls (on its path)
         # of which: waited for the ledger call beside the verify, after the verify answered (held_commit.py)
         "kv_ahead_wait_seconds": totals.get("kv_ahead_wait_seconds", 0.0),
-        "cost_model": {"draft_token_seconds": cost.draft_token,
+        "cost_model": {"draft_token_seconds": cost.draft_token, "draft_tree_level_seconds": cost.draft_tree_level,
                        "verify_seconds_by_tokens": dict(cost.verify_by_tokens)},
         **busy_fractions(totals),
         "overlap": dict(overlap),
