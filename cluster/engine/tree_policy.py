@@ -87,11 +87,7 @@ def largest_tree(k: int, limit: int, stats: AcceptanceStats, verify_cost: Callab
     shrunk towards them); `costs` names where verify_cost comes from (for the reason)."""
     if k == 0 or limit <= k:
         return TreeDecision(k, "chain: tree limit" if k else "plain")
-    if own is None:
-        gain, source = side_gain(stats)
-        tokens = stats.mean_tokens_per_round or 1.0 + k / 2
-    else:
-        gain, tokens, source = request_gain(own, stats, k)
+    gain, tokens, source = request_gain(own or AcceptanceStats(), stats, k)
     allowed = 1.0 + gain / tokens
     base = verify_cost(k) + draft
     nodes = max([n for n in range(k + 1, limit + 1) if verify_cost(n) + draft + draft_growth <= base * allowed],
