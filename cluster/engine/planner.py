@@ -103,10 +103,11 @@ def _tree_size(state: RequestState, ctx: PlanContext, k: int, catch_up: int, lim
         return TreeDecision(k, "chain: penalties" if sampling.has_penalties else "chain: tree limit")
     if state.request.spec.k is not None:
         return TreeDecision(limit, f"tree: up to {limit} nodes (fixed k)")
+    model_draft = state.request.spec.draft == "model"  # its levels cost draft time; a suffix tree's do not
     if sampling.seed is not None and not sampling.is_greedy:
-        return tree_size_seeded(k, limit, state.acceptance, ctx.nominal, state.request.spec.draft == "model")
+        return tree_size_seeded(k, limit, state.acceptance, ctx.nominal, model_draft)
     return tree_size(TreeInputs(k, limit, catch_up, ctx.batch, ctx.cost, ctx.engine_acceptance, state.acceptance,
-                                model_draft=state.request.spec.draft == "model"))
+                                model_draft))
 
 
 def _suffix_drafts(state: RequestState, ctx: PlanContext, k: int, catch_up: int,
