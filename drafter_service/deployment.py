@@ -38,7 +38,7 @@ class Drafter(FaultHooks, ChannelHost):
         self.compute = ComputeThread("drafter-compute", worker_threads, cpus)  # cpus: cluster/serving/cpu_binding.py
         checkpoint = prepare_model(model, progress=False)
         device = "cuda:0" if device.startswith("cuda") else device  # Ray shows only the assigned GPU
-        precision = draft_dtype(dtype, device)
+        precision = draft_dtype(dtype, device, checkpoint)
         runner = self.compute.call(LocalRunner, str(checkpoint), num_blocks, block_size, device, precision)
         self.compute.call(runner.warm_up, block_size)  # a replacement's first propose is not a cold start
         self.worker = self.compute.call(DraftWorker, runner)

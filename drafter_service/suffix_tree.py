@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from verifier_service.tree_contracts import TokenTree
 
@@ -32,11 +32,16 @@ MAX_DEPTH = 24  # the longest path kept: match + continuation
 MAX_MATCH = 12  # the longest context suffix looked up
 
 
-@dataclass
 class _Node:
-    count: int = 0
-    children: dict[int, _Node] = field(default_factory=dict)
-    last: int = 0  # the trie's clock when a sequence last passed through it (ties go to the most recent)
+    """count: how often the path occurred; last: the trie's clock when a sequence last passed through it (ties go
+    to the most recent). Slotted: a prompt of L tokens makes up to L x max_depth of them."""
+
+    __slots__ = ("children", "count", "last")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, _Node] = {}
+        self.last = 0
 
 
 @dataclass(frozen=True)
@@ -79,18 +84,22 @@ class SuffixTrie:
         up to max_depth long, gets its count raised."""
         own = self._tokens.setdefault(seq_id, [])
         open_nodes = self._open.setdefault(seq_id, [])
+        keep, root, clock = self.max_depth - 1, self.root, self._clock
         for token in tokens:
             own.append(token)
-            self._clock += 1
+            clock += 1
             moved = []
-            for node in [*open_nodes[-(self.max_depth - 1):], self.root]:  # suffixes of length 1..max_depth
-                child = node.children.get(token)
+            for node in (*open_nodes[-keep:], root):  # suffixes of length 1..max_depth
+                children = node.children
+                child = children.get(token)
                 if child is None:
-                    child = node.children[token] = _Node()
+                    child = children[token] = _Node()
                 child.count += 1
-                child.last = self._clock
+                child.last = clock
                 moved.append(child)
-            open_nodes[:] = moved
+            open_nodes = moved
+        self._open[seq_id] = open_nodes
+        self._clock = clock
 
     def remove(self, seq_id: int) -> None:
         """Take sequence `seq_id` out: the counts its suffixes added go down; nodes that reach 0 go."""

@@ -1,16 +1,24 @@
 """Which precision the models run in: `--dtype` (the target) and `--draft-dtype` (the draft).
 
-    auto (target): bfloat16 on CUDA and wherever our CPU kernels run (model_runtime/cpu_kernels.py: AMX, AVX-512 or
-                   AVX2; batch-invariant, so greedy speculation is exact) or the CPU has bf16 instructions; else
-                   float32 (SPECSERVE_CPU_KERNEL=torch on a CPU without them)
-    auto (draft):  int8 on CPUs with AMX (the kernel of model_runtime/amx_kernel.py), bfloat16 on CUDA and where
-                   the target's auto is bfloat16, float16 on the rest
+    auto (target): q4 (the GGUF's own 4-bit codes, model_runtime/quant_weights.py) on a CPU where the AMX kernels
+                   do not run, for a known model whose GGUF the quantized kernels take, on one rank; else bfloat16
+                   on CUDA and wherever our CPU kernels run (model_runtime/cpu_kernels.py: AMX, AVX-512 or AVX2;
+                   batch-invariant, so greedy speculation is exact) or the CPU has bf16 instructions; else float32
+                   (SPECSERVE_CPU_KERNEL=torch on a CPU without them)
+    auto (draft):  int8 on CPUs with AMX (the kernel of model_runtime/amx_kernel.py); q4 where the target's would
+                   be; bfloat16 on CUDA and where the target's auto is bfloat16, float16 on the rest
 
 Why: decoding streams every weight once per step, so its speed is memory bandwidth over bytes per weight.
 Measured on this project's CPU (2 cores, avx512_bf16 + AMX, torch 2.13), one Qwen2.5-1.5B MLP weight
 [8960 x 1536]: bf16 F.linear 0.87 ms for 1 row, 0.95 ms for 8; fp32 2.6 ms for 1 row, 4.3-4.5 ms for 8 (on a
 slower day: oneDNN bf16 1.5-2.1 ms, our AMX kernel 1.0 ms for 1..16 rows, model_runtime/amx_kernel.py). On a
 CPU without bf16 instructions bf16 products are emulated and slower than fp32, hence the float32 fallback.
+Without AMX, q4 is the fastest exact path at every row count: on the avx512 path of the same CPU
+(`SPECSERVE_CPU_KERNEL=avx512`, `bench runtime --dtype q4|bfloat16 --max-k 16`, 2026-12-04) one row costs 7.2 /
+21.9 / 47.9 ms in q4 against 18.2 / 52.4 / 136 ms in bf16 (SmolLM2, Qwen 0.5B, 1.5B), and 16 rows 2.6-3.3x one
+row in both. With AMX, bf16 rows are nearly free (8 rows 1.10-1.23x one row) and q4's are not (1.76-1.90x):
+q4 is faster alone (SmolLM2 7.7 against 10.6 ms, the 1.5B 47 against ~90) and bf16 from about 8 rows on for
+the small models, a server's batch: there auto stays bfloat16 and `--dtype q4` is the choice for one stream.
 An int8 draft (W8A8 on AMX tiles) streams half a bf16 draft's bytes: its 0.5B step measured 50 against 68 ms
 inside `bench spec`, with the same survival per draft position (k=3: 0.78/0.64/0.51 against 0.77/0.63/0.51;
 docs/benchmarks.md), so it is the draft's default where the kernel runs. Where the kernel then fails to
@@ -22,6 +30,8 @@ to plain greedy decoding of the same dtype); fp32 and bf16 outputs differ from e
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import torch
 
@@ -66,21 +76,61 @@ def cpu_runs_own_kernels() -> bool:
     return active() != "torch"
 
 
+def why_not_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, prepare: bool = True) -> str | None:
+    """None where `--dtype q4` runs `checkpoint` here; else why not, in words. `prepare`: pack the GGUF's codes
+    now if they are not yet (model_runtime/prepare.py; once per model), so a GGUF the kernels cannot take says so;
+    without it, a known model's cache entry is taken on trust (`models list`)."""
+    from model_runtime import quant_kernels
+    from model_runtime.prepare import MANIFEST_NAME, prepare_quant
+    from model_runtime.quant_formats import UnsupportedQuantError
+    from model_runtime.registry import KNOWN_MODELS
+
+    if not str(device).startswith("cpu"):
+        return f"q4 runs on the CPU, not {device}"
+    if tp_size != 1:
+        return f"q4 runs on one rank (tensor parallel size {tp_size})"
+    if quant_kernels.active() is None:
+        return quant_kernels.describe()
+    if checkpoint is None:
+        return "no model named"
+    try:
+        name = json.loads((Path(checkpoint) / MANIFEST_NAME).read_text())["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        name = None
+    if name not in KNOWN_MODELS:
+        return f"{checkpoint}: a local checkpoint, no GGUF"
+    if prepare:
+        try:
+            prepare_quant(Path(checkpoint), progress=False)
+        except UnsupportedQuantError as exc:
+            return str(exc)
+    return None
+
+
+def auto_is_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, prepare: bool = True) -> bool:
+    """auto picks q4 for this model: the AMX kernels do not run here (module docstring) and q4 runs it
+    (`why_not_q4`)."""
+    return checkpoint is not None and not cpu_runs_amx() and why_not_q4(checkpoint, device, tp_size, prepare) is None
+
+
 def _named(name: str, allowed: tuple[str, ...]) -> torch.dtype:
     if name not in allowed or name == "auto":
         raise ValueError(f"unknown dtype {name!r}; choose {', '.join(allowed)}")
     return DTYPES[name]
 
 
-def target_dtype(name: str, device: str) -> torch.dtype:
-    """The target model's precision (`--dtype`)."""
+def target_dtype(name: str, device: str, checkpoint: str | Path | None = None, tp_size: int = 1) -> torch.dtype:
+    """The target model's precision (`--dtype`); auto reads the model (`checkpoint`, its cache entry) and the ranks
+    it runs on (q4: module docstring)."""
     if name == "auto":
+        if auto_is_q4(checkpoint, device, tp_size):
+            return Q4
         return torch.bfloat16 if str(device).startswith("cuda") or cpu_runs_own_kernels() or cpu_has_bf16() \
             else torch.float32
     return _named(name, TARGET_DTYPES)
 
 
-def draft_dtype(name: str, device: str) -> torch.dtype:
+def draft_dtype(name: str, device: str, checkpoint: str | Path | None = None) -> torch.dtype:
     """The draft model's precision (`--draft-dtype`). It changes only how often drafts are accepted, never the
     output: every contract verifies against the target's own distribution."""
     if name == "auto":
@@ -88,6 +138,8 @@ def draft_dtype(name: str, device: str) -> torch.dtype:
             return torch.bfloat16
         if cpu_runs_amx():
             return torch.int8
+        if auto_is_q4(checkpoint, device):
+            return Q4
         return torch.bfloat16 if cpu_runs_own_kernels() or cpu_has_bf16() else torch.float16
     return _named(name, DRAFT_DTYPES)
 

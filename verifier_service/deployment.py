@@ -168,7 +168,7 @@ class Verifier(FaultHooks, ChannelHost):
         self.compute = ComputeThread("verifier-compute", worker_threads,
                                      rank_cpus[0] if rank_cpus and tensor_parallel_size == 1 else None)
         checkpoint = str(prepare_model(model, progress=False))
-        precision = target_dtype(dtype, worker_device(device))
+        precision = target_dtype(dtype, worker_device(device), checkpoint, tensor_parallel_size)
         if tensor_parallel_size == 1:
             self.runner: Any = self.compute.call(LocalRunner, checkpoint, num_blocks, block_size,
                                                  worker_device(device), precision)

@@ -60,7 +60,7 @@ def run_precision_bench(model_name: str, dtypes: list[str], decode_steps: int = 
     argmax: dict[str, torch.Tensor] = {}
     models: dict[str, CausalLM] = {}
     for name in dtypes:
-        dtype = target_dtype(name, "cpu")
+        dtype = target_dtype(name, "cpu", checkpoint)
         progress(f"precision: {model_name} in {dtype_name(dtype)}: scoring {len(ids)} tokens")
         model = CausalLM.load(checkpoint, dtype=dtype)
         blocks = -(-len(ids) // 16) + 1

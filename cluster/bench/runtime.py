@@ -217,7 +217,7 @@ def bench_model(name: str, s: RuntimeSettings) -> dict[str, Any]:
     checkpoint = prepare_model(name)
     progress(f"runtime: loading {name}")
     start = time.perf_counter()
-    ours = CausalLM.load(checkpoint, dtype=target_dtype(s.dtype, "cpu"))
+    ours = CausalLM.load(checkpoint, dtype=target_dtype(s.dtype, "cpu", checkpoint))
     load_s = time.perf_counter() - start
     hf = hf_model_sharing_weights(ours, checkpoint) if s.compare_hf else None
     params = sum(t.numel() for t in {id(t): t for t in _weight_tensors(ours)}.values())

@@ -110,7 +110,7 @@ def check_via_server(address: str, model: str, draft: str, texts: Sequence[str],
     checkpoint = model_dir(model)
     tokenizer = load_tokenizer(checkpoint)
     prompts = _prompts(tokenizer, texts, chat, settings)
-    reference = TargetReference(CausalLM.load(checkpoint, dtype=target_dtype(dtype, "cpu"), device="cpu"),
+    reference = TargetReference(CausalLM.load(checkpoint, dtype=target_dtype(dtype, "cpu", checkpoint), device="cpu"),
                                 settings.sampling())
     report = run_check(prompts, reference, settings,
                        lambda: sample_via_server(address, prompts, settings, per_call, concurrency, progress,

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from model_runtime.prepare import cache_root, cached_path, prepare_model
+from model_runtime.precision import auto_is_q4
+from model_runtime.prepare import cache_root, cached_path, prepare_model, prepare_quant
 from model_runtime.registry import KNOWN_MODELS, ModelSource, resolve_model
 from specserve_types.api import SpecServeError
 
@@ -65,6 +66,8 @@ def format_table(cache_dir: Path | None) -> str:
         entry = cached_path(source, cache_dir)
         cached = str(entry) if entry is not None else "no (run: specserve models prepare " + source.name + ")"
         dtype = runs_as["draft" if source.role == "draft" else "target"]
+        if auto_is_q4(entry, "cpu", prepare=False):  # auto reads the model (precision.py); its GGUF taken on trust
+            dtype = "q4"
         # the GGUF's own codes, packed once (model_runtime/quant_weights.py): ready, or made at the first q4 load
         q4 = "-" if entry is None else ("packed" if (entry / QUANT_FILE).exists() else "at first use")
         rows.append((source.name, source.role, source.parameters, source.quantization, dtype, q4, cached))
@@ -82,5 +85,7 @@ def _prepare(names: list[str], cache_dir: Path | None, progress: bool) -> int:
     for name, target in zip(names, targets, strict=True):
         started = time.monotonic()
         path = prepare_model(target if isinstance(target, ModelSource) else name, cache_dir, progress)
+        if auto_is_q4(path, "cpu", prepare=False):  # auto will run its GGUF's codes here: pack them now
+            prepare_quant(path, progress)
         print(f"{name}: {path} ({time.monotonic() - started:.1f}s)")
     return 0

@@ -141,7 +141,9 @@ def build_local_engine(model: str, draft: str, config: EngineConfig, runtime: Lo
     def runner(checkpoint_dir: Path, dtype: torch.dtype | None = None) -> LocalRunner:
         return LocalRunner(str(checkpoint_dir), runtime.num_blocks, runtime.block_size, runtime.device, dtype)
 
-    target, drafts = target_dtype(runtime.dtype, runtime.device), draft_dtype(runtime.draft_dtype, runtime.device)
+    # auto reads the models (precision.py: q4 where it is the fastest exact path)
+    target = target_dtype(runtime.dtype, runtime.device, model_dir(model))
+    drafts = draft_dtype(runtime.draft_dtype, runtime.device, model_dir(draft) if draft not in NON_MODEL_DRAFTS else None)
     engine = assemble_engine(
         model, draft, config, runtime.num_blocks, runtime.block_size,
         make_verifier=lambda d: VerifierWorker(runner(d, target)),

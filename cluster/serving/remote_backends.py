@@ -293,7 +293,7 @@ def transport_totals(engine: Any) -> dict[str, Any]:
 def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any,
                          observer: EngineObserver | None = None) -> SpecEngine:
     """The scheduler's engine: remote workers, the KV manager actor, the target's tokenizer, its observer."""
-    from cluster.engine.factory import assemble_engine
+    from cluster.engine.factory import assemble_engine, model_dir
     from kv_manager.actor import KVManagerActor
     from model_runtime.precision import draft_dtype, dtype_name, target_dtype
 
@@ -309,8 +309,10 @@ def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any,
         make_kv=lambda namespaces: RemoteKV(KVManagerActor.options(name=None, **kv_tracing).remote(namespaces),
                                             transport=transport),
         # resolved as the workers resolve them (same function, same device name; a node pool of one CPU type)
-        dtypes={"target": dtype_name(target_dtype(config.dtype, config.device)),
-                "draft": dtype_name(draft_dtype(config.draft_dtype, config.device))},
+        dtypes={"target": dtype_name(target_dtype(config.dtype, config.device, model_dir(config.model),
+                                                  config.tensor_parallel_size)),
+                "draft": dtype_name(draft_dtype(config.draft_dtype, config.device,
+                                                model_dir(config.draft) if drafter is not None else None))},
         observer=observer,
     )
     if config.warm_up:

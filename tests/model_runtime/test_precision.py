@@ -48,6 +48,37 @@ def test_the_kernel_switch_turns_int8_drafts_off(monkeypatch: pytest.MonkeyPatch
     assert draft_dtype("auto", "cpu") in (torch.bfloat16, torch.float16)
 
 
+@pytest.mark.model
+def test_auto_runs_the_ggufs_codes_where_amx_does_not(smollm2_dir: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AMX q4 is the fastest exact path at every row count (precision.py): auto picks it for a known
+    model on one CPU rank, for target and draft; with AMX, bf16 and int8 as before; never for a checkpoint
+    without a GGUF, a tensor-parallel verifier or a GPU."""
+    from model_runtime import quant_kernels
+
+    if quant_kernels.active() is None:
+        pytest.skip(quant_kernels.describe())
+    monkeypatch.setattr(precision, "cpu_runs_amx", lambda: False)
+    assert target_dtype("auto", "cpu", smollm2_dir) == precision.Q4
+    assert draft_dtype("auto", "cpu", smollm2_dir) == precision.Q4
+    assert precision.why_not_q4(smollm2_dir, "cpu") is None
+    assert target_dtype("auto", "cpu", smollm2_dir, tp_size=2) != precision.Q4
+    assert "one rank" in str(precision.why_not_q4(smollm2_dir, "cpu", tp_size=2))
+    assert target_dtype("auto", "cuda:0", smollm2_dir) == torch.bfloat16
+    assert target_dtype("auto", "cpu") != precision.Q4  # no model named: the CPU alone decides
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    assert target_dtype("auto", "cpu", local) != precision.Q4
+    assert "no GGUF" in str(precision.why_not_q4(local, "cpu"))
+    monkeypatch.setattr(precision, "cpu_runs_amx", lambda: True)
+    assert target_dtype("auto", "cpu", smollm2_dir) != precision.Q4
+    assert draft_dtype("auto", "cpu", smollm2_dir) == torch.int8
+    monkeypatch.setattr(precision, "cpu_runs_amx", lambda: False)
+    monkeypatch.setenv("SPECSERVE_CPU_KERNEL", "torch")  # no quantized kernel allowed: the dtype is refused
+    assert target_dtype("auto", "cpu", smollm2_dir) != precision.Q4
+
+
 def incremental_logits(model: CausalLM) -> torch.Tensor:
     alloc, kv, seq = LocalAllocator(64, 4), model.allocate_kv(64, 4), LocalSequence()
     return torch.cat([model.forward_seqs([alloc.extend(seq, new)], kv)[0] for new in [PROMPT, *STEPS]])

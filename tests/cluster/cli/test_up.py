@@ -37,6 +37,7 @@ def config_text(grpc_port: int = GRPC_PORT, http_port: int = HTTP_PORT, dashboar
     return f"""\
 model: qwen2.5-coder-1.5b   # overridden by --model on the command line
 draft: qwen2.5-coder-0.5b   # overridden by --draft
+dtype: bfloat16             # pinned: auto may run q4 where AMX does not (model_runtime/precision.py)
 draft_dtype: bfloat16       # a model drafting for itself in its own precision: every greedy draft survives
 worker_threads: 1
 kv_blocks: 256
@@ -131,7 +132,7 @@ def once_reference() -> dict[str, Any]:
     from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
     from tests.cluster.engine.engine_helpers import local_engine
 
-    engine = local_engine("smollm2-135m", "none", max_batch=1, max_context=256)
+    engine = local_engine("smollm2-135m", "none", max_batch=1, max_context=256, dtype="bfloat16")
     ids = tuple(engine.tokenizer(ONCE_PROMPT)["input_ids"])
     engine.submit(GenerationRequest("ref", ids, SamplingParams(max_tokens=ONCE_TOKENS), SpecParams(k=0, draft="none")))
     chunks = engine.run_to_completion()["ref"]

@@ -54,8 +54,8 @@ def local_engine(target: Path | str, draft: Path | str, tokenizer: Any = "auto",
 
 
 def load_target(checkpoint: Path | str, dtype: str = "auto") -> CausalLM:
-    """The target as an engine built with ClusterConfig's `dtype` runs it (auto: bf16 on a CPU with bf16)."""
-    return CausalLM.load(checkpoint, dtype=target_dtype(dtype, "cpu"))
+    """The target as an engine built with ClusterConfig's `dtype` runs it (auto: model_runtime/precision.py)."""
+    return CausalLM.load(checkpoint, dtype=target_dtype(dtype, "cpu", checkpoint))
 
 
 def plain_greedy(checkpoint: Path, prompt: list[int], max_tokens: int, eos: set[int] | None = None,

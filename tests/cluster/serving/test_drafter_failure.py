@@ -35,7 +35,7 @@ AFTER_TOKENS = 24
 def cluster_config() -> ClusterConfig:
     return load_config(
         model="smollm2-135m", draft="smollm2-135m", worker_threads=1, kv_blocks=128, block_size=16,
-        draft_dtype="bfloat16",  # drafting for itself in its own precision: every greedy draft survives
+        dtype="bfloat16", draft_dtype="bfloat16",  # drafting for itself in its own precision: every draft survives
         queue_capacity=8, max_batch=4, max_context=256, grpc_port=GRPC_PORT, http_port=HTTP_PORT,
         drafter_retry_seconds=1.0, drafter_timeout_s=1.0, health_check_period_s=1.0, health_check_timeout_s=10.0,
         graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=2.0,
@@ -64,7 +64,7 @@ def plain_greedy() -> list[int]:
     from tests.cluster.engine.engine_helpers import local_engine
 
     torch.set_num_threads(1)
-    engine = local_engine("smollm2-135m", "none", max_batch=1, max_context=256)
+    engine = local_engine("smollm2-135m", "none", max_batch=1, max_context=256, dtype="bfloat16")
     ids = tuple(engine.tokenizer(PROMPT)["input_ids"])
     engine.submit(GenerationRequest("plain", ids, SamplingParams(max_tokens=STREAM_TOKENS, ignore_eos=True),
                                     SpecParams(contract="greedy", k=0, draft="none")))

@@ -53,7 +53,7 @@ def reference() -> dict[tuple[str, int | None], dict[str, Any]]:
     from tests.cluster.engine.engine_helpers import local_engine
 
     torch.set_num_threads(1)
-    engine = local_engine("smollm2-135m", "ngram", max_batch=1, max_context=MAX_CONTEXT)
+    engine = local_engine("smollm2-135m", "ngram", max_batch=1, max_context=MAX_CONTEXT, dtype="bfloat16")
     out = {}
     for prompt in PROMPTS:
         for k in (4, None):
