@@ -2,12 +2,14 @@
 
     avx512  -mavx512f/bw/vl -mavx512vnni: integer dot products on VNNI (AMD Zen 4/5, Intel Ice Lake and later,
             AMX machines included: their AMX tiles are not used here yet)
+    avx2vnni  -mavx2 -mfma -mf16c -mavxvnni: the same dot products on 256-bit vectors (AVX2 CPUs with AVX-VNNI:
+            Intel Alder Lake and later clients)
     avx2    -mavx2 -mfma -mf16c: the same sums through 16-bit multiply-adds (every other x86-64 CPU of the last
             decade)
 
-Both give the same bits (the integer sums are exact and the float steps the same instructions lane for lane), so a
+All give the same bits (the integer sums are exact and the float steps the same instructions lane for lane), so a
 capped path stands in for a smaller CPU in the tests. `SPECSERVE_CPU_KERNEL` caps the ISA as for the other kernels
-(avx2 -> the avx2 build; torch -> none: the quantized dtype is then refused).
+(avx2 -> the avx2 builds, avx2vnni where the CPU has it; torch -> none: the quantized dtype is then refused).
 
 Owner of `_MODULES`: this module; each ISA's build is loaded once per process, then only read.
 """
@@ -26,6 +28,7 @@ SOURCE = Path(__file__).parent / "kernels" / "quant_linear.cpp"
 ISAS = {  # compiler flags and the /proc/cpuinfo flags they need, fastest first
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"],
                ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")),
+    "avx2vnni": (["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], ("avx2", "fma", "f16c", "avx_vnni")),
     "avx2": (["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
 }
 _MODULES: dict[str, tuple[ModuleType | None, str]] = {}
@@ -59,7 +62,7 @@ def allowed() -> list[str]:
     name = requested()
     if name == "torch":
         return []
-    return ["avx2"] if name == "avx2" else list(ISAS)
+    return [isa for isa in ISAS if isa.startswith("avx2")] if name == "avx2" else list(ISAS)
 
 
 def active() -> ModuleType | None:

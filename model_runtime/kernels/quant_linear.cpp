@@ -1,7 +1,8 @@
 // Linears on the GGUF's own quantized weights (model_runtime/quant_weights.py converts them losslessly), for any
 // row count at one pass over the weight. model_runtime/quant_kernels.py builds this file per ISA:
-// `-mavx512f -mavx512bw -mavx512vl -mavx512vnni` into specserve_quant_avx512 (integer dot products on VNNI) and
-// `-mavx2 -mfma -mf16c` into specserve_quant_avx2 (the same sums through 16-bit multiply-adds).
+// `-mavx512f -mavx512bw -mavx512vl -mavx512vnni` into specserve_quant_avx512 (integer dot products on VNNI),
+// `-mavx2 -mfma -mf16c -mavxvnni` into specserve_quant_avx2vnni (AVX2 CPUs with AVX-VNNI: the 256-bit dot products)
+// and `-mavx2 -mfma -mf16c` into specserve_quant_avx2 (the same sums through 16-bit multiply-adds).
 //
 // Every weight format is one affine code per weight:  w = D * sc_b * q + M * mn_b   where
 //   q      an unsigned code of BITS bits (4: Q4_K, Q4_1, Q4_0; 5: Q5_0; 6: Q6_K; 8: Q8_0),
@@ -151,12 +152,18 @@ inline VI vhigh(const uint8_t* plane, uint8_t bit) {  // 32 bits (this half's) o
   const VI select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), vbytes(bit));
 }
+#ifdef __AVXVNNI__
+inline VI vdot(VI acc, VI w, int32_t quad) {  // per int32 lane j: acc + sum_p w[4j+p] * x[p], u8 x s8, exact
+  return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(quad));
+}
+#else
 inline VI vdot(VI acc, VI w, int32_t quad) {  // per int32 lane j: acc + sum_p w[4j+p] * x[p]
   const __m256i xq = _mm256_set1_epi32(quad);
   const __m256i w_even = _mm256_and_si256(w, _mm256_set1_epi16(0x00FF)), w_odd = _mm256_srli_epi16(w, 8);
   const __m256i x_even = _mm256_srai_epi16(_mm256_slli_epi16(xq, 8), 8), x_odd = _mm256_srai_epi16(xq, 8);
   return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(w_even, x_even), _mm256_madd_epi16(w_odd, x_odd)));
 }
+#endif
 inline VI vadd(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI vmul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
 inline VI vset(int32_t x) { return _mm256_set1_epi32(x); }
@@ -174,7 +181,11 @@ inline void vstore(float* out, VF v, int64_t n) {
   _mm256_storeu_ps(buf, v);
   std::memcpy(out, buf, std::clamp<int64_t>(n, 0, 8) * sizeof(float));
 }
+#ifdef __AVXVNNI__
+constexpr const char* ISA = "avx2vnni";
+#else
 constexpr const char* ISA = "avx2";
+#endif
 #endif
 
 // One block's codes for this half of the tile: G vectors of LANES outputs x 4 weights

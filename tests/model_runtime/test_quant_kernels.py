@@ -1,5 +1,5 @@
 """The quantized linears (kernels/quant_linear.cpp): right against a float64 reference, a row's bits the same alone
-and among 1..80 rows, and the same bits on the avx512 and avx2 builds (every build this CPU runs)."""
+and among 1..80 rows, and the same bits on the avx512, avx2vnni and avx2 builds (every build this CPU runs)."""
 
 from __future__ import annotations
 
