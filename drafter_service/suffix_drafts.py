@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from drafter_service.suffix_native import make_trie
 from drafter_service.suffix_tree import Proposal, SuffixCache
 
 MIN_SCORE = 0.02  # candidates the trie gives less than a 2% chance of following are not worth a verify row
@@ -19,7 +20,7 @@ MIN_SCORE = 0.02  # candidates the trie gives less than a 2% chance of following
 
 class SuffixDrafter:
     def __init__(self, max_outputs: int = 256, min_score: float = MIN_SCORE) -> None:
-        self.cache = SuffixCache(max_outputs)
+        self.cache = SuffixCache(max_outputs, make_trie=make_trie)  # the C++ trie where it builds
         self.min_score = min_score
         self._added: dict[str, int] = {}  # request id -> tokens its trie holds
 

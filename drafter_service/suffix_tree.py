@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from verifier_service.tree_contracts import TokenTree
 
@@ -177,13 +178,29 @@ class SuffixTrie:
         return Proposal(TokenTree(tuple(tokens), tuple(parents)), tuple(scores), match_len)
 
 
-class SuffixCache:
-    """A trie per live request and a global trie of finished outputs (at most `max_outputs`, oldest evicted)."""
+class Trie(Protocol):
+    """What SuffixCache needs of a trie: SuffixTrie here, or the C++ one (drafter_service/suffix_native.py)."""
 
-    def __init__(self, max_outputs: int = 256, max_depth: int = MAX_DEPTH) -> None:
+    def __contains__(self, seq_id: int) -> bool: ...
+
+    def extend(self, seq_id: int, tokens: Sequence[int]) -> None: ...
+
+    def remove(self, seq_id: int) -> None: ...
+
+    def propose(self, context: Sequence[int], budget: int, min_score: float = 0.0, max_match: int = MAX_MATCH,
+                levels: int | None = None) -> Proposal | None: ...
+
+
+class SuffixCache:
+    """A trie per live request and a global trie of finished outputs (at most `max_outputs`, oldest evicted);
+    `make_trie(max_depth)` makes each (SuffixTrie, or suffix_native.make_trie: the C++ one)."""
+
+    def __init__(self, max_outputs: int = 256, max_depth: int = MAX_DEPTH,
+                 make_trie: Callable[[int], Trie] = SuffixTrie) -> None:
         self.max_outputs = max_outputs
-        self.requests: dict[str, SuffixTrie] = {}
-        self.global_trie = SuffixTrie(max_depth)
+        self.requests: dict[str, Trie] = {}
+        self._make_trie = make_trie
+        self.global_trie = make_trie(max_depth)
         self._outputs: OrderedDict[int, None] = OrderedDict()
         self._next_id = 0
         self._max_depth = max_depth
@@ -192,7 +209,7 @@ class SuffixCache:
         """The request's new committed tokens (its prompt first)."""
         trie = self.requests.get(request_id)
         if trie is None:
-            trie = self.requests[request_id] = SuffixTrie(self._max_depth)
+            trie = self.requests[request_id] = self._make_trie(self._max_depth)
         trie.extend(0, tokens)
 
     def forget(self, request_id: str) -> None:
@@ -221,4 +238,4 @@ class SuffixCache:
         return max(found, key=lambda c: c.best, default=None)
 
 
-__all__ = ["MAX_DEPTH", "MAX_MATCH", "Proposal", "SuffixCache", "SuffixTrie"]
+__all__ = ["MAX_DEPTH", "MAX_MATCH", "Proposal", "SuffixCache", "SuffixTrie", "Trie"]
