@@ -111,6 +111,17 @@ class SuffixTrie:
         for start in range(len(tokens)):
             self._decrement(self.root, tokens[start:start + self.max_depth])
 
+    def paths(self) -> dict[tuple[int, ...], int]:
+        """Every path of the trie and its count."""
+        out: dict[tuple[int, ...], int] = {}
+        stack: list[tuple[tuple[int, ...], _Node]] = [((), self.root)]
+        while stack:
+            prefix, node = stack.pop()
+            for token, child in node.children.items():
+                out[prefix + (token,)] = child.count
+                stack.append((prefix + (token,), child))
+        return out
+
     @staticmethod
     def _decrement(root: _Node, path: Sequence[int]) -> None:
         node = root
@@ -186,6 +197,8 @@ class Trie(Protocol):
     def extend(self, seq_id: int, tokens: Sequence[int]) -> None: ...
 
     def remove(self, seq_id: int) -> None: ...
+
+    def paths(self) -> dict[tuple[int, ...], int]: ...
 
     def propose(self, context: Sequence[int], budget: int, min_score: float = 0.0, max_match: int = MAX_MATCH,
                 levels: int | None = None) -> Proposal | None: ...

@@ -243,7 +243,8 @@ class SpecEngine:
             free_fraction=self.kv.free_fraction(TARGET_NAMESPACE) if any(  # read by auto only
                 s.request.spec.k is None and s.request.spec.draft != "none" for s in states) else 1.0,
             drafter_usable=any(s.request.spec.draft == "model" for s in states) and self.health.drafter_usable(),
-            engine_acceptance=self.acceptance, cost=self.cost, batch=len(states), nominal=self.nominal_costs(),
+            engine_acceptance=self.acceptance, cost=self.cost, batch=len(states), max_batch=cfg.max_batch,
+            nominal=self.nominal_costs(),
             suffix=self.suffix, tree_nodes=cfg.tree_nodes,
             model_tree_nodes=cfg.model_tree_nodes if self.mode.model_trees else 0)
         self.suffix.retain(s.request_id for s in self.running)  # tries of requests that left (aborted, requeued)

@@ -43,6 +43,7 @@ class PlanContext:
     engine_acceptance: AcceptanceStats
     cost: CostModel
     batch: int  # requests verified together (the group's size under overlap)
+    max_batch: int = 1  # the engine's setting: seeded requests size trees for a full batch (tree_policy.py)
     nominal: NominalCosts = FLOAT32_COSTS  # seeded requests' costs: by the target's dtype (spec_policy.py)
     suffix: SuffixDrafter | None = None  # the engine's suffix drafter (its tries: the engine thread's)
     tree_nodes: int = 0  # most nodes of a suffix tree (0: chains only)
@@ -105,7 +106,7 @@ def _tree_size(state: RequestState, ctx: PlanContext, k: int, catch_up: int, lim
         return TreeDecision(limit, f"tree: up to {limit} nodes (fixed k)")
     model_draft = state.request.spec.draft == "model"  # its levels cost draft time; a suffix tree's do not
     if sampling.seed is not None and not sampling.is_greedy:
-        return tree_size_seeded(k, limit, state.acceptance, ctx.nominal, model_draft)
+        return tree_size_seeded(k, limit, state.acceptance, ctx.nominal, model_draft, ctx.max_batch)
     return tree_size(TreeInputs(k, limit, catch_up, ctx.batch, ctx.cost, ctx.engine_acceptance, state.acceptance,
                                 model_draft))
 

@@ -119,16 +119,20 @@ def tree_size(inputs: TreeInputs) -> TreeDecision:
 
 
 def tree_size_seeded(k: int, limit: int, own: AcceptanceStats, costs: NominalCosts,
-                     model_draft: bool = False) -> TreeDecision:
+                     model_draft: bool = False, max_batch: int = 1) -> TreeDecision:
     """The same rule for a seeded sampled request from what its tokens may depend on (spec_policy.SeededInputs):
     its own tree rounds for g and E[Y] (shrunk towards the priors, G_PRIOR and 1 + k / 2, not the engine's), and
-    the nominal cost table at one request's rows (catch-up 1) and, for a draft model's tree, its nominal draft step
-    and tree level, never measured times or the batch: the tree's shape decides which uniforms its accept tests
-    draw."""
-    draft = k * costs.draft_token if model_draft else 0.0
+    the nominal cost table and, for a draft model's tree, its nominal draft step and tree level, never measured
+    times or the batch of the moment: the tree's shape decides which uniforms its accept tests draw. The rows are
+    those of a full batch, `max_batch` requests of catch-up 1 (the engine's setting: the command's, so a seed still
+    gives the same tokens): a tree sized as if alone cost a full batch of them 0.78x its chains (Qwen pair, batch
+    8, T=0.7, docs/benchmarks.md). A draft step of that many rows is read off the same table."""
+    rows = costs.verify_cost(max_batch)
+    draft = k * costs.draft_token * rows if model_draft else 0.0
     growth = draft * (costs.tree_level_factor - 1.0)
-    return largest_tree(k, limit, AcceptanceStats(), lambda n: costs.verify_cost(1 + n),
-                        f"nominal costs, {costs.name}", own, draft, growth)
+    return largest_tree(k, limit, AcceptanceStats(), lambda n: costs.verify_cost(max_batch * (1 + n)),
+                        f"nominal costs, {costs.name}" + (f", {max_batch} requests" if max_batch > 1 else ""), own,
+                        draft, growth)
 
 
 __all__ = ["G_PRIOR", "MIN_TREE_ROUNDS", "OWN_PRIOR_ROUNDS", "TreeDecision", "TreeInputs", "largest_tree",

@@ -11,14 +11,7 @@ from drafter_service.suffix_tree import SuffixCache, SuffixTrie
 
 def paths(trie: SuffixTrie) -> dict[tuple[int, ...], int]:
     """Every path of the trie with its count."""
-    out: dict[tuple[int, ...], int] = {}
-    stack = [((), trie.root)]
-    while stack:
-        prefix, node = stack.pop()
-        for token, child in node.children.items():
-            out[prefix + (token,)] = child.count
-            stack.append((prefix + (token,), child))
-    return out
+    return trie.paths()
 
 
 def brute_force(sequences: list[list[int]], max_depth: int) -> dict[tuple[int, ...], int]:

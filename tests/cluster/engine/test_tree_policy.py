@@ -58,3 +58,14 @@ def test_a_seeded_request_sizes_a_draft_models_tree_from_its_own_rounds_and_nomi
     whole = AcceptanceStats(rounds=12, accepted=36, tree_rounds=12, accepted_by_rank=[36])
     assert tree_size_seeded(3, 16, whole, BFLOAT16_INT8_DRAFT_COSTS, model_draft=True).nodes == 3
     assert tree_size_seeded(3, 16, whole, BFLOAT16_INT8_DRAFT_COSTS).nodes == 7  # a suffix tree: rows only
+
+
+def test_a_seeded_request_sizes_its_tree_for_a_full_batch() -> None:
+    """A seeded tree never reads the batch of the moment, but the engine's max_batch: sized as if alone, a full
+    batch of them scored 8 x 17 rows where chains scored 8 x 4 (0.78x the chains in bench spec)."""
+    branchy = AcceptanceStats(rounds=12, accepted=24, tree_rounds=12, accepted_by_rank=[12, 12])  # g = 1
+    alone = tree_size_seeded(3, 16, branchy, BFLOAT16_INT8_DRAFT_COSTS, model_draft=True)
+    assert alone.nodes == 16 and "requests" not in alone.reason  # g 0.81 over E[Y] 2.9: x1.28 fits 17 rows
+    full = tree_size_seeded(3, 16, branchy, BFLOAT16_INT8_DRAFT_COSTS, model_draft=True, max_batch=8)
+    assert full.nodes < alone.nodes and "8 requests" in full.reason
+    assert tree_size_seeded(3, 16, AcceptanceStats(), BFLOAT16_INT8_DRAFT_COSTS, max_batch=8).nodes == 3  # prior g

@@ -50,7 +50,7 @@ def test_suffix_trees_equal_plain_decoding_and_commit_only_the_path(k: int | Non
     if k is not None:  # auto sizes trees by the fake's verify times (tree_policy.py): chains, mostly
         assert stats.tree_rounds > 0
         assert sum(stats.accepted_by_rank[1:]) > 0, "no side branch was ever accepted: the test tests chains only"
-    assert engine.suffix.live() == 0 and engine.suffix.cache.global_trie.root.children  # outputs kept globally
+    assert engine.suffix.live() == 0 and engine.suffix.cache.global_trie.paths()  # outputs kept globally
 
 
 def test_tree_limit_zero_gives_chains() -> None:
