@@ -112,9 +112,10 @@ def test_bench_serve_smoke(ray_session: Any, smollm2_dir: Path, tmp_path: Path,
         split = result["round_split_concurrency_1"][side]
         assert split["rounds"] > 0 and split["round_ms"] >= split["verify_ms"] > 0
         # the hop is a difference of two clocks' spans (the engine's call, less the ledger send made inside it,
-        # and the worker's forward): in process it is ~0 and reads a few microseconds either side of it
-        assert split["verify_hop_ms"] >= -0.1 and split["kv_ms"] > 0 and split["other_ms"] >= -0.1
-        assert split["round_ms"] >= split["verify_ms"] + split["verify_hop_ms"] + split["kv_ms"] - 0.1
+        # and the worker's forward): in process it is ~0 and reads a little either side of it (-0.11 ms seen on a
+        # loaded 2-vCPU machine: the clocks are read on different threads)
+        assert split["verify_hop_ms"] >= -0.5 and split["kv_ms"] > 0 and split["other_ms"] >= -0.5
+        assert split["round_ms"] >= split["verify_ms"] + split["verify_hop_ms"] + split["kv_ms"] - 0.5
     assert result["cluster"]["kv_leaked_blocks"] == 0 and result["cluster"]["scheduler"]["live"] == 0
     printed = capsys.readouterr().out
     assert "goodput/s" in printed and "cluster overhead vs the in-process engine" in printed

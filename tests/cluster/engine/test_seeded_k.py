@@ -31,11 +31,12 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
             make_random_checkpoint(root / "d", seed=42, vocab_size=64, num_layers=1))
 
 
-def engine_for(pair: tuple[Path, Path], draft_token: float, verify: dict[int, float]) -> SpecEngine:
+def engine_for(pair: tuple[Path, Path], draft_token: float, verify: dict[int, float],
+               max_batch: int = 32) -> SpecEngine:
     target, draft = pair
     # float32 draft: a float16 draft computes products of more than 8 rows in bfloat16, so its probabilities
     # would depend on the batch for a reason other than k (reported separately, not what this test is about)
-    engine = local_engine(target, draft, tokenizer=None, max_batch=32, block_size=4, kv_blocks=1024,
+    engine = local_engine(target, draft, tokenizer=None, max_batch=max_batch, block_size=4, kv_blocks=1024,
                           draft_dtype="float32")
     engine.cost.draft_token = draft_token
     engine.cost.verify_by_tokens = dict(verify)
@@ -99,8 +100,9 @@ def test_seeded_tokens_do_not_depend_on_measured_costs(pair: tuple[Path, Path]) 
 
 def test_seeded_suffix_trees_do_not_depend_on_the_batch_or_costs(pair: tuple[Path, Path]) -> None:
     """Suffix drafts: a seeded request's trees come from its own trie (not the global one, which holds what other
-    requests wrote) and are sized by nominal costs, so its tokens are the same alone, beside other suffix requests
-    that finish first, and under other measured costs."""
+    requests wrote) and are sized by nominal costs for a full batch (max_batch 2 in both engines: larger, the
+    nominal rows leave it chains), so its tokens are the same alone, beside other suffix requests that finish
+    first, and under other measured costs."""
     prompt = [5, 6, 7, 5, 6, 8, 5, 6, 7, 5, 6]
 
     def mine() -> GenerationRequest:
@@ -109,8 +111,8 @@ def test_seeded_suffix_trees_do_not_depend_on_the_batch_or_costs(pair: tuple[Pat
 
     beside = [request(f"s{i}", prompt[: 4 + i], max_tokens=4 + 2 * i, k=None, draft="suffix", contract="exact",
                       temperature=0.8, seed=None if i % 2 else 300 + i, ignore_eos=True) for i in range(6)]
-    alone, alone_stats = run(engine_for(pair, 0.0, SMALL_BATCH_PAYS), [mine()])["a"]
-    batched, batched_stats = run(engine_for(pair, 0.0, FLAT), [*beside, mine()])["a"]
+    alone, alone_stats = run(engine_for(pair, 0.0, SMALL_BATCH_PAYS, max_batch=2), [mine()])["a"]
+    batched, batched_stats = run(engine_for(pair, 0.0, FLAT, max_batch=2), [*beside, mine()])["a"]
     assert alone_stats["acceptance"]["tree_rounds"] > 0  # it drafted trees
     assert alone == batched, (k_history(alone_stats), k_history(batched_stats))
     assert k_history(alone_stats) == k_history(batched_stats)
