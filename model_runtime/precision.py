@@ -107,6 +107,14 @@ def why_not_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, pre
     return None
 
 
+def auto_q4_here() -> bool:
+    """auto runs a known model's GGUF codes on this CPU (one rank): the AMX kernels do not run and a quantized
+    kernel does."""
+    from model_runtime import quant_kernels
+
+    return not cpu_runs_amx() and quant_kernels.active() is not None
+
+
 def auto_is_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, prepare: bool = True) -> bool:
     """auto picks q4 for this model: the AMX kernels do not run here (module docstring) and q4 runs it
     (`why_not_q4`)."""

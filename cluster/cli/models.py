@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from model_runtime.precision import auto_is_q4
+from model_runtime.precision import auto_is_q4, auto_q4_here
 from model_runtime.prepare import cache_root, cached_path, prepare_model, prepare_quant
 from model_runtime.registry import KNOWN_MODELS, ModelSource, resolve_model
 from specserve_types.api import SpecServeError
@@ -66,7 +66,8 @@ def format_table(cache_dir: Path | None) -> str:
         entry = cached_path(source, cache_dir)
         cached = str(entry) if entry is not None else "no (run: specserve models prepare " + source.name + ")"
         dtype = runs_as["draft" if source.role == "draft" else "target"]
-        if auto_is_q4(entry, "cpu", prepare=False):  # auto reads the model (precision.py); its GGUF taken on trust
+        # auto reads the model (precision.py): a known one, prepared or not; its GGUF taken on trust here
+        if auto_is_q4(entry, "cpu", prepare=False) if entry is not None else auto_q4_here():
             dtype = "q4"
         # the GGUF's own codes, packed once (model_runtime/quant_weights.py): ready, or made at the first q4 load
         q4 = "-" if entry is None else ("packed" if (entry / QUANT_FILE).exists() else "at first use")
