@@ -101,7 +101,7 @@ def why_not_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, pre
         return f"{checkpoint}: a local checkpoint, no GGUF"
     if prepare:
         try:
-            prepare_quant(Path(checkpoint), progress=False)
+            prepare_quant(Path(checkpoint))  # progress on stderr (an entry prepared before the q4 codes existed)
         except UnsupportedQuantError as exc:
             return str(exc)
     return None
@@ -118,7 +118,7 @@ def auto_q4_here() -> bool:
 def auto_is_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, prepare: bool = True) -> bool:
     """auto picks q4 for this model: the AMX kernels do not run here (module docstring) and q4 runs it
     (`why_not_q4`)."""
-    return checkpoint is not None and not cpu_runs_amx() and why_not_q4(checkpoint, device, tp_size, prepare) is None
+    return checkpoint is not None and auto_q4_here() and why_not_q4(checkpoint, device, tp_size, prepare) is None
 
 
 def _named(name: str, allowed: tuple[str, ...]) -> torch.dtype:

@@ -17,6 +17,7 @@ adjacent tensors of one format are packed as one part.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -140,7 +141,7 @@ def convert_quant(gguf_path: Path, out_file: Path, progress: bool = True) -> dic
         for key, names in LINEARS.items():
             add(f"layers.{i}.{key}", [f"blk.{i}.{n}.weight" for n in names])
         if progress and (i + 1) % 8 == 0:
-            print(f"  q4: packed {i + 1}/{layers} layers", flush=True)
+            print(f"  q4: packed {i + 1}/{layers} layers", file=sys.stderr, flush=True)  # stdout: `--json`'s
     add("lm_head", ["output.weight" if "output.weight" in by_name else "token_embd.weight"])
     formats = sorted({p["source"] for parts in layout.values() for p in parts})  # type: ignore[misc]
     tmp = out_file.with_name(out_file.name + ".tmp")
