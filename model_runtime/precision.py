@@ -94,14 +94,18 @@ def why_not_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, pre
     if checkpoint is None:
         return "no model named"
     try:
-        name = json.loads((Path(checkpoint) / MANIFEST_NAME).read_text())["name"]
+        manifest = json.loads((Path(checkpoint) / MANIFEST_NAME).read_text())
+        name = manifest["name"]
     except (OSError, ValueError, KeyError, TypeError):
-        name = None
+        name = manifest = None
     if name not in KNOWN_MODELS:
         return f"{checkpoint}: a local checkpoint, no GGUF"
+    formats = manifest.get("quant_formats") if isinstance(manifest, dict) else None
+    if isinstance(formats, str) and formats.startswith("none"):  # prepare found the kernels cannot take its GGUF
+        return formats
     if prepare:
         try:
-            prepare_quant(Path(checkpoint))  # progress on stderr (an entry prepared before the q4 codes existed)
+            prepare_quant(Path(checkpoint))  # an entry prepared before the q4 codes existed (progress on stderr)
         except UnsupportedQuantError as exc:
             return str(exc)
     return None
@@ -118,7 +122,7 @@ def auto_q4_here() -> bool:
 def auto_is_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, prepare: bool = True) -> bool:
     """auto picks q4 for this model: the AMX kernels do not run here (module docstring) and q4 runs it
     (`why_not_q4`)."""
-    return checkpoint is not None and auto_q4_here() and why_not_q4(checkpoint, device, tp_size, prepare) is None
+    return checkpoint is not None and not cpu_runs_amx() and why_not_q4(checkpoint, device, tp_size, prepare) is None
 
 
 def _named(name: str, allowed: tuple[str, ...]) -> torch.dtype:

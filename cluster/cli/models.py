@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from model_runtime.precision import auto_is_q4, auto_q4_here
-from model_runtime.prepare import cache_root, cached_path, prepare_model, prepare_quant
+from model_runtime.prepare import cache_root, cached_path, prepare_model
 from model_runtime.registry import KNOWN_MODELS, ModelSource, resolve_model
 from specserve_types.api import SpecServeError
 
@@ -86,7 +86,5 @@ def _prepare(names: list[str], cache_dir: Path | None, progress: bool) -> int:
     for name, target in zip(names, targets, strict=True):
         started = time.monotonic()
         path = prepare_model(target if isinstance(target, ModelSource) else name, cache_dir, progress)
-        if auto_is_q4(path, "cpu", prepare=False):  # auto will run its GGUF's codes here: pack them now
-            prepare_quant(path, progress)
         print(f"{name}: {path} ({time.monotonic() - started:.1f}s)")
     return 0

@@ -1,5 +1,5 @@
 // The suffix trie of drafter_service/suffix_tree.py in C++: the same counts, the same matches and the same
-// proposals, token for token and score for score (tests/drafter_service/test_suffix_trie_native.py compares them
+// proposals, token for token and score for score (tests/drafter_service/test_suffix_native.py compares them
 // on random sequences). Python's trie costs ~1 us a node visit and a prompt of L tokens visits 24 L of them; here
 // a visit is a hash lookup. drafter_service/suffix_native.py builds it once per machine and falls back to the
 // Python trie where it does not build.
@@ -9,14 +9,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <stdexcept>
 #include <queue>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <unordered_map>
-#include <algorithm>
 #include <utility>
 #include <vector>
 

@@ -71,6 +71,10 @@ def test_auto_runs_the_ggufs_codes_where_amx_does_not(smollm2_dir: Path, tmp_pat
     (local / "config.json").write_text("{}")
     assert target_dtype("auto", "cpu", local) != precision.Q4
     assert "no GGUF" in str(precision.why_not_q4(local, "cpu"))
+    refused = tmp_path / "refused"  # a known model whose GGUF `models prepare` found the kernels cannot take
+    refused.mkdir()
+    (refused / "manifest.json").write_text('{"name": "smollm2-135m", "quant_formats": "none: Q2_K unsupported"}')
+    assert precision.why_not_q4(refused, "cpu") == "none: Q2_K unsupported"  # read, not packed again
     monkeypatch.setattr(precision, "cpu_runs_amx", lambda: True)
     assert target_dtype("auto", "cpu", smollm2_dir) != precision.Q4
     assert draft_dtype("auto", "cpu", smollm2_dir) == torch.int8
