@@ -20,10 +20,12 @@ CONTRACTS: tuple[str, ...] = ("exact", "greedy", "typical")
 # see model_runtime.precision; q4: the GGUF's own quantized linears (model_runtime/quant_weights.py)
 DRAFT_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16", "int8", "q4")
 TARGET_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "q4")  # model_runtime.precision.target_dtype
-TARGET_AUTO = ("bfloat16 on CUDA and wherever our batch-invariant CPU kernels run (AMX, AVX-512, AVX2: "
-               "docs/exactness.md), float32 under SPECSERVE_CPU_KERNEL=torch on CPUs without bf16 instructions")
-DRAFT_AUTO = ("int8 on CPUs with AMX, bfloat16 on CUDA and where the target's auto is bfloat16, float16 on the "
-              "rest")  # what model_runtime.precision's target_dtype / draft_dtype("auto", ...) pick, for the help
+TARGET_AUTO = ("q4 (the GGUF's own 4-bit codes) for a known model on one CPU rank where the AMX kernels do not "
+               "run; else bfloat16 on CUDA and wherever our batch-invariant CPU kernels run (AMX, AVX-512, AVX2: "
+               "docs/exactness.md); float32 under SPECSERVE_CPU_KERNEL=torch on CPUs without bf16 instructions")
+DRAFT_AUTO = ("int8 on CPUs with AMX, q4 where the target's auto is q4, bfloat16 on CUDA and where the target's "
+              "auto is bfloat16, float16 on the rest")  # what model_runtime.precision's target_dtype /
+# draft_dtype("auto", ...) pick, for the help
 FinishReason = Literal["stop", "length", "eos", "abort", "error"]
 MAX_TOKENS_LIMIT = 8192
 MIN_TEMPERATURE = 1e-3  # below it, logits / temperature overflows float32: 0 (greedy) or at least this

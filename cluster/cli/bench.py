@@ -26,7 +26,7 @@ from cluster.cli.bench_spec_report import format_spec, plot_spec
 from cluster.cli.bench_tables import table, write_json
 from cluster.cli.client_flags import add_client_flags, apply_client_flags
 from cluster.cli.generate import parse_k
-from specserve_types.api import DRAFT_AUTO, DRAFT_DTYPES, TARGET_DTYPES
+from specserve_types.api import DRAFT_AUTO, DRAFT_DTYPES, TARGET_AUTO, TARGET_DTYPES
 
 
 def _at_least_one(value: str) -> int:
@@ -77,8 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     help="batches above 1: runs of every config, in rotating order; its figures sum them (default 1)")
     sp.add_argument("--seed", type=int, default=None)
     sp.add_argument("--dtype", choices=TARGET_DTYPES, default=None,
-                    help="target model precision (default auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or "
-                         "AMX, float32 elsewhere)")
+                    help=f"target model precision (default auto: {TARGET_AUTO})")
     sp.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
                     help=f"draft model precision (default auto: {DRAFT_AUTO})")
     sp.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
