@@ -1,7 +1,8 @@
 """Which precision the models run in: `--dtype` (the target) and `--draft-dtype` (the draft).
 
-    auto (target): q4 (the GGUF's own 4-bit codes, model_runtime/quant_weights.py) on a CPU where the AMX kernels
-                   do not run, for a known model whose GGUF the quantized kernels take, on one rank; else bfloat16
+    auto (target): q4 (the GGUF's own 4-bit codes, model_runtime/quant_weights.py) for a known model whose GGUF
+                   the quantized kernels take, on one rank, on a CPU where the AMX kernels do not run, and on one
+                   where they do for an engine that decodes one request at a time (max_batch 1); else bfloat16
                    on CUDA and wherever our CPU kernels run (model_runtime/cpu_kernels.py: AMX, AVX-512 or AVX2;
                    batch-invariant, so greedy speculation is exact) or the CPU has bf16 instructions; else float32
                    (SPECSERVE_CPU_KERNEL=torch on a CPU without them)
@@ -18,7 +19,9 @@ Without AMX, q4 is the fastest exact path at every row count: on the avx512 path
 21.9 / 47.9 ms in q4 against 18.2 / 52.4 / 136 ms in bf16 (SmolLM2, Qwen 0.5B, 1.5B), and 16 rows 2.6-3.3x one
 row in both. With AMX, bf16 rows are nearly free (8 rows 1.10-1.23x one row) and q4's are not (1.76-1.90x):
 q4 is faster alone (SmolLM2 7.7 against 10.6 ms, the 1.5B 47 against 106) and bf16 from about 8 rows on for
-the small models, a server's batch: there auto stays bfloat16 and `--dtype q4` is the choice for one stream.
+the small models, a server's batch: there auto runs q4 for an engine of one request at a time (`generate`
+without --n, `bench spec --batches 1`: a round scores 1 + k rows, k <= 8, or a tree the policy sizes on q4's
+measured row costs) and bfloat16 for a batching one (a server, `generate --n`).
 An int8 draft (W8A8 on AMX tiles) streams half a bf16 draft's bytes: its 0.5B step measured 50 against 68 ms
 inside `bench spec`, with the same survival per draft position (k=3: 0.78/0.64/0.51 against 0.77/0.63/0.51;
 docs/benchmarks.md), so it is the draft's default where the kernel runs. Where the kernel then fails to
@@ -111,18 +114,20 @@ def why_not_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, pre
     return None
 
 
-def auto_q4_here() -> bool:
-    """auto runs a known model's GGUF codes on this CPU (one rank): the AMX kernels do not run and a quantized
-    kernel does."""
+def auto_q4_here(max_batch: int | None = None) -> bool:
+    """auto runs a known model's GGUF codes on this CPU (one rank) for an engine of `max_batch`: a quantized kernel
+    runs, and the AMX kernels do not or the engine decodes one request at a time."""
     from model_runtime import quant_kernels
 
-    return not cpu_runs_amx() and quant_kernels.active() is not None
+    return (not cpu_runs_amx() or max_batch == 1) and quant_kernels.active() is not None
 
 
-def auto_is_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, prepare: bool = True) -> bool:
-    """auto picks q4 for this model: the AMX kernels do not run here (module docstring) and q4 runs it
-    (`why_not_q4`)."""
-    return checkpoint is not None and not cpu_runs_amx() and why_not_q4(checkpoint, device, tp_size, prepare) is None
+def auto_is_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, prepare: bool = True,
+               max_batch: int | None = None) -> bool:
+    """auto picks q4 for this model: the AMX kernels do not run here, or they do and the engine decodes one request
+    at a time (`max_batch` 1; None: not known, a batching engine) (module docstring), and q4 runs it (`why_not_q4`)."""
+    return checkpoint is not None and (not cpu_runs_amx() or max_batch == 1) and \
+        why_not_q4(checkpoint, device, tp_size, prepare) is None
 
 
 def _named(name: str, allowed: tuple[str, ...]) -> torch.dtype:
@@ -131,11 +136,12 @@ def _named(name: str, allowed: tuple[str, ...]) -> torch.dtype:
     return DTYPES[name]
 
 
-def target_dtype(name: str, device: str, checkpoint: str | Path | None = None, tp_size: int = 1) -> torch.dtype:
-    """The target model's precision (`--dtype`); auto reads the model (`checkpoint`, its cache entry) and the ranks
-    it runs on (q4: module docstring)."""
+def target_dtype(name: str, device: str, checkpoint: str | Path | None = None, tp_size: int = 1,
+                 max_batch: int | None = None) -> torch.dtype:
+    """The target model's precision (`--dtype`); auto reads the model (`checkpoint`, its cache entry), the ranks
+    it runs on and the engine's `max_batch` (None: not known; q4: module docstring)."""
     if name == "auto":
-        if auto_is_q4(checkpoint, device, tp_size):
+        if auto_is_q4(checkpoint, device, tp_size, max_batch=max_batch):
             return Q4
         return torch.bfloat16 if str(device).startswith("cuda") or cpu_runs_own_kernels() or cpu_has_bf16() \
             else torch.float32

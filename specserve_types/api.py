@@ -21,7 +21,7 @@ CONTRACTS: tuple[str, ...] = ("exact", "greedy", "typical")
 DRAFT_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16", "int8", "q4")
 TARGET_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "q4")  # model_runtime.precision.target_dtype
 TARGET_AUTO = ("q4 (the GGUF's own 4-bit codes) for a known model on one CPU rank where the AMX kernels do not "
-               "run; else bfloat16 on CUDA and wherever our batch-invariant CPU kernels run (AMX, AVX-512, AVX2: "
+               "run, and with AMX for an engine of one request at a time (max_batch 1); else bfloat16 on CUDA and wherever our batch-invariant CPU kernels run (AMX, AVX-512, AVX2: "
                "docs/exactness.md); float32 under SPECSERVE_CPU_KERNEL=torch on CPUs without bf16 instructions")
 DRAFT_AUTO = ("int8 on CPUs with AMX, q4 where the target's auto is q4, bfloat16 on CUDA and where the target's "
               "auto is bfloat16, float16 on the rest")  # what model_runtime.precision's target_dtype /

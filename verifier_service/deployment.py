@@ -159,8 +159,9 @@ class Verifier(FaultHooks, ChannelHost):
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
                  tensor_parallel_size: int = 1, worker_threads: int = 0, gpus_per_rank: float = 0.0,
                  dtype: str = "auto", round_transport: str = "channel",
-                 rank_cpus: Sequence[Sequence[int]] | None = None) -> None:
-        """`rank_cpus`: each TP rank's compute CPUs on a local node (cluster/serving/cpu_binding.py); None: unbound."""
+                 rank_cpus: Sequence[Sequence[int]] | None = None, max_batch: int | None = None) -> None:
+        """`rank_cpus`: each TP rank's compute CPUs on a local node (cluster/serving/cpu_binding.py); None: unbound.
+        `max_batch`: the engine's (auto's dtype reads it: model_runtime/precision.py)."""
         from model_runtime.precision import target_dtype
         from model_runtime.prepare import prepare_model
 
@@ -168,7 +169,7 @@ class Verifier(FaultHooks, ChannelHost):
         self.compute = ComputeThread("verifier-compute", worker_threads,
                                      rank_cpus[0] if rank_cpus and tensor_parallel_size == 1 else None)
         checkpoint = str(prepare_model(model, progress=False))
-        precision = target_dtype(dtype, worker_device(device), checkpoint, tensor_parallel_size)
+        precision = target_dtype(dtype, worker_device(device), checkpoint, tensor_parallel_size, max_batch)
         if tensor_parallel_size == 1:
             self.runner: Any = self.compute.call(LocalRunner, checkpoint, num_blocks, block_size,
                                                  worker_device(device), precision)

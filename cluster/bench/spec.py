@@ -85,6 +85,8 @@ class SpecBench:
             warm_up=True)
         progress(f"spec: loading {s.model} (draft {s.draft})")
         self.base = build_local_engine(s.model, s.draft, settings.engine_config(), settings.local_runtime())
+        # what auto resolved to (model_runtime/precision.py: on AMX the largest batch decides the target's)
+        progress("spec: " + ", ".join(f"{role} {dtype}" for role, dtype in self.base.dtypes.items()))
         self.prompts = load_prompts(s.categories, s.per_category)
         self.prompt_ids = {p.id: tokenize_prompt(self.base.tokenizer, p.text, chat=True) for p in self.prompts}
         self.hf_target = self.hf_draft = None
@@ -306,6 +308,7 @@ class SpecBench:
         s = dataclasses.asdict(self.s)
         s["ks"] = ["auto" if k is None else k for k in self.s.ks]
         return {"bench": "spec", "settings": s, "engine_config": dataclasses.asdict(self.base.config),
+                "dtypes": dict(self.base.dtypes),
                 "hf_settings": {"hf_batch": 1, "assisted": "transformers defaults (num_assistant_tokens, schedule,"
                                 " confidence threshold)", "prompt_lookup_num_tokens": self.s.hf_lookup_tokens,
                                 "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0},

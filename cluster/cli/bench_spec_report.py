@@ -11,8 +11,10 @@ from cluster.cli.bench_tables import pct, table
 
 def format_spec(result: dict[str, Any]) -> str:
     s = result["settings"]
-    out = [f"bench spec: {s['model']} (draft {s['draft']}), {len(result['prompts'])} prompts, "
-           f"max {s['max_tokens']} tokens; tok/s = output tokens / wall seconds (prefill included)"]
+    dtypes = ", ".join(f"{role} {dtype}" for role, dtype in result.get("dtypes", {}).items())
+    out = [f"bench spec: {s['model']} (draft {s['draft']}{'; ' + dtypes if dtypes else ''}), "
+           f"{len(result['prompts'])} prompts, max {s['max_tokens']} tokens; tok/s = output tokens / wall seconds "
+           "(prefill included)"]
     if not result["results"]:  # --llamacpp-only
         return "\n".join(out + _llamacpp_lines(result))
     headers = ["T", "batch", "config", "tok/s", "vs plain", "vs hf peer", "peer", "vs hf plain", "accept",

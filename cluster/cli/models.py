@@ -69,6 +69,9 @@ def format_table(cache_dir: Path | None) -> str:
         # auto reads the model (precision.py): a known one, prepared or not; its GGUF taken on trust here
         if auto_is_q4(entry, "cpu", prepare=False) if entry is not None else auto_q4_here():
             dtype = "q4"
+        elif source.role != "draft" and (auto_is_q4(entry, "cpu", prepare=False, max_batch=1) if entry is not None
+                                         else auto_q4_here(max_batch=1)):
+            dtype = f"q4 alone, {dtype} batched"  # AMX: the engine's max_batch decides
         # the GGUF's own codes, packed once (model_runtime/quant_weights.py): ready, or made at the first q4 load
         q4 = "-" if entry is None else ("packed" if (entry / QUANT_FILE).exists() else "at first use")
         rows.append((source.name, source.role, source.parameters, source.quantization, dtype, q4, cached))

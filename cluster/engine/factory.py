@@ -142,7 +142,7 @@ def build_local_engine(model: str, draft: str, config: EngineConfig, runtime: Lo
         return LocalRunner(str(checkpoint_dir), runtime.num_blocks, runtime.block_size, runtime.device, dtype)
 
     # auto reads the models (precision.py: q4 where it is the fastest exact path)
-    target = target_dtype(runtime.dtype, runtime.device, model_dir(model))
+    target = target_dtype(runtime.dtype, runtime.device, model_dir(model), max_batch=config.max_batch)
     drafts = draft_dtype(runtime.draft_dtype, runtime.device, model_dir(draft) if draft not in NON_MODEL_DRAFTS else None)
     engine = assemble_engine(
         model, draft, config, runtime.num_blocks, runtime.block_size,

@@ -65,7 +65,7 @@ def bind_verifier(config: ClusterConfig, cpu_plan: CpuPlan | None = None) -> ser
     return VerifierDeployment.options(**options).bind(
         config.model, config.kv_pool_blocks, config.block_size, config.device, config.tensor_parallel_size,
         config.threads_per_worker, gpus, config.dtype, config.round_transport,
-        cpu_plan.ranks if cpu_plan is not None else None)
+        cpu_plan.ranks if cpu_plan is not None else None, config.max_batch)
 
 
 def bind_drafter(config: ClusterConfig, cpu_plan: CpuPlan | None = None) -> serve.Application | None:

@@ -310,7 +310,7 @@ def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any,
                                             transport=transport),
         # resolved as the workers resolve them (same function, same device name; a node pool of one CPU type)
         dtypes={"target": dtype_name(target_dtype(config.dtype, config.device, model_dir(config.model),
-                                                  config.tensor_parallel_size)),
+                                                  config.tensor_parallel_size, config.max_batch)),
                 "draft": dtype_name(draft_dtype(config.draft_dtype, config.device,
                                                 model_dir(config.draft) if drafter is not None else None))},
         observer=observer,
