@@ -85,16 +85,21 @@ def test_cli_list_shows_every_model_and_cache_state(
 def test_cli_list_says_what_auto_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                       monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
     """RUNS AS: q4 for every known model where the AMX kernels do not run (model_runtime/precision.py), prepared
-    or not; with them, the target bfloat16 and the draft int8."""
+    or not; with them, a target q4 alone and bfloat16 batched, the draft int8."""
     from model_runtime import precision, quant_kernels
 
     if quant_kernels.active() is None:
         pytest.skip(quant_kernels.describe())
     monkeypatch.setattr(precision, "cpu_runs_amx", lambda: amx)
     assert main(["models", "list", "--cache-dir", str(tmp_path)]) == 0
-    rows = {cells[0]: cells[4] for cells in map(str.split, capsys.readouterr().out.splitlines()) if len(cells) > 4}
-    shown = {rows[name] for name in EXPECTED_NAMES}
-    assert shown == ({"bfloat16", "int8"} if amx else {"q4"}), rows
+    header, *lines = capsys.readouterr().out.splitlines()
+    start, end = header.index("RUNS AS"), header.index("--dtype q4")
+    rows = {line.split()[0]: line[start:end].strip() for line in lines if not line.startswith("cache:")}
+    if amx:  # a target runs its GGUF's codes alone (max_batch 1), bfloat16 when batching; the draft int8
+        assert rows == {"qwen2.5-coder-1.5b": "q4 alone, bfloat16 batched", "qwen2.5-coder-0.5b": "int8",
+                        "smollm2-135m": "q4 alone, bfloat16 batched"}, rows
+    else:
+        assert {rows[name] for name in EXPECTED_NAMES} == {"q4"}, rows
 
 
 def test_cli_unknown_name_is_one_line_error_exit_2_and_prepares_nothing(
