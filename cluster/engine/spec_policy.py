@@ -82,12 +82,18 @@ BFLOAT16_INT8_DRAFT_COSTS = NominalCosts("bfloat16, int8 draft", BFLOAT16_COSTS.
 # one forward of 1/2/4/8 rows: 55 / 71 / 88 / 136 ms: the integer dot products make rows cost compute) and a q4
 # 0.5B draft, whose step costs about a third of the target's
 Q4_COSTS = NominalCosts("q4", (1.0, 1.3, 1.45, 1.6, 1.8, 2.0, 2.2, 2.5), 3, 0.35)
+# q4 target with an int8 draft (the default for one request at a time on an AMX CPU, model_runtime/precision.py):
+# on the Xeon-AMX, `bench runtime --models qwen2.5-coder-1.5b --contexts 128 --dtype q4 --no-hf --repeats 3
+# --max-k 16` (2026-12-04): one row 47.3 ms, 2..16 rows 1.21 .. 3.00x; the int8 0.5B step 21.3 ms (the cost model
+# of a `generate` with the 0.5B draft): 0.45 of a verify
+Q4_INT8_DRAFT_COSTS = NominalCosts("q4, int8 draft", (1.0, 1.21, 1.31, 1.4, 1.61, 1.71, 1.8, 1.91, 2.16, 2.23, 2.31,
+                                                      2.44, 2.7, 2.78, 2.92, 3.0), 5, 0.45)
 
 
 def nominal_costs(target_dtype: str, draft_dtype: str | None = None) -> NominalCosts:
     """The seeded requests' cost table for an engine whose target (and draft) run in these dtypes."""
     if target_dtype == "q4":
-        return Q4_COSTS
+        return Q4_INT8_DRAFT_COSTS if draft_dtype == "int8" else Q4_COSTS
     if target_dtype != "bfloat16":
         return FLOAT32_COSTS
     return BFLOAT16_INT8_DRAFT_COSTS if draft_dtype == "int8" else BFLOAT16_COSTS

@@ -13,6 +13,7 @@ from cluster.engine.spec_policy import (
     FIT_WEIGHT,
     FLOAT32_COSTS,
     Q4_COSTS,
+    Q4_INT8_DRAFT_COSTS,
     AutoInputs,
     CostModel,
     NominalCosts,
@@ -183,6 +184,10 @@ def test_seeded_costs_follow_the_target_dtype() -> None:
     free n-gram drafts go deeper than under float32's table, model drafts stay shallower."""
     assert nominal_costs("bfloat16") is BFLOAT16_COSTS and nominal_costs("float32", "float16") is FLOAT32_COSTS
     assert nominal_costs("q4", "q4") is Q4_COSTS and Q4_COSTS.verify_cost(9) == 3.0
+    q4_int8 = nominal_costs("q4", "int8")  # an int8 draft beside a q4 target (one stream on an AMX CPU)
+    assert q4_int8 is Q4_INT8_DRAFT_COSTS and q4_int8.draft_token > Q4_COSTS.draft_token
+    costs = [q4_int8.verify_cost(rows) for rows in range(1, 40)]
+    assert costs == sorted(costs), costs  # the table and what follows it never fall with rows
     assert nominal_costs("bfloat16", "int8").draft_token < BFLOAT16_COSTS.draft_token
     assert BFLOAT16_COSTS.verify_cost(9) == 1.1 and FLOAT32_COSTS.verify_cost(9) == 9 / 4
 
