@@ -1,0 +1,96 @@
+"""Step times of our runtime on a CUDA device for models of the bundled ones' shapes, with random weights.
+
+    python3 scripts/gpu_step_times.py CONFIG_DIR [CONFIG_DIR ...] --out step-times.json
+
+Each CONFIG_DIR holds a model's config.json (a prepared cache entry, or a copy of its config.json alone): a GPU
+machine that cannot fetch the bundled GGUF files still measures their shapes. Per model, bf16 on cuda:0: a
+decode step (1 new token) and verifies of 2, 3, 5, 9, 17 new tokens after a context of 128 and 1024 tokens, one
+sequence and a batch of 8, medians of 10 timed calls after 3 warm-ups (torch.cuda.synchronize around each call).
+Random weights change no timing: the same shapes run the same kernels. scripts/gpu-check.sh measures the prepared
+models themselves where they can be prepared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from model_runtime.local_alloc import LocalAllocator, LocalSequence  # noqa: E402
+from model_runtime.model import CausalLM  # noqa: E402
+
+BLOCK = 16
+NEW_TOKENS = (1, 2, 3, 5, 9, 17)
+CONTEXTS = (128, 1024)
+BATCHES = (1, 8)
+
+
+def random_checkpoint(config_dir: Path, out: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    return out
+
+
+def timed(fn) -> float:  # noqa: ANN001
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(model: CausalLM, context: int, batch: int, new: int) -> float:
+    blocks = batch * ((context + 32) // BLOCK + 2)
+    alloc, kv = LocalAllocator(num_blocks=blocks, block_size=BLOCK), model.allocate_kv(blocks, BLOCK)
+    seqs = [LocalSequence() for _ in range(batch)]
+    for seq in seqs:  # the context, one prefill per sequence
+        model.forward_seqs([alloc.extend(seq, [10 + i % 1000 for i in range(context)], "last")], kv)
+    step = [alloc.extend(seq, list(range(200, 200 + new))) for seq in seqs]
+    samples = sorted(timed(lambda: model.forward_seqs(step, kv)) for _ in range(13))[3:]
+    return samples[len(samples) // 2]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("step-times.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 1
+    results = []
+    for config_dir in args.configs:
+        with tempfile.TemporaryDirectory() as tmp:
+            started = time.perf_counter()
+            model = CausalLM.load(random_checkpoint(config_dir, Path(tmp)), device="cuda:0", dtype=torch.bfloat16)
+            print(f"{config_dir.name}: loaded in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+            for context in CONTEXTS:
+                for batch in BATCHES:
+                    one = None
+                    for new in NEW_TOKENS:
+                        ms = 1e3 * measure(model, context, batch, new)
+                        one = one or ms
+                        results.append({"model": config_dir.name, "context": context, "batch": batch,
+                                        "new_tokens": new, "median_ms": round(ms, 3), "x_one": round(ms / one, 3)})
+                        print(json.dumps(results[-1]), flush=True)
+            del model
+            torch.cuda.empty_cache()
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                                    "dtype": "bfloat16", "weights": "random, the bundled models' shapes",
+                                    "steps": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
