@@ -11,8 +11,8 @@
 #                           and skips)
 #   4. serve-fractional     test_serve_drafter_and_verifier_share_a_gpu: the Serve application on CUDA, Drafter and
 #                           Verifier at 0.5 GPU each, greedy speculative == plain (inside scripts/in-netns.sh)
-#   5. step-times.json      bf16 CUDA step times of the bundled models: decode (1 token) and verify (k+1 tokens)
-#                           at 128 and 1024 tokens of context, TP=1 (the runtime bench's figures, on the GPU)
+#   5. step-times.json      bf16 CUDA step times of the bundled models (scripts/gpu_step_times.py): decode (1 token)
+#                           and verify (2..17 tokens), batch 1 and 8, at 128 and 1024 tokens of context, TP=1
 #   6. bench-runtime.json, bench-spec.json
 #                           `specserve bench runtime` and `bench spec --quick` with `--device cuda` where those
 #                           commands take it; until they do they measure the CPU only and are skipped here
@@ -66,7 +66,7 @@ if [ "$CUDA" = "0" ]; then
   log "  parity:           ${PYTEST[*]} -k forward_match --junitxml $OUT_DIR/parity.xml"
   log "  tp-nccl:          ${PYTEST[*]} -k nccl --junitxml $OUT_DIR/tp-nccl.xml   (2+ GPUs; else skipped)"
   log "  serve-fractional: scripts/in-netns.sh ${PYTEST[*]} -k serve --junitxml $OUT_DIR/serve.xml"
-  log "  step-times:       bf16 decode/verify step times of the bundled models on cuda:0 -> $OUT_DIR/step-times.json"
+  log "  step-times:       scripts/gpu_step_times.py on the prepared models -> $OUT_DIR/step-times.json"
   for bench in runtime spec; do
     if bench_has_device "$bench"; then
       log "  bench-$bench:     $SPECSERVE bench $bench --device cuda ... --json-out $OUT_DIR/bench-$bench.json"
@@ -97,43 +97,11 @@ else
 fi
 step serve-fractional scripts/in-netns.sh "${PYTEST[@]}" -k serve --junitxml "$OUT_DIR/serve.xml"
 
-step step-times "$PYTHON" - "$OUT_DIR/step-times.json" <<'EOF'
-"""bf16 step times on cuda:0: decode (1 new token) and verify (k+1 new tokens) after a context, medians of 10."""
-import json, sys, time
-import torch
-from model_runtime.local_alloc import LocalAllocator, LocalSequence
-from model_runtime.model import CausalLM
-from model_runtime.prepare import prepare_model
+# the prepared models' cache entries (prepare_model: the same check as `make setup`), timed by one script
+mapfile -t MODEL_DIRS < <("$PYTHON" -c 'from model_runtime.prepare import prepare_model
 from model_runtime.registry import KNOWN_MODELS
-
-def timed(fn):
-    torch.cuda.synchronize(); start = time.perf_counter(); fn(); torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-results = []
-for name in KNOWN_MODELS:
-    model = CausalLM.load(prepare_model(name, progress=False), device="cuda:0", dtype=torch.bfloat16)
-    for context in (128, 1024):
-        for new in (1, 2, 3, 5, 9):  # decode, then verifying k = 1, 2, 4, 8 drafts
-            samples = []
-            for repeat in range(13):
-                alloc = LocalAllocator(num_blocks=(context + 32) // 16 + 2, block_size=16)
-                kv = model.allocate_kv((context + 32) // 16 + 2, 16)
-                seq = LocalSequence()
-                model.forward_seqs([alloc.extend(seq, list(range(10, 10 + context)))], kv)
-                batch = [alloc.extend(seq, list(range(200, 200 + new)))]
-                seconds = timed(lambda: model.forward_seqs(batch, kv))
-                if repeat >= 3:  # the first three warm up kernels and allocator
-                    samples.append(seconds)
-            samples.sort()
-            results.append({"model": name, "context": context, "new_tokens": new,
-                            "median_ms": round(samples[len(samples) // 2] * 1e3, 3)})
-            print(json.dumps(results[-1]), flush=True)
-    del model
-    torch.cuda.empty_cache()
-json.dump({"device": torch.cuda.get_device_name(0), "dtype": "bfloat16", "steps": results},
-          open(sys.argv[1], "w"), indent=2)
-EOF
+for name in KNOWN_MODELS: print(prepare_model(name, progress=False))')
+step step-times "$PYTHON" scripts/gpu_step_times.py "${MODEL_DIRS[@]}" --out "$OUT_DIR/step-times.json"
 
 for bench in runtime spec; do
   if bench_has_device "$bench"; then

@@ -1,13 +1,13 @@
-"""Step times of our runtime on a CUDA device for models of the bundled ones' shapes, with random weights.
+"""Step times of our runtime on a CUDA device: the bundled models, or random weights of their shapes.
 
-    python3 scripts/gpu_step_times.py CONFIG_DIR [CONFIG_DIR ...] --out step-times.json
+    python3 scripts/gpu_step_times.py MODEL_DIR [MODEL_DIR ...] --out step-times.json
 
-Each CONFIG_DIR holds a model's config.json (a prepared cache entry, or a copy of its config.json alone): a GPU
-machine that cannot fetch the bundled GGUF files still measures their shapes. Per model, bf16 on cuda:0: a
-decode step (1 new token) and verifies of 2, 3, 5, 9, 17 new tokens after a context of 128 and 1024 tokens, one
-sequence and a batch of 8, medians of 10 timed calls after 3 warm-ups (torch.cuda.synchronize around each call).
-Random weights change no timing: the same shapes run the same kernels. scripts/gpu-check.sh measures the prepared
-models themselves where they can be prepared.
+Each MODEL_DIR is a checkpoint (a prepared cache entry: its own weights are timed) or holds a model's config.json
+alone (random weights of that shape are made: a GPU machine that cannot fetch the bundled GGUF files still measures
+their shapes; the same shapes run the same kernels). Per model, bf16 on cuda:0: a decode step (1 new token) and
+verifies of 2, 3, 5, 9, 17 new tokens after a context of 128 and 1024 tokens, one sequence and a batch of 8,
+medians of 10 timed calls after 3 warm-ups (torch.cuda.synchronize around each call). scripts/gpu-check.sh runs it
+on the prepared models.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ def random_checkpoint(config_dir: Path, out: Path) -> Path:
     return out
 
 
-def timed(fn) -> float:  # noqa: ANN001
+def timed(fn: Callable[[], object]) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
@@ -63,31 +64,34 @@ def measure(model: CausalLM, context: int, batch: int, new: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("configs", nargs="+", type=Path)
+    parser.add_argument("models", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=Path("step-times.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 1
     results = []
-    for config_dir in args.configs:
+    for model_dir in args.models:
         with tempfile.TemporaryDirectory() as tmp:
             started = time.perf_counter()
-            model = CausalLM.load(random_checkpoint(config_dir, Path(tmp)), device="cuda:0", dtype=torch.bfloat16)
-            print(f"{config_dir.name}: loaded in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+            random = not any(model_dir.glob("*.safetensors"))
+            checkpoint = random_checkpoint(model_dir, Path(tmp)) if random else model_dir
+            model = CausalLM.load(checkpoint, device="cuda:0", dtype=torch.bfloat16)
+            print(f"{model_dir.name}: loaded in {time.perf_counter() - started:.0f} s"
+                  + (" (random weights)" if random else ""), file=sys.stderr, flush=True)
             for context in CONTEXTS:
                 for batch in BATCHES:
                     one = None
                     for new in NEW_TOKENS:
                         ms = 1e3 * measure(model, context, batch, new)
                         one = one or ms
-                        results.append({"model": config_dir.name, "context": context, "batch": batch,
+                        results.append({"model": model_dir.name, "random_weights": random, "context": context, "batch": batch,
                                         "new_tokens": new, "median_ms": round(ms, 3), "x_one": round(ms / one, 3)})
                         print(json.dumps(results[-1]), flush=True)
             del model
             torch.cuda.empty_cache()
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                    "dtype": "bfloat16", "weights": "random, the bundled models' shapes",
+                                    "dtype": "bfloat16",
                                     "steps": results}, indent=2) + "\n")
     return 0
 
