@@ -111,7 +111,9 @@ class ClusterConfig(BaseModel):
     round_transport: Literal["channel", "ray"] = Field(
         "channel", description="how the engine reaches the verifier, the drafter and the KV actor each round: "
         "'channel' = a direct socket per worker, endpoint and secret handed out through Ray "
-        "(specserve_types/round_channel.py); 'ray' = Serve handles and actor calls (1-10 ms more per hop)")
+        "(specserve_types/round_channel.py), and each request's chunks pushed from the scheduler to the ingress over a "
+        "socket (cluster/serving/chunk_push.py); 'ray' = Serve handles and actor calls (1-10 ms more per hop) and "
+        "every chunk through Serve's streaming call")
 
     # the engine's round (cluster/engine/engine.py); a config file may also set these under `engine_options:`
     k_max: int = Field(4, ge=0, le=64, description="largest k auto may pick (0: auto never speculates)")

@@ -8,8 +8,9 @@ Both front ends check the API key first, when the server has keys (cluster/servi
 gRPC UNAUTHENTICATED, nothing sent to the scheduler; /health and the health services stay open), and serve TLS
 when given a certificate (gRPC here, HTTP through Serve's proxy options: cluster/serving/app.py). They then
 validate at once (InvalidRequestError -> INVALID_ARGUMENT / HTTP 400, the field named
-first in the message), then stream from the Scheduler (cluster/serving/streams.py). A refusal from the
-scheduler arrives as the stream's first item (capacity -> RESOURCE_EXHAUSTED / HTTP 429, with a retry
+first in the message), then stream from the Scheduler (cluster/serving/streams.py; with the round channels the
+scheduler pushes the chunks to this replica's chunk inbox over a socket: cluster/serving/chunk_push.py). A refusal
+from the scheduler arrives as the stream's first item (capacity -> RESOURCE_EXHAUSTED / HTTP 429, with a retry
 hint), before anything is sent to the client. Leaving the stream early (disconnect, cancel, deadline)
 aborts the request at the scheduler.
 """
@@ -17,11 +18,13 @@ aborts the request at the scheduler.
 import logging
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from cluster.serving.auth import ApiKeys, AuthError
+from cluster.serving.chunk_push import ChunkInbox
 from cluster.serving.config import ClusterConfig
 from cluster.serving.grpc_server import GrpcServer, read_tls_pair
 from cluster.serving.grpc_service import SpecServeService
@@ -42,6 +45,17 @@ from specserve_types.tracing import configure_tracing, shutdown_tracing
 
 logger = logging.getLogger("ray.serve")
 
+
+async def open_inbox(config: ClusterConfig) -> ChunkInbox | None:
+    """This replica's chunk inbox (cluster/serving/chunk_push.py) with the round channels (`round_transport:
+    channel`); None with `round_transport: ray` (every chunk through Serve's streaming call, as before)."""
+    if config.round_transport != "channel":
+        return None
+    inbox = ChunkInbox(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+    await inbox.start()
+    return inbox
+
+
 http_app = FastAPI(title="specserve", description="OpenAI-compatible speculative-decoding server")
 
 
@@ -51,7 +65,8 @@ class Ingress:
     async def __init__(self, config: ClusterConfig, scheduler: Any) -> None:
         self._config = config
         configure_tracing(config.tracing_settings(), "specserve-ingress")  # request spans (off unless configured)
-        streams = SchedulerStreams(scheduler)
+        self._inbox = await open_inbox(config)
+        streams = SchedulerStreams(scheduler, self._inbox)
         self._streams = streams
         defaults = ServerDefaults(config.model, "model" if config.uses_draft_model else config.draft)
         rejections = RejectionLog(logger)
@@ -92,6 +107,8 @@ class Ingress:
     async def __del__(self) -> None:
         if (server := getattr(self, "_grpc", None)) is not None:
             await server.stop(self._config.graceful_shutdown_timeout_s)
+        if (inbox := getattr(self, "_inbox", None)) is not None:
+            await inbox.close()
         shutdown_tracing()
 
     # -- HTTP (OpenAI-compatible) -------------------------------------------------------------------

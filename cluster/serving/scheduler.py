@@ -24,6 +24,7 @@ from ray import serve
 
 from cluster.engine.round_spans import RoundSpans
 from cluster.engine.step_record import EngineObserver, Observers
+from cluster.serving.chunk_push import ChunkPusher, PushEnded, PushLink, PushStarted, PushTarget
 from cluster.serving.config import ClusterConfig
 from cluster.serving.engine_loop import Engine, EngineLoop
 from cluster.serving.metrics import SpecMetrics
@@ -35,7 +36,7 @@ from specserve_types.api import (
     TokenChunk,
 )
 from specserve_types.faults import FaultHooks
-from specserve_types.protocol import GenerateArgs, IndexedChunk, StreamError, StreamItem
+from specserve_types.protocol import GenerateArgs, IndexedChunk, StreamError
 from specserve_types.tracing import configure_tracing, shutdown_tracing
 
 logger = logging.getLogger("ray.serve")
@@ -107,6 +108,7 @@ class Scheduler(FaultHooks):
         self._counters = {"admitted": 0, "rejected_capacity": 0, "rejected_invalid": 0, "aborted": 0,
                           "finished": 0, "errored": 0}
         self._started_at = time.time()
+        self._pusher: ChunkPusher | None = None  # links to the ingresses' chunk inboxes (made on this event loop)
         self._loop.start()
         self._loop.wait_ready()  # Serve marks the replica RUNNING only once the engine is built
         if self._loop.startup_error is not None:
@@ -114,8 +116,10 @@ class Scheduler(FaultHooks):
                 from self._loop.startup_error
         logger.info("scheduler ready: model=%s draft=%s", config.model, config.draft)
 
-    async def generate(self, args: GenerateArgs) -> AsyncIterator[StreamItem]:
-        """Stream IndexedChunk items of the n completions; a StreamError instead if refused."""
+    async def generate(self, args: GenerateArgs, push_to: PushTarget | None = None) -> AsyncIterator[Any]:
+        """Stream IndexedChunk items of the n completions; a StreamError instead if refused. With `push_to` (an
+        ingress's chunk inbox, cluster/serving/chunk_push.py) an admitted request's chunks go over that socket: the
+        stream then yields PushStarted, and PushEnded(count) after the last chunk (or a StreamError)."""
         completion_ids = args.completion_ids()
         if self._live + len(completion_ids) > self._config.queue_capacity:
             self._counters["rejected_capacity"] += 1
@@ -156,6 +160,10 @@ class Scheduler(FaultHooks):
                 yield StreamError.of(exc)
                 return
             self._counters["admitted"] += len(completion_ids)
+            link = await self._push_link(push_to)
+            if link is not None:
+                yield PushStarted()
+            pushed = 0
             while pending:
                 index, chunk = await chunks.get()
                 if chunk.finished and pending.pop(chunk.request_id, None) is not None:  # aborts are counted already
@@ -163,8 +171,14 @@ class Scheduler(FaultHooks):
                     stats = {**(chunk.stats or {}), "prompt_tokens": len(prompt)}
                     chunk = dataclasses.replace(chunk, stats=stats)
                     self.metrics.finished(stats, chunk.finish_reason)
-                chunk = dataclasses.replace(chunk, request_id=args.request_id)
-                yield IndexedChunk(index, chunk, args.spec.contract)
+                item = IndexedChunk(index, dataclasses.replace(chunk, request_id=args.request_id), args.spec.contract)
+                if link is None:
+                    yield item
+                else:  # PushLost: the request ends with an internal error (below), and is aborted
+                    link.push(push_to.key, item)  # type: ignore[union-attr]
+                    pushed += 1
+            if link is not None:
+                yield PushEnded(pushed)
         except Exception:  # an engine-loop failure: logged here, reported in-band without internals, aborted below
             logger.exception("request %s failed", args.request_id)
             yield StreamError("internal", f"internal server error (request id {args.request_id})")
@@ -173,6 +187,20 @@ class Scheduler(FaultHooks):
             self._abort_pending(pending)
             if self._pending.get(args.request_id) is pending:
                 del self._pending[args.request_id]
+
+    async def _push_link(self, push_to: PushTarget | None) -> PushLink | None:
+        """The link to the ingress's inbox; None (the chunks go through the Serve stream) without one or if it
+        cannot be reached."""
+        if push_to is None:
+            return None
+        if self._pusher is None:
+            self._pusher = ChunkPusher(ray.get_runtime_context().get_node_id() if ray.is_initialized() else None)
+        try:
+            return await self._pusher.link(push_to.endpoint)
+        except (OSError, EOFError, TimeoutError) as exc:
+            logger.warning("the ingress's chunk inbox %r cannot be reached (%r): this request's chunks go through "
+                           "the Serve stream", push_to.endpoint, exc)
+            return None
 
     def _abort_pending(self, pending: dict[str, int]) -> int:
         for engine_id in pending:
@@ -267,6 +295,8 @@ class Scheduler(FaultHooks):
     def __del__(self) -> None:
         if (loop := getattr(self, "_loop", None)) is not None:
             loop.stop(timeout_s=self._config.graceful_shutdown_timeout_s)
+        if (pusher := getattr(self, "_pusher", None)) is not None:
+            pusher.close()
         shutdown_tracing()
 
 

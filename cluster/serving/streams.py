@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cluster.serving.chunk_push import ChunkInbox, PushedChunks, PushStarted
 from specserve_types.api import SpecServeError
 from specserve_types.protocol import GenerateArgs, IndexedChunk, StreamError
 
@@ -77,26 +78,44 @@ class ChunkStream:
 
 
 class SchedulerStreams:
-    """Opens request streams on the Scheduler deployment (a Serve handle) and forwards control calls."""
+    """Opens request streams on the Scheduler deployment (a Serve handle) and forwards control calls. With an
+    `inbox` (started on this event loop) the scheduler pushes each request's chunks to it over a socket, and the Serve
+    stream carries only the admission, an error and the end (cluster/serving/chunk_push.py)."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, inbox: ChunkInbox | None = None) -> None:
         self._scheduler = scheduler
+        self._inbox = inbox
 
     async def open(self, args: GenerateArgs, timeout_s: float | None = None) -> tuple[StreamError | None, ChunkStream]:
         """Start the scheduler stream; a refusal is returned before the first chunk is."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        stream = self._scheduler.options(stream=True).generate.remote(args)
+        inbox = self._inbox
+        if inbox is None:
+            target, queue = None, None
+            stream = self._scheduler.options(stream=True).generate.remote(args)
+        else:
+            target, queue = inbox.expect()
+            stream = self._scheduler.options(stream=True).generate.remote(args, target)
+
+        def forget() -> None:
+            if inbox is not None and target is not None:
+                inbox.forget(target.key)
+
         try:
             first = await until(stream.__anext__(), deadline)
         except BaseException:  # the client left, the deadline passed or the call failed before the first chunk
             stream.cancel()
+            forget()
             self._scheduler.abort.remote(args.request_id)
             raise
+        abort = lambda: self._scheduler.abort.remote(args.request_id)  # noqa: E731
+        if isinstance(first, PushStarted) and queue is not None:
+            return None, ChunkStream(PushedChunks(stream, queue, forget), None, abort=abort, deadline=deadline)
+        forget()  # refused, or the scheduler could not reach the inbox: the chunks come through the Serve stream
         if isinstance(first, StreamError):
             stream.cancel()
             return first, ChunkStream()
-        return None, ChunkStream(stream, first, abort=lambda: self._scheduler.abort.remote(args.request_id),
-                                 deadline=deadline)
+        return None, ChunkStream(stream, first, abort=abort, deadline=deadline)
 
     async def health(self) -> tuple[bool, str]:
         return await self._scheduler.health.remote()
