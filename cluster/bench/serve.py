@@ -361,4 +361,4 @@ def _measure(s: ServeBenchSettings, client: SpecServeClient, prompt_ids: list[li
             "round_split_concurrency_1": rounds, "cost_models_at_concurrency_1": costs,
             "cluster": {"kv_leaked_blocks": stats["kv"]["leaked_blocks"], "scheduler": stats["scheduler"],
                         "fallback_events": stats["engine"].get("fallback_events", []),
-                        "transport": stats.get("transport")}}
+                        "transport": stats.get("transport"), "chunks": stats.get("chunks")}}

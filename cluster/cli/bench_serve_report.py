@@ -68,4 +68,7 @@ def format_serve(result: dict[str, Any]) -> str:
     out.append(f"load average {env['loadavg_at_start'][0]:.1f} -> {env['loadavg_at_end'][0]:.1f}; "
                f"KV blocks leaked: {result['cluster']['kv_leaked_blocks']}; "
                f"fallback events: {len(result['cluster']['fallback_events'])}")
+    if chunks := result["cluster"].get("chunks"):  # how the scheduler's chunks reached the ingress (chunk_push.py)
+        out.append(f"chunks pushed to the ingress: {chunks['pushed']}, through Serve's stream: {chunks['through_serve']}"
+                   f"; inbox unreachable: {chunks['push_fallbacks']} requests, link lost: {chunks['push_lost']}")
     return "\n".join(out)

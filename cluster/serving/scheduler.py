@@ -24,7 +24,7 @@ from ray import serve
 
 from cluster.engine.round_spans import RoundSpans
 from cluster.engine.step_record import EngineObserver, Observers
-from cluster.serving.chunk_push import ChunkPusher, PushEnded, PushLink, PushStarted, PushTarget
+from cluster.serving.chunk_push import ChunkPusher, PushEnded, PushLink, PushLost, PushStarted, PushTarget
 from cluster.serving.config import ClusterConfig
 from cluster.serving.engine_loop import Engine, EngineLoop
 from cluster.serving.metrics import SpecMetrics
@@ -109,6 +109,9 @@ class Scheduler(FaultHooks):
                           "finished": 0, "errored": 0}
         self._started_at = time.time()
         self._pusher: ChunkPusher | None = None  # links to the ingresses' chunk inboxes (made on this event loop)
+        # the chunks' way to the ingress (cluster/serving/chunk_push.py): pushed or through the Serve stream, the
+        # requests whose inbox could not be reached, the requests ended by a link lost mid-way
+        self._chunks = {"pushed": 0, "through_serve": 0, "push_fallbacks": 0, "push_lost": 0}
         self._loop.start()
         self._loop.wait_ready()  # Serve marks the replica RUNNING only once the engine is built
         if self._loop.startup_error is not None:
@@ -173,10 +176,16 @@ class Scheduler(FaultHooks):
                     self.metrics.finished(stats, chunk.finish_reason)
                 item = IndexedChunk(index, dataclasses.replace(chunk, request_id=args.request_id), args.spec.contract)
                 if link is None:
+                    self._chunks["through_serve"] += 1
                     yield item
                 else:  # PushLost: the request ends with an internal error (below), and is aborted
-                    link.push(push_to.key, item)  # type: ignore[union-attr]
+                    try:
+                        link.push(push_to.key, item)  # type: ignore[union-attr]
+                    except PushLost:
+                        self._chunks["push_lost"] += 1
+                        raise
                     pushed += 1
+                    self._chunks["pushed"] += 1
             if link is not None:
                 yield PushEnded(pushed)
         except Exception:  # an engine-loop failure: logged here, reported in-band without internals, aborted below
@@ -198,6 +207,7 @@ class Scheduler(FaultHooks):
         try:
             return await self._pusher.link(push_to.endpoint)
         except (OSError, EOFError, TimeoutError) as exc:
+            self._chunks["push_fallbacks"] += 1
             logger.warning("the ingress's chunk inbox %r cannot be reached (%r): this request's chunks go through "
                            "the Serve stream", push_to.endpoint, exc)
             return None
@@ -229,6 +239,7 @@ class Scheduler(FaultHooks):
             "scheduler": {**self._counters, "live": self._live, "rounds": self._loop.rounds,
                           "failed_rounds": self._loop.failed_rounds,
                           "uptime_s": round(time.time() - self._started_at, 3)},
+            "chunks": dict(self._chunks),
             "engine": engine_stats,
             "transport": transport,  # the round channels' calls and times (remote_backends.transport_totals)
         }

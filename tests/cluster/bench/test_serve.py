@@ -117,6 +117,10 @@ def test_bench_serve_smoke(ray_session: Any, smollm2_dir: Path, tmp_path: Path,
         assert split["verify_hop_ms"] >= -0.5 and split["kv_ms"] > 0 and split["other_ms"] >= -0.5
         assert split["round_ms"] >= split["verify_ms"] + split["verify_hop_ms"] + split["kv_ms"] - 0.5
     assert result["cluster"]["kv_leaked_blocks"] == 0 and result["cluster"]["scheduler"]["live"] == 0
+    # every chunk went to the ingress over its inbox socket (cluster/serving/chunk_push.py), none through Serve
+    chunks = result["cluster"]["chunks"]
+    assert chunks["pushed"] > 0 and chunks["through_serve"] == chunks["push_fallbacks"] == chunks["push_lost"] == 0
     printed = capsys.readouterr().out
+    assert f"chunks pushed to the ingress: {chunks['pushed']}, through Serve's stream: 0" in printed
     assert "goodput/s" in printed and "cluster overhead vs the in-process engine" in printed
     assert result["environment"]["cpu_plan"] is None and "CPU binding: none" in printed  # a Ray it did not start

@@ -224,6 +224,7 @@ def test_the_scheduler_pushes_to_the_ingress_and_serve_carries_the_rest() -> Non
     assert sorted((item.index, item.chunk.token_ids[0]) for item in through) == \
         [(i, t) for i in (0, 1) for t in (2, 3, 4, 5)]
     assert scheduler._live == 0 and not engine.held_blocks
+    assert scheduler._chunks == {"pushed": 11, "through_serve": 0, "push_fallbacks": 0, "push_lost": 0}
 
 
 def test_an_unreachable_inbox_falls_back_to_the_serve_stream() -> None:
@@ -239,6 +240,7 @@ def test_an_unreachable_inbox_falls_back_to_the_serve_stream() -> None:
     items = asyncio.run(scenario())
     assert [item.chunk.token_ids for item in items] == [[3], [4]]
     assert scheduler._live == 0 and not engine.held_blocks
+    assert scheduler._chunks == {"pushed": 0, "through_serve": 2, "push_fallbacks": 1, "push_lost": 0}
 
 
 def test_a_link_lost_mid_request_ends_it_with_an_error_and_aborts_it() -> None:
@@ -262,4 +264,4 @@ def test_a_link_lost_mid_request_ends_it_with_an_error_and_aborts_it() -> None:
     items = asyncio.run(scenario())
     assert items[0] == PushStarted() and items[-1].code == "internal"
     assert wait_until(lambda: engine.aborted == ["l1"] and not engine.held_blocks)
-    assert scheduler._live == 0
+    assert scheduler._live == 0 and scheduler._chunks["push_lost"] == 1
