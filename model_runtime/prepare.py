@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +120,7 @@ def _build_in(staging: Path, source: ModelSource, progress: bool) -> dict[str, A
         "source_size_bytes": source.size_bytes,
         "source_parts": source.parts.describe(),
         **facts,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "prepare_seconds": round(time.monotonic() - started, 1),
     }
     manifest_path = checkpoint / MANIFEST_NAME
