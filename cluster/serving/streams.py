@@ -29,8 +29,9 @@ async def until(awaitable: Any, deadline: float | None) -> Any:
     """Await `awaitable`, or raise DeadlineExceeded once time.monotonic() passes `deadline`."""
     if deadline is None:
         return await awaitable
-    try:
-        return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
+    try:  # asyncio.timeout, not wait_for: no task of its own per chunk
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            return await awaitable
     except TimeoutError:
         raise DeadlineExceeded("deadline exceeded") from None
 
