@@ -164,6 +164,7 @@ class Scheduler(FaultHooks):
                 return
             self._counters["admitted"] += len(completion_ids)
             link = await self._push_link(push_to)
+            key = push_to.key if push_to is not None else 0
             if link is not None:
                 yield PushStarted()
             pushed = 0
@@ -180,7 +181,7 @@ class Scheduler(FaultHooks):
                     yield item
                 else:  # PushLost: the request ends with an internal error (below), and is aborted
                     try:
-                        link.push(push_to.key, item)  # type: ignore[union-attr]
+                        link.push(key, item)
                     except PushLost:
                         self._chunks["push_lost"] += 1
                         raise

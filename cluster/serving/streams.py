@@ -91,12 +91,8 @@ class SchedulerStreams:
         """Start the scheduler stream; a refusal is returned before the first chunk is."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         inbox = self._inbox
-        if inbox is None:
-            target, queue = None, None
-            stream = self._scheduler.options(stream=True).generate.remote(args)
-        else:
-            target, queue = inbox.expect()
-            stream = self._scheduler.options(stream=True).generate.remote(args, target)
+        target, queue = inbox.expect() if inbox is not None else (None, None)
+        stream = self._scheduler.options(stream=True).generate.remote(args, target)
 
         def forget() -> None:
             if inbox is not None and target is not None:

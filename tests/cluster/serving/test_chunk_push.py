@@ -265,3 +265,18 @@ def test_a_link_lost_mid_request_ends_it_with_an_error_and_aborts_it() -> None:
     assert items[0] == PushStarted() and items[-1].code == "internal"
     assert wait_until(lambda: engine.aborted == ["l1"] and not engine.held_blocks)
     assert scheduler._live == 0 and scheduler._chunks["push_lost"] == 1
+
+
+def test_without_an_inbox_every_chunk_comes_through_the_serve_stream() -> None:
+    engine = ScriptedEngine()
+    scheduler = make_scheduler(engine)
+
+    async def scenario() -> list[Any]:
+        error, chunks = await SchedulerStreams(Handle(scheduler)).open(args("s1", "abc", max_tokens=3))
+        assert error is None
+        return [item async for item in chunks]
+
+    items = asyncio.run(scenario())
+    assert [item.chunk.token_ids for item in items] == [[3], [4], [5]]
+    assert scheduler._chunks == {"pushed": 0, "through_serve": 3, "push_fallbacks": 0, "push_lost": 0}
+    assert scheduler._live == 0 and not engine.held_blocks
