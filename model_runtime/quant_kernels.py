@@ -1,7 +1,9 @@
 """The quantized linears' kernels (kernels/quant_linear.cpp), built once per machine for its ISA:
 
-    avx512  -mavx512f/bw/vl -mavx512vnni: integer dot products on VNNI (AMD Zen 4/5, Intel Ice Lake and later,
-            AMX machines included: their AMX tiles are not used here yet)
+    amx     the avx512 build plus -mavx512vbmi -mamx-tile -mamx-int8: the K formats' (Q4_K, Q6_K) integer sums of
+            a call of many rows (a prompt) on AMX tiles, each weight decoded once per 16 rows; fewer rows take the
+            avx512 kernel in the same build (Intel Sapphire Rapids and later)
+    avx512  -mavx512f/bw/vl -mavx512vnni: integer dot products on VNNI (AMD Zen 4/5, Intel Ice Lake and later)
     avx2vnni  -mavx2 -mfma -mf16c -mavxvnni: the same dot products on 256-bit vectors (AVX2 CPUs with AVX-VNNI:
             Intel Alder Lake and later clients)
     avx2    -mavx2 -mfma -mf16c: the same sums through 16-bit multiply-adds (every other x86-64 CPU of the last
@@ -17,6 +19,7 @@ Owner of `_MODULES`: this module; each ISA's build is loaded once per process, t
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -26,12 +29,16 @@ from model_runtime.kernel_choice import requested
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "kernels" / "quant_linear.cpp"
 ISAS = {  # compiler flags and the /proc/cpuinfo flags they need, fastest first
+    "amx": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mfma", "-mamx-tile",
+             "-mamx-int8"],
+            ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "fma", "amx_tile", "amx_int8")),
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"],
                ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")),
     "avx2vnni": (["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], ("avx2", "fma", "f16c", "avx_vnni")),
     "avx2": (["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
 }
 _MODULES: dict[str, tuple[ModuleType | None, str]] = {}
+AMX_MIN_ROWS = (12, 40)  # Q4_K, Q6_K: measured on Sapphire Rapids (docs/benchmarks.md, "bench runtime")
 
 
 def cpu_has(isa: str) -> bool:
@@ -41,8 +48,28 @@ def cpu_has(isa: str) -> bool:
 def _load(isa: str) -> tuple[ModuleType | None, str]:
     if not cpu_has(isa):
         return None, f"off: this CPU lacks {isa} ({', '.join(ISAS[isa][1])})"
-    return build_extension(f"quantized {isa}", f"specserve_quant_{isa}", SOURCE, ["-O3", *ISAS[isa][0], "-fopenmp"],
-                           f"quant-{isa}", isa)
+    module, why = build_extension(f"quantized {isa}", f"specserve_quant_{isa}", SOURCE,
+                                  ["-O3", *ISAS[isa][0], "-fopenmp"], f"quant-{isa}", isa)
+    if module is not None and isa == "amx":
+        if not module.amx_enable():
+            return None, "off: Linux refused this process the AMX tile state (arch_prctl)"
+        module.set_amx_min_rows(*amx_min_rows())
+    return module, why
+
+
+def amx_min_rows() -> tuple[int, int]:
+    """The fewest rows a call must have for the amx build to run Q4_K and Q6_K on its tiles (fewer take its vector
+    kernel: the same bits). `SPECSERVE_Q4_AMX_MIN_ROWS=Q4K,Q6K` overrides the measured defaults."""
+    raw = os.environ.get("SPECSERVE_Q4_AMX_MIN_ROWS", "").strip()
+    if not raw:
+        return AMX_MIN_ROWS
+    try:
+        q4k, q6k = (int(v) for v in raw.split(","))
+    except ValueError:
+        raise ValueError(f"SPECSERVE_Q4_AMX_MIN_ROWS={raw!r}: two row counts, Q4_K then Q6_K, e.g. 12,40") from None
+    if q4k < 1 or q6k < 1:
+        raise ValueError(f"SPECSERVE_Q4_AMX_MIN_ROWS={raw!r}: row counts are at least 1")
+    return q4k, q6k
 
 
 def build(isa: str) -> ModuleType | None:
@@ -58,11 +85,13 @@ def status(isa: str) -> str:
 
 
 def allowed() -> list[str]:
-    """The ISAs `SPECSERVE_CPU_KERNEL` lets a forward use, fastest first (amx and auto: both)."""
+    """The ISAs `SPECSERVE_CPU_KERNEL` lets a forward use, fastest first (amx and auto: all; avx512: not amx)."""
     name = requested()
     if name == "torch":
         return []
-    return [isa for isa in ISAS if isa.startswith("avx2")] if name == "avx2" else list(ISAS)
+    if name == "avx2":
+        return [isa for isa in ISAS if isa.startswith("avx2")]
+    return [isa for isa in ISAS if isa != "amx"] if name == "avx512" else list(ISAS)
 
 
 def active() -> ModuleType | None:

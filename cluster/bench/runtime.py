@@ -2,6 +2,8 @@
 
 For each model and context length c (docs/ARCHITECTURE.md §5 needs t_1 and t_verify(k)):
 
+    prefill_ms     our prefill of the c-token context itself (one forward of c rows; a prompt's cost before its
+                   first token), and prefill_tok_s = c / prefill_ms
     decode_ms      our one-token step at past length c                              (t_1)
     score[n]       our step scoring n new tokens at past length c, n = 1..max_k;
                    ratio = t(n) / t(1), the price of verifying n - 1 drafts plus the bonus
@@ -188,10 +190,19 @@ def _bench_context(ours: CausalLM, hf: torch.nn.Module | None, context: int, s: 
         parity = float((hf_step()[0, -1].float() - ours_logits[-1]).abs().max())
     ours_ms: dict[int, list[float]] = {n: [] for n in steps}
     hf_ms: list[float] = []
+    prefill_ms: list[float] = []
+    context_tokens = torch.randint(vocab, (context,), generator=gen).tolist()
+    pre_blocks = -(-context // BLOCK_SIZE)
+    pre_alloc, pre_kv = LocalAllocator(pre_blocks, BLOCK_SIZE), ours.allocate_kv(pre_blocks, BLOCK_SIZE)
     for rep in range(s.warmup + s.repeats):
+        pre_seq = LocalSequence()
+        prefill = pre_alloc.extend(pre_seq, context_tokens, "last")
+        round_prefill = 1e3 * timed(lambda prefill=prefill: ours.forward_seqs([prefill], pre_kv))
+        pre_alloc.free(pre_seq)
         round_ours = {n: 1e3 * timed(lambda step=step: ours.forward_seqs([step], kv)) for n, step in steps.items()}
         round_hf = 1e3 * timed(hf_step) if hf_step is not None else None
         if rep >= s.warmup:
+            prefill_ms.append(round_prefill)
             for n, ms in round_ours.items():
                 ours_ms[n].append(ms)
             if round_hf is not None:
@@ -199,10 +210,12 @@ def _bench_context(ours: CausalLM, hf: torch.nn.Module | None, context: int, s: 
     one = ours_ms[1]
     result: dict[str, Any] = {
         "context": context,
+        "prefill_ms": median(prefill_ms),
+        "prefill_tok_s": context / (median(prefill_ms) / 1e3),
         "decode_ms": median(one),
         "score": [{"tokens": n, "ms": median(ms), "ratio": median([a / b for a, b in zip(ms, one, strict=True)])}
                   for n, ms in ours_ms.items()],
-        "samples_ms": {"ours": {str(n): ms for n, ms in ours_ms.items()}, "hf": hf_ms},
+        "samples_ms": {"ours": {str(n): ms for n, ms in ours_ms.items()}, "hf": hf_ms, "prefill": prefill_ms},
     }
     if hf_ms:
         result.update({"hf_decode_ms": median(hf_ms),
@@ -230,7 +243,8 @@ def bench_model(name: str, s: RuntimeSettings) -> dict[str, Any]:
         contexts.append(_bench_context(ours, hf, context, s, gen))
         c = contexts[-1]
         c["weights_gb_per_s"] = streamed / (c["decode_ms"] / 1e3) / 1e9
-        progress(f"runtime: {name} context {context}: decode {c['decode_ms']:.1f} ms, "
+        progress(f"runtime: {name} context {context}: prefill {c['prefill_ms']:.1f} ms "
+                 f"({c['prefill_tok_s']:.0f} tok/s), decode {c['decode_ms']:.1f} ms, "
                  f"{c['weights_gb_per_s']:.1f} GB/s of linear weights"
                  + (f", transformers {c['hf_decode_ms']:.1f} ms" if "hf_decode_ms" in c else ""))
     return {"model": name, "checkpoint": str(checkpoint), "parameters": params, "dtype": str(ours.dtype),

@@ -166,14 +166,16 @@ def _run_runtime(args: argparse.Namespace) -> int:
 
 def format_runtime(result: dict[str, Any]) -> str:
     max_k = result["settings"]["max_k"]
-    headers = ["model", "context", "decode ms", "hf ms", "ours/hf"] + [f"x{n}" for n in range(2, max_k + 1)]
+    headers = ["model", "context", "prefill ms", "decode ms", "hf ms", "ours/hf"] + [f"x{n}" for n in range(2, max_k + 1)]
     rows = []
     for m in result["models"]:
         for c in m["contexts"]:
-            rows.append([m["model"], c["context"], c["decode_ms"], c.get("hf_decode_ms"), c.get("ours_vs_hf")]
+            rows.append([m["model"], c["context"], c.get("prefill_ms"), c["decode_ms"], c.get("hf_decode_ms"),
+                         c.get("ours_vs_hf")]
                         + [s["ratio"] for s in c["score"][1:]])
     env = result["environment"]
-    return (f"bench runtime: one-token decode step and the cost of scoring n tokens (xN = t(N)/t(1)), "
+    return (f"bench runtime: the context's prefill, a one-token decode step and the cost of scoring n tokens "
+            f"(xN = t(N)/t(1)), "
             f"median of {result['settings']['repeats']}; torch threads {env['torch_threads']}, "
             f"load average {env['loadavg_at_start'][0]:.1f} -> {env['loadavg_at_end'][0]:.1f}\n"
             + table(headers, rows))

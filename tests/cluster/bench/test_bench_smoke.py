@@ -35,12 +35,15 @@ def test_bench_runtime_json(smollm2_dir: Path, tmp_path: Path, capsys: pytest.Ca
     assert [c["context"] for c in model["contexts"]] == [16, 40]
     for c in model["contexts"]:
         assert positive(c["decode_ms"]) and positive(c["hf_decode_ms"]) and positive(c["ours_vs_hf"])
+        assert positive(c["prefill_ms"]) and c["prefill_tok_s"] == pytest.approx(c["context"] / c["prefill_ms"] * 1e3)
+        assert len(c["samples_ms"]["prefill"]) == 2
         assert [s["tokens"] for s in c["score"]] == [1, 2, 3]
         assert c["score"][0]["ratio"] == 1.0
         assert all(positive(s["ms"]) and positive(s["ratio"]) for s in c["score"])
         assert len(c["samples_ms"]["hf"]) == 2 and all(len(v) == 2 for v in c["samples_ms"]["ours"].values())
         assert c["hf_logits_max_abs_diff"] < 1e-3  # the twin shares our weights and KV: same logits
-    assert "ours/hf" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "ours/hf" in printed and "prefill ms" in printed
 
 
 def test_bench_spec_quick_json(smollm2_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
