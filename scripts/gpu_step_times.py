@@ -1,6 +1,6 @@
 """Step times of our runtime on a CUDA device: the bundled models, or random weights of their shapes.
 
-    python3 scripts/gpu_step_times.py MODEL_DIR [MODEL_DIR ...] --out step-times.json
+    python3 scripts/gpu_step_times.py MODEL_DIR [MODEL_DIR ...] --out step-times.json [--profile [--skip-times]]
 
 Each MODEL_DIR is a checkpoint (a prepared cache entry: its own weights are timed) or holds a model's config.json
 alone (random weights of that shape are made: a GPU machine that cannot fetch the bundled GGUF files still measures
@@ -62,15 +62,54 @@ def measure(model: CausalLM, context: int, batch: int, new: int) -> float:
     return samples[len(samples) // 2]
 
 
+def profile(model: CausalLM, context: int = 128, steps: int = 5, top: int = 25) -> dict[str, object]:
+    """Where a decode step's time goes (torch.profiler over `steps` one-token steps, batch 1): the ops with the most
+    host time, with their call counts and device time, and the host-device synchronizations per step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    blocks = (context + 32) // BLOCK + 2 + steps
+    alloc, kv = LocalAllocator(num_blocks=blocks, block_size=BLOCK), model.allocate_kv(blocks, BLOCK)
+    seq = LocalSequence()
+    model.forward_seqs([alloc.extend(seq, [10 + i % 1000 for i in range(context)], "last")], kv)
+    model.forward_seqs([alloc.extend(seq, [200])], kv)  # warm-up
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        for i in range(steps):
+            model.forward_seqs([alloc.extend(seq, [201 + i])], kv)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - started) / steps
+    events = prof.key_averages()
+
+    def device_us(e: object) -> float:
+        return float(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)))
+
+    rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                       "aten::_local_scalar_dense", "cudaMemcpyAsync"))
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    return {"context": context, "steps": steps, "wall_ms_per_step_profiled": round(wall * 1e3, 3),
+            "kernel_launches_per_step": launches / steps, "syncs_and_copies_per_step": syncs / steps,
+            "device_ms_per_step": round(sum(device_us(e) for e in events if e.device_type.name == "CUDA") / steps / 1e3, 3),
+            "top_host_ops": [{"op": e.key, "calls_per_step": e.count / steps,
+                              "self_host_ms_per_step": round(e.self_cpu_time_total / steps / 1e3, 3),
+                              "device_ms_per_step": round(device_us(e) / steps / 1e3, 3)} for e in rows]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=Path("step-times.json"))
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile decode steps (torch.profiler): host time per op, launches, syncs")
+    parser.add_argument("--skip-times", action="store_true", help="with --profile: the profile alone")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 1
     results = []
+    profiles: dict[str, object] = {}
     for model_dir in args.models:
         with tempfile.TemporaryDirectory() as tmp:
             started = time.perf_counter()
@@ -79,7 +118,10 @@ def main() -> int:
             model = CausalLM.load(checkpoint, device="cuda:0", dtype=torch.bfloat16)
             print(f"{model_dir.name}: loaded in {time.perf_counter() - started:.0f} s"
                   + (" (random weights)" if random else ""), file=sys.stderr, flush=True)
-            for context in CONTEXTS:
+            if args.profile:
+                profiles[model_dir.name] = profile(model)
+                print(json.dumps({model_dir.name: profiles[model_dir.name]}), flush=True)
+            for context in CONTEXTS if not args.skip_times else ():
                 for batch in BATCHES:
                     one = None
                     for new in NEW_TOKENS:
@@ -92,7 +134,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                     "dtype": "bfloat16",
-                                    "steps": results}, indent=2) + "\n")
+                                    "steps": results, **({"profiles": profiles} if profiles else {})},
+                                   indent=2) + "\n")
     return 0
 
 
