@@ -1,5 +1,6 @@
 """DraftWorker: runs the draft model autoregressively for k steps per request, batched across the
-round's requests, and returns the draft tokens with their transformed probabilities q.
+round's requests, and returns the draft tokens with their transformed probabilities q. A greedy chain with
+`stop_below` ends after a draft the model gives less than that probability (1..k drafts).
 Owner of the draft model's KV pool (draft namespace; its blocks are granted by the KV manager).
 
 Draft cache after a round with k drafts x_1..x_k: the catch-up tokens and x_1..x_{k-1} have KV;
@@ -48,12 +49,13 @@ class DraftWorker:
         probs: dict[str, list[torch.Tensor]] = {item.request_id: [] for item in batch.items}
         trees = {item.request_id: DraftTree(item) for item in batch.items if item.tree_nodes}
         frontiers: dict[str, list[int]] = {}
+        stopped: set[str] = set()  # greedy chains that ended early (item.stop_below)
         copies = [pair for item in batch.items for pair in item.copy_blocks]
         for step in range(max((item.k for item in batch.items), default=0)):
             active, inputs = [], []
             for item in batch.items:
                 tree = trees.get(item.request_id)
-                if item.k <= step:
+                if item.k <= step or item.request_id in stopped:
                     continue
                 if tree is None or step == 0:
                     inputs.append(_step_input(item, drafts[item.request_id]))
@@ -80,6 +82,8 @@ class DraftWorker:
                 q = transform_logits(logits, item.sampling)[0]
                 if item.sampling.is_greedy:
                     token = int(q.argmax())
+                    if item.stop_below > 0 and float(torch.softmax(logits.float()[0], -1)[token]) < item.stop_below:
+                        stopped.add(item.request_id)  # its next drafts would rarely survive
                 else:
                     token = sample_token(q, item.seed, item.position + step, "draft")
                 mine.append(token)

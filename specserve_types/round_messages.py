@@ -43,6 +43,8 @@ class ProposeItem:
     # tree_width * (k - 1) scratch slots. 0: a chain.
     tree_nodes: int = 0
     tree_width: int = 0
+    # a greedy chain stops after a draft whose probability under the draft model is below this (0: drafts k)
+    stop_below: float = 0.0
 
 
 @dataclass

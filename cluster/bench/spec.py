@@ -62,12 +62,15 @@ class Config:
     batch: int
     traced: bool = False  # request + round spans at sampling ratio 1.0 (--tracing-overhead)
     tree_nodes: int = 0  # "suffix", "model": the engine's tree limit (0: chains only)
+    stop_below: float | None = None  # "model" at k auto: the engine's draft_stop_below (None: its default)
 
     @property
     def label(self) -> str:
         label = "plain" if self.draft == "none" else f"{self.draft} k={'auto' if self.k is None else self.k}"
         if self.draft in TREE_DRAFTS:
             label += f" tree<={self.tree_nodes}" if self.tree_nodes else " chain"
+        if self.stop_below is not None:
+            label += f" stop<{self.stop_below:g}"
         return label + (" +traced" if self.traced else "")
 
 
@@ -117,7 +120,9 @@ class SpecBench:
                           tuple(base.eos_token_ids), base.vocab_size,
                           dataclasses.replace(base.config, max_batch=config.batch,
                                               **{"model_tree_nodes" if config.draft == "model" else "tree_nodes":
-                                                 config.tree_nodes}),
+                                                 config.tree_nodes},
+                                              **({} if config.stop_below is None
+                                                 else {"draft_stop_below": config.stop_below})),
                           model_name=base.model_name, draft_name=base.draft_name, dtypes=base.dtypes,
                           observer=RoundSpans(self.tracer) if config.traced else None, cost=cost,
                           acceptance=acceptance)
@@ -217,8 +222,9 @@ class SpecBench:
 
     # ------------------------------------------------------------------ the plan
     def configs(self, temperature: float, batch: int) -> list[Config]:
-        spec = [Config(d, k, temperature, batch, tree_nodes=n) for d in self.s.drafts for k in self.s.ks
-                for n in (self.s.tree_nodes if d in TREE_DRAFTS else [0])]
+        spec = [Config(d, k, temperature, batch, tree_nodes=n, stop_below=x) for d in self.s.drafts for k in self.s.ks
+                for n in (self.s.tree_nodes if d in TREE_DRAFTS else [0])
+                for x in (self.s.draft_stop_below if d == "model" and k is None and self.s.draft_stop_below else [None])]
         configs = [Config("none", 0, temperature, batch), *spec]
         if self.s.tracing_overhead:
             configs += [dataclasses.replace(c, traced=True) for c in configs]
@@ -279,6 +285,7 @@ class SpecBench:
         for config, tally in self.tallies.items():
             row: dict[str, Any] = {"label": config.label, "draft": config.draft,
                                    "k": "auto" if config.k is None else config.k, "tree_nodes": config.tree_nodes,
+                                   "draft_stop_below": config.stop_below,
                                    "temperature": config.temperature, "batch": config.batch,
                                    "contract": "greedy" if config.temperature == 0 else "exact", **tally.summary()}
             plain = self.tallies[Config("none", 0, config.temperature, config.batch)]

@@ -33,12 +33,17 @@ class SpecSettings:
     llamacpp_python: bool = False  # llama-cpp-python's Python loop instead (not how llama.cpp's users run it)
     repeats: int = 1  # batch > 1: runs of every config, in rotating order (figures over all runs)
     tree_nodes: list[int] = field(default_factory=lambda: [16])  # "suffix", "model" configs: 0 = chains, N = trees
+    # "model" configs at k auto: the chain stop thresholds (EngineConfig.draft_stop_below) to run side by side; None:
+    # the engine's default alone
+    draft_stop_below: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.draft == "none" and "model" in self.drafts:
             raise ValueError("draft kind 'model' needs a draft model (--draft)")
         assert set(self.drafts) <= {"model", "ngram", "suffix"}, self.drafts
         assert self.tree_nodes and all(0 <= n <= 64 for n in self.tree_nodes), self.tree_nodes
+        assert self.draft_stop_below is None or (self.draft_stop_below and all(
+            0.0 <= x <= 1.0 for x in self.draft_stop_below)), self.draft_stop_below
         assert self.ks and all(k is None or 1 <= k <= 8 for k in self.ks), self.ks
         assert all(b >= 1 for b in self.batches) and self.max_tokens >= 1 and self.per_category >= 1
         assert self.repeats >= 1, self.repeats

@@ -27,6 +27,7 @@ class EngineConfig:
     predraft: bool  # under overlap: pre-draft each request's next round during its verify (predraft.py)
     tree_nodes: int  # most nodes of a suffix-drafted token tree (0: chains only; tree_policy.py)
     model_tree_nodes: int  # most nodes of a draft model's token tree (0: chains only; drafter_service/draft_tree.py)
+    draft_stop_below: float  # auto greedy chains of a draft model stop after a draft below this probability
     reservation_windows: bool  # serial rounds grant the next round beside this one's verify (held_commit.py)
 
     def __post_init__(self) -> None:
@@ -40,6 +41,7 @@ class EngineConfig:
             ("overlap", isinstance(self.overlap, bool)), ("predraft", isinstance(self.predraft, bool)),
             ("reservation_windows", isinstance(self.reservation_windows, bool)),
             ("tree_nodes", self.tree_nodes >= 0), ("model_tree_nodes", self.model_tree_nodes >= 0),
+            ("draft_stop_below", 0.0 <= self.draft_stop_below <= 1.0),
         ) if not ok]
         if problems:
             raise ValueError(f"invalid EngineConfig field(s) {problems}: {self}")

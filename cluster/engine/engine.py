@@ -246,7 +246,8 @@ class SpecEngine:
             engine_acceptance=self.acceptance, cost=self.cost, batch=len(states), max_batch=cfg.max_batch,
             nominal=self.nominal_costs(),
             suffix=self.suffix, tree_nodes=cfg.tree_nodes,
-            model_tree_nodes=cfg.model_tree_nodes if self.mode.model_trees else 0)
+            model_tree_nodes=cfg.model_tree_nodes if self.mode.model_trees else 0,
+            draft_stop_below=cfg.draft_stop_below)
         self.suffix.retain(s.request_id for s in self.running)  # tries of requests that left (aborted, requeued)
 
         def plan_one(state: RequestState) -> RoundPlan:
@@ -308,10 +309,12 @@ class SpecEngine:
             # a new process drafted from an empty KV pool: worthless, so this round decodes plainly
             restart_draft_caches(self)
             return plain_proposed(plans, "drafter replaced: re-prefilling its cache")
-        if all(len(p.draft_pending) <= 2 for p in model_plans):  # a catch-up prefill is not a draft step
-            self.cost.observe_draft(max(p.k for p in model_plans), result.seconds,
-                                    tree=any(p.tree_budget for p in model_plans))
         by_id = {o.request_id: o for o in result.outputs}
+        if all(len(p.draft_pending) <= 2 for p in model_plans):  # a catch-up prefill is not a draft step
+            # the steps the drafter ran: a chain that stopped early ran as many as it drafted
+            steps = max(p.k if p.tree_budget or p.request_id not in by_id else max(1, len(by_id[p.request_id].draft_ids))
+                        for p in model_plans)
+            self.cost.observe_draft(steps, result.seconds, tree=any(p.tree_budget for p in model_plans))
         refusal = invalid_drafts(model_plans, by_id, self.vocab_size)
         if refusal is not None:  # never trusted: the drafter is treated as failed, this round decodes plainly
             return self.drafter_failed(plans, InvalidDrafts(refusal), "fallback: drafter returned invalid drafts")

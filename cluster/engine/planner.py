@@ -48,6 +48,7 @@ class PlanContext:
     suffix: SuffixDrafter | None = None  # the engine's suffix drafter (its tries: the engine thread's)
     tree_nodes: int = 0  # most nodes of a suffix tree (0: chains only)
     model_tree_nodes: int = 0  # most nodes of a draft model's tree (0: chains; always 0 outside the serial mode)
+    draft_stop_below: float = 0.0  # auto greedy model-draft chains stop after a draft below this probability
 
 
 def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
@@ -91,9 +92,14 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
         size = _tree_size(state, ctx, k, len(pending), ctx.model_tree_nodes)
         budget = size.nodes if size.nodes > k else 0
         reason = f"{reason}; {size.reason}"
+    # auto's k is the most a greedy chain drafts: it ends after a draft the draft model is unsure of (fixed k, sampled
+    # requests and trees draft as asked)
+    stop_below = ctx.draft_stop_below if (spec.draft == "model" and k > 1 and not budget and spec.k is None
+                                          and sampling.is_greedy) else 0.0
     state.record_k(k, reason)
     return RoundPlan(state=state, k=k, target_pending=pending, drafts=drafts,
-                     uses_model_drafter=spec.draft == "model" and k > 0, draft_parents=parents, tree_budget=budget)
+                     uses_model_drafter=spec.draft == "model" and k > 0, draft_parents=parents, tree_budget=budget,
+                     draft_stop_below=stop_below)
 
 
 def _tree_size(state: RequestState, ctx: PlanContext, k: int, catch_up: int, limit: int) -> TreeDecision:

@@ -59,6 +59,8 @@ class RoundPlan:
     # a model draft asked for as a token tree (drafter_service/draft_tree.py): at most this many nodes over k levels
     # (0: a chain); its target reservation holds a slot per node, its draft one MODEL_TREE_WIDTH * (k - 1) scratch
     tree_budget: int = 0
+    # a greedy model-draft chain may end early (1..k drafts): after a draft whose draft probability is below this
+    draft_stop_below: float = 0.0
 
     @property
     def request_id(self) -> str:
@@ -152,7 +154,8 @@ def without_draft_grant(plan: RoundPlan) -> RoundPlan:
 
 def invalid_drafts(plans: Sequence[RoundPlan], by_id: Mapping[str, Any], vocab_size: int) -> str | None:
     """Why the drafter's answer cannot be used (None if it can): every planned request answered, with
-    exactly k ids, each in [0, vocab_size), and draft probabilities (when sent) with one row per draft."""
+    exactly k ids (1..k where the chain may stop early), each in [0, vocab_size), and draft probabilities (when
+    sent) with one row per draft."""
     for p in plans:
         out = by_id.get(p.request_id)
         if out is None:
@@ -169,12 +172,12 @@ def invalid_drafts(plans: Sequence[RoundPlan], by_id: Mapping[str, Any], vocab_s
             if tree.depth() > p.k or any(not 0 <= int(t) < vocab_size for t in out.draft_ids):
                 return f"{p.request_id}: a tree deeper than k={p.k} or ids outside [0, {vocab_size})"
             continue
-        if len(out.draft_ids) != p.k:
+        if len(out.draft_ids) != p.k and not (p.draft_stop_below > 0 and 0 < len(out.draft_ids) <= p.k):
             return f"{p.request_id}: {len(out.draft_ids)} drafts, asked for k={p.k}"
         if any(not 0 <= int(t) < vocab_size for t in out.draft_ids):
             return f"{p.request_id}: draft ids outside [0, {vocab_size})"
-        if out.draft_probs is not None and len(out.draft_probs) != p.k:
-            return f"{p.request_id}: {len(out.draft_probs)} draft probability rows for k={p.k}"
+        if out.draft_probs is not None and len(out.draft_probs) != len(out.draft_ids):
+            return f"{p.request_id}: {len(out.draft_probs)} draft probability rows for {len(out.draft_ids)} drafts"
     return None
 
 
@@ -195,7 +198,7 @@ def propose_item(plan: RoundPlan) -> ProposeItem:
         sampling=s.request.sampling, seed=s.seed, position=len(s.token_ids),
         want_probs=s.request.spec.contract == "exact" and not s.request.sampling.is_greedy and not plan.tree_budget,
         tree_nodes=plan.tree_budget, tree_width=MODEL_TREE_WIDTH if plan.tree_budget else 0,
-        prompt_ids=prompt_ids, output_ids=output_ids, copy_blocks=list(grant.copy_on_write),
+        stop_below=plan.draft_stop_below, prompt_ids=prompt_ids, output_ids=output_ids, copy_blocks=list(grant.copy_on_write),
     )
 
 

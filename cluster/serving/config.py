@@ -138,6 +138,9 @@ class ClusterConfig(BaseModel):
     tree_nodes: int = Field(16, ge=0, le=64, description="most nodes of a token tree drafted by `suffix` (0: chains "
                                                          "only); auto sizes each tree from the measured verify cost "
                                                          "and side-branch acceptance (cluster/engine/tree_policy.py)")
+    draft_stop_below: float = Field(0.5, ge=0.0, le=1.0, description="auto, greedy, a draft model's chain: stop drafting "
+                                    "after a token the draft gives less than this probability (its later drafts "
+                                    "rarely survive; 0: always draft k)")
     model_tree_nodes: int = Field(0, ge=0, le=64, description="most nodes of a token tree drafted by the draft model "
                                   "(the likeliest continuations where it is unsure; 0: chains, the default until "
                                   "trees are measured to pay; serial step mode only)")
@@ -315,7 +318,7 @@ class ClusterConfig(BaseModel):
             drafter_retry_seconds=self.drafter_retry_seconds, max_verifier_failures=self.max_verifier_failures,
             overlap=overlap.enabled, overlap_reason=overlap.reason, predraft=self.predraft,
             tree_nodes=self.tree_nodes, model_tree_nodes=self.model_tree_nodes,
-            reservation_windows=self.reservation_windows,
+            draft_stop_below=self.draft_stop_below, reservation_windows=self.reservation_windows,
         )
 
     def local_runtime(self) -> LocalRuntime:

@@ -1,0 +1,86 @@
+"""DraftWorker's chains: a greedy chain with `stop_below` ends after a draft the draft model is unsure of (1..k
+drafts, the unsure one included); without it, or for a sampled request, it drafts k. Through the engine: auto's
+greedy chains stop early, the output is still plain greedy decoding, and the ledger ends empty."""
+
+from __future__ import annotations
+
+from drafter_service.worker import DraftWorker
+from specserve_types.api import SamplingParams
+from specserve_types.round_messages import ProposeBatch, ProposeItem, ProposeResult
+from tests.cluster.engine.engine_helpers import (
+    FAKE_VOCAB,
+    FakeRunner,
+    fake_engine,
+    fake_greedy,
+    fake_next_token,
+    request,
+    run,
+)
+
+BLOCK = 4
+PROMPT = [5, 17, 42, 8, 3, 11]
+
+
+def unsure_every_fifth(sequence: list[int]) -> int | list[int]:
+    """The target's token, but where len % 5 == 0 two tokens nearly tied (the top one at ~0.73)."""
+    token = fake_next_token(sequence)
+    return [token, (token + 1) % FAKE_VOCAB] if len(sequence) % 5 == 0 else token
+
+
+GREEDY = SamplingParams()
+
+
+def propose(k: int, stop_below: float, sampling: SamplingParams = GREEDY) -> list[int]:
+    worker = DraftWorker(FakeRunner(unsure_every_fifth, BLOCK))
+    blocks = list(range((len(PROMPT) + k) // BLOCK + 1))
+    item = ProposeItem(request_id="r", input_ids=PROMPT, past_len=0, block_table=blocks,
+                       slot_mapping=list(range(len(PROMPT) + k - 1)), k=k, sampling=sampling, seed=1,
+                       position=len(PROMPT), want_probs=not sampling.is_greedy, stop_below=stop_below)
+    (out,) = worker.propose(ProposeBatch([item])).outputs
+    return out.draft_ids
+
+
+def test_a_greedy_chain_stops_after_an_unsure_draft() -> None:
+    full = propose(7, 0.0)
+    assert len(full) == 7
+    # PROMPT has 6 tokens: drafts 1..4 follow sequences of 6..9 tokens (sure), draft 5 one of 10 (unsure): it is the last
+    assert propose(7, 0.9) == full[:5]
+    assert propose(7, 0.5) == full  # 0.73 is above it: no stop
+    assert propose(3, 0.9) == full[:3]
+
+
+def test_sampled_chains_draft_k_whatever_stop_below() -> None:
+    assert len(propose(5, 0.9, SamplingParams(temperature=0.8))) == 5
+
+
+class RecordingDrafter:
+    def __init__(self, inner: DraftWorker) -> None:
+        self.inner = inner
+        self.asked_and_got: list[tuple[int, int, float]] = []
+
+    def propose(self, batch: ProposeBatch) -> ProposeResult:
+        result = self.inner.propose(batch)
+        lengths = {o.request_id: len(o.draft_ids) for o in result.outputs}
+        self.asked_and_got += [(i.k, lengths[i.request_id], i.stop_below) for i in batch.items]
+        return result
+
+
+def test_auto_greedy_chains_stop_early_and_stay_exact() -> None:
+    engine = fake_engine(draft_rule=unsure_every_fifth, draft_stop_below=0.9, k_max=4)
+    recorder = RecordingDrafter(engine.drafter)
+    engine.drafter = recorder
+    prompts = [PROMPT, [9, 1, 77, 30]]
+    outputs = run(engine, [request(f"r{i}", p, max_tokens=40, k=None) for i, p in enumerate(prompts)])
+    assert outputs == {f"r{i}": fake_greedy(p, 40) for i, p in enumerate(prompts)}
+    assert any(got < asked for asked, got, _ in recorder.asked_and_got), recorder.asked_and_got
+    assert all(1 <= got <= asked for asked, got, _ in recorder.asked_and_got)
+    assert all(stop == 0.9 for asked, _, stop in recorder.asked_and_got if asked > 1)
+
+
+def test_fixed_k_and_sampled_requests_draft_k() -> None:
+    engine = fake_engine(draft_rule=unsure_every_fifth, draft_stop_below=0.9)
+    recorder = RecordingDrafter(engine.drafter)
+    engine.drafter = recorder
+    run(engine, [request("fixed", PROMPT, max_tokens=20, k=3),
+                 request("sampled", PROMPT, max_tokens=20, k=None, contract="exact", temperature=0.8, seed=3)])
+    assert recorder.asked_and_got and all(got == asked and stop == 0.0 for asked, got, stop in recorder.asked_and_got)
