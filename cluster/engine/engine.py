@@ -318,6 +318,10 @@ class SpecEngine:
         refusal = invalid_drafts(model_plans, by_id, self.vocab_size)
         if refusal is not None:  # never trusted: the drafter is treated as failed, this round decodes plainly
             return self.drafter_failed(plans, InvalidDrafts(refusal), "fallback: drafter returned invalid drafts")
+        for p in model_plans:  # chains that may stop early (draft_stop_below), and those that did
+            if p.draft_stop_below > 0:
+                self.totals["draft_chains_may_stop"] += 1
+                self.totals["draft_chains_stopped"] += len(by_id[p.request_id].draft_ids) < p.k
         return [with_drafts(p, by_id[p.request_id].draft_ids, by_id[p.request_id].draft_probs,
                             by_id[p.request_id].draft_parents) if p.needs_propose else p for p in plans]
 

@@ -75,6 +75,9 @@ def test_auto_greedy_chains_stop_early_and_stay_exact() -> None:
     assert any(got < asked for asked, got, _ in recorder.asked_and_got), recorder.asked_and_got
     assert all(1 <= got <= asked for asked, got, _ in recorder.asked_and_got)
     assert all(stop == 0.9 for asked, _, stop in recorder.asked_and_got if asked > 1)
+    chains = engine.stats()["draft_chains"]
+    assert chains["may_stop"] == sum(1 for asked, _, stop in recorder.asked_and_got if stop > 0)
+    assert chains["stopped"] == sum(1 for asked, got, stop in recorder.asked_and_got if stop > 0 and got < asked) > 0
 
 
 def test_fixed_k_and_sampled_requests_draft_k() -> None:
@@ -84,3 +87,4 @@ def test_fixed_k_and_sampled_requests_draft_k() -> None:
     run(engine, [request("fixed", PROMPT, max_tokens=20, k=3),
                  request("sampled", PROMPT, max_tokens=20, k=None, contract="exact", temperature=0.8, seed=3)])
     assert recorder.asked_and_got and all(got == asked and stop == 0.0 for asked, got, stop in recorder.asked_and_got)
+    assert engine.stats()["draft_chains"] == {"may_stop": 0, "stopped": 0}
