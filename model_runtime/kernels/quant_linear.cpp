@@ -326,9 +326,10 @@ void run_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
 // codes unsigned) with no place for a scale per block of 16 or 32. So the per-block multiplier goes into the weight's
 // codes, one digit at a time: with sc' = sc + OFF written in base 2^DS (digits c_d, OFF = 128 where sc is signed),
 //     S = sum_b sc_b (q . x)_b = sum_d 2^(DS d) sum_k x_k (q_k c_d(b(k))) - OFF sum_k x_k q_k
-// where every q * c_d fits a byte (Q4_K: 15 * 15, base 16, two digits of its 6-bit scales; Q6_K: 63 * 3, base 4,
-// four digits of sc + 128, and the plain codes for the offset). Each such plane of a superblock is built once in L1
-// from the codes in registers (a digit's bits as lane masks: q, 2q, 4q, 8q added where the bit is set) and each
+// where every q * c_d fits a byte (Q4_K: 15 * 7, base 8, two digits of its 6-bit scales, q * digit read from a
+// 128-byte table by vpermi2b at index q | digit << 4; Q6_K: 63 * 3, base 4, four digits of sc + 128 by lane masks, q
+// and 2q added where a digit's bit is set, and the plain codes for the offset). Each plane of a superblock is built
+// once in L1 from the codes and each
 // plane's sum over the superblock accumulates in a tile of up to 16 rows: a weight's bytes are decoded once whatever
 // the row count. S is the same int32 the vector kernel sums (exact integers in either order), N the same
 // dot products, and the float steps the same instructions, so these tiles give the avx512 build's bits row for row:
