@@ -320,7 +320,7 @@ void run_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
 }
 
 #ifdef __AMX_INT8__
-// ---- AMX (the `amx` build: the avx512 build plus -mamx-tile -mamx-int8): the K formats' integer sums on tiles ----
+// ---- AMX (the `amx` build: the avx512 build plus -mavx512vbmi -mamx-tile -mamx-int8): the K formats' sums on tiles --
 //
 // A tile product sums 64 codes of each row against 64 of each output (TDPBSUD: x's int8 codes signed, the weight's
 // codes unsigned) with no place for a scale per block of 16 or 32. So the per-block multiplier goes into the weight's
