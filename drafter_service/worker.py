@@ -65,6 +65,8 @@ class DraftWorker:
                         continue
                     inputs.append(tree.step_input(frontiers[item.request_id]))
                 active.append(item)
+            if not inputs:  # every chain done (stopped early) and every tree out of frontier: no more steps
+                break
             logits_list = self.runner.forward(inputs, copies)
             copies = []
             for item, logits in zip(active, logits_list, strict=True):

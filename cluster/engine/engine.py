@@ -311,9 +311,9 @@ class SpecEngine:
             return plain_proposed(plans, "drafter replaced: re-prefilling its cache")
         by_id = {o.request_id: o for o in result.outputs}
         if all(len(p.draft_pending) <= 2 for p in model_plans):  # a catch-up prefill is not a draft step
-            # the steps the drafter ran: a chain that stopped early ran as many as it drafted
-            steps = max(p.k if p.tree_budget or p.request_id not in by_id else max(1, len(by_id[p.request_id].draft_ids))
-                        for p in model_plans)
+            # the steps the drafter ran: a chain that may stop early ran as many as it drafted
+            steps = max(max(1, len(by_id[p.request_id].draft_ids)) if p.draft_stop_below > 0 and p.request_id in by_id
+                        else p.k for p in model_plans)
             self.cost.observe_draft(steps, result.seconds, tree=any(p.tree_budget for p in model_plans))
         refusal = invalid_drafts(model_plans, by_id, self.vocab_size)
         if refusal is not None:  # never trusted: the drafter is treated as failed, this round decodes plainly

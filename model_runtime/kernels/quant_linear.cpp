@@ -479,6 +479,11 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
       for (int64_t s = 0; s < nsb; ++s) {
         const uint8_t* p = tile + s * step;
         const int8_t* mn = reinterpret_cast<const int8_t*>(p + 128) + nb * TILE;
+        VI mn16[8];  // per pair of blocks: int16 pairs (mn_b0[j], mn_b1[j]) in lane j, as the vector kernel
+        for (int64_t bb = 0; bb < nb; bb += 2)
+          mn16[bb / 2] = _mm512_permutexvar_epi16(
+              pair_index(), _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + bb * TILE))));
+        const VF Dv = vf32(p), Mv = vf32(p + 64);
         for (int64_t r0 = 0; r0 < M; r0 += 16) {
           _tile_zero(0); _tile_zero(1);
           if constexpr (P > 2) { _tile_zero(2); _tile_zero(3); }
@@ -487,11 +492,6 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
             chunk_products<P>(xs + r0 * K + s * sb + c * 64, K, planes[s % 2] + c * P * 1024);
           if (r0 == 0 && s + 1 < nsb) build_planes<BITS, B>(p + step, nb, planes[(s + 1) % 2], tab0, tab1);
           store_sums<P>(sums);
-          VI mn16[8];  // per pair of blocks: int16 pairs (mn_b0[j], mn_b1[j]) in lane j, as the vector kernel
-          for (int64_t bb = 0; bb < nb; bb += 2)
-            mn16[bb / 2] = _mm512_permutexvar_epi16(
-                pair_index(), _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + bb * TILE))));
-          const VF Dv = vf32(p), Mv = vf32(p + 64);
           for (int64_t i = 0; i < std::min<int64_t>(16, M - r0); ++i) {
             VI S = _mm512_load_si512(sums + i * 16);
             for (int d = 1; d < D::ND; ++d)
