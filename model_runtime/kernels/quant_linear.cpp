@@ -115,6 +115,15 @@ inline VI vhigh(const uint8_t* plane, uint8_t bit) {  // the 64 bits of a plane 
   return _mm512_maskz_mov_epi8(_cvtu64_mask64(m), vbytes(bit));
 }
 inline VI vdot(VI acc, VI w, int32_t quad) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(quad)); }
+inline VI vzero_idiom() {  // a zero the renamer makes (xor with itself), not a copy of a zero register
+  VI z;
+  __asm__ volatile("vpxord %0, %0, %0" : "=v"(z));
+  return z;
+}
+inline VI vdot_at(VI acc, VI w, const int8_t* x) {  // x's 4 bytes broadcast by the dot product's own load
+  __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
 inline VI pair_index() {  // 16-bit lanes 2j, 2j+1 <- j, 16 + j
   return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -170,6 +179,12 @@ inline VI vdot(VI acc, VI w, int32_t quad) {  // per int32 lane j: acc + sum_p w
   return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(w_even, x_even), _mm256_madd_epi16(w_odd, x_odd)));
 }
 #endif
+inline VI vzero_idiom() { return _mm256_setzero_si256(); }
+inline VI vdot_at(VI acc, VI w, const int8_t* x) {
+  int32_t quad;
+  std::memcpy(&quad, x, 4);
+  return vdot(acc, w, quad);
+}
 inline VI vadd(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI vmul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
 inline VI vset(int32_t x) { return _mm256_set1_epi32(x); }
@@ -214,6 +229,47 @@ inline void load_codes(const uint8_t* codes, int h, VI (&w)[B / 4]) {
   }
 }
 
+// One block's sums for NR rows: per output, sum over the block of q * x, row i's codes at xb + i * ldx. Groups
+// outer, rows inner: a code vector is decoded once and used by every row as it comes, and each row keeps two
+// independent chains of half the block's groups each, so NR rows give 2 NR dot-product chains in flight. The
+// integer sums are exact: the order does not change a bit.
+template <int BITS, int B, int NR>
+inline void block_chains(const uint8_t* codes, int h, const int8_t* xb, int64_t ldx, VI (&c0)[NR], VI (&c1)[NR]) {
+  constexpr int G = B / 4;
+  constexpr int HB = 64 / HALVES;  // bytes of a group vector per half
+  for (int i = 0; i < NR; ++i) { c0[i] = vzero_idiom(); c1[i] = vzero_idiom(); }
+  auto rows = [&](VI w, int g, VI(&c)[NR]) {
+    for (int i = 0; i < NR; ++i) c[i] = vdot_at(c[i], w, xb + i * ldx + 4 * g);
+  };
+  if constexpr (BITS == 8) {
+    for (int g = 0; g < G; g += 2) {
+      rows(vload(codes + g * 64 + HB * h), g, c0);
+      rows(vload(codes + (g + 1) * 64 + HB * h), g + 1, c1);
+    }
+  } else {
+    const VI low4 = vbytes(0x0F);
+    const uint8_t* planes = codes + G / 2 * 64;
+    for (int g = 0; g < G / 2; ++g) {  // a vector of nibbles: group g low, group g + G / 2 high
+      const VI v = vload(codes + g * 64 + HB * h);
+      VI lo = vand(v, low4), hi = vand(vsrl4(v), low4);
+      for (int bit = 4; bit < BITS; ++bit) {  // per high bit, one 64-bit plane per group
+        const uint8_t* plane = planes + (bit - 4) * G * 8 + (8 / HALVES) * h;
+        lo = vor(lo, vhigh(plane + g * 8, static_cast<uint8_t>(1u << bit)));
+        hi = vor(hi, vhigh(plane + (g + G / 2) * 8, static_cast<uint8_t>(1u << bit)));
+      }
+      rows(lo, g, c0);
+      rows(hi, g + G / 2, c1);
+    }
+  }
+}
+
+template <int BITS, int B, int NR>
+inline void block_dots(const uint8_t* codes, int h, const int8_t* xb, int64_t ldx, VI (&dot)[NR]) {
+  VI c0[NR], c1[NR];
+  block_chains<BITS, B, NR>(codes, h, xb, ldx, c0, c1);
+  for (int i = 0; i < NR; ++i) dot[i] = vadd(c0[i], c1[i]);
+}
+
 template <int B>
 inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum over the block of q * x
   constexpr int G = B / 4;
@@ -228,12 +284,11 @@ inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum 
   return vadd(even, odd);
 }
 
-constexpr int ROW_BLOCK = 4;  // rows whose sums are in registers at once
-
-// NR rows through one tile: per half, superblock by superblock, each block's codes decoded in registers and used by
-// every row (a tile's bytes stay in L1/L2 for the next NR rows)
+// One row through one tile (a decode step, bandwidth-bound): each block's codes decoded into registers first, then
+// two chains of the dot product. Kept apart from tile_rows, whose groups-outer order measured 3-9% slower for Q6_K
+// at one row (docs/benchmarks.md, "q4 verify rows").
 template <int BITS, int B, int NR>
-void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float* out, int64_t ldo, int64_t cols) {
+void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float* out, int64_t ldo, int64_t cols) {
   constexpr int G = B / 4;
   constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
   const int64_t nb = sb / B, codes_at = meta_bytes(nb), step = superblock_bytes(BITS, sb, B);
@@ -295,6 +350,87 @@ void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, floa
   }
 }
 
+// rows whose sums are in registers at once: 32 vector registers hold 8 rows' chains and sums, 16 hold 4
+constexpr int ROW_BLOCK = HALVES == 1 ? 8 : 4;
+
+// NR rows through one tile: per half, superblock by superblock, each block's codes decoded in registers and used by
+// every row (a tile's bytes stay in L1/L2 for the next NR rows)
+template <int BITS, int B, int NR>
+void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float* out, int64_t ldo, int64_t cols,
+               const uint8_t* ahead) {
+  constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
+  const int64_t nb = sb / B, codes_at = meta_bytes(nb), step = superblock_bytes(BITS, sb, B);
+  for (int h = 0; h < HALVES; ++h) {
+    VF acc[NR];
+    for (int i = 0; i < NR; ++i) acc[i] = vfzero();
+    for (int64_t s = 0; s < nsb; ++s) {
+      const uint8_t* p = tile + s * step;
+      const uint8_t* codes = p + codes_at;
+      const int64_t blk0 = s * nb;
+      if (ahead != nullptr && h == 0)  // the next tile's superblock s into L2 while this one computes
+        for (int64_t line = 0; line < step; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + s * step + line), _MM_HINT_T1);
+      if (nb == 1) {  // sc = mn = 1; D and M float16 (Q4_0, Q4_1, Q5_0, Q8_0)
+        const VF Dv = vf16(p + 2 * LANES * h), Mv = vf16(p + 32 + 2 * LANES * h);
+        VI dot[NR];
+        block_dots<BITS, B, NR>(codes, h, x.q + blk0 * B, x.K, dot);
+        for (int i = 0; i < NR; ++i) {
+          const VF ai = vfset(x.a[i * x.nsb + s]);
+          acc[i] = vfma(vfmul(Dv, ai), vcvt(dot[i]), acc[i]);
+          acc[i] = vfma(vfmul(Mv, ai), vcvt(vset(x.psum[i * x.nblocks + blk0])), acc[i]);
+        }
+        continue;
+      }
+      const int8_t* sc = reinterpret_cast<const int8_t*>(p + 128);
+      const int8_t* mn = sc + nb * TILE;
+      VI S[NR];
+      for (int i = 0; i < NR; ++i) S[i] = vzero();
+      for (int64_t bb = 0; bb < nb; ++bb) {
+        const VI scv = vi8(sc + bb * TILE + LANES * h);
+#ifdef __AVX512VNNI__
+        if constexpr (BITS == 4) {  // each chain sums 16 codes < 16 times |x| <= 127: an int16, so one pair product
+          VI c0[NR], c1[NR];       // adds sc * (c0 + c1) to S (exact, the same int32)
+          block_chains<BITS, B, NR>(codes + bb * CODE_BYTES, h, x.q + (blk0 + bb) * B, x.K, c0, c1);
+          const VI sc_pair = _mm512_or_si512(_mm512_and_si512(scv, vset(0xFFFF)), _mm512_slli_epi32(scv, 16));
+          for (int i = 0; i < NR; ++i)
+            S[i] = _mm512_dpwssd_epi32(S[i], _mm512_mask_blend_epi16(0xAAAAAAAA, c0[i], _mm512_slli_epi32(c1[i], 16)),
+                                       sc_pair);
+          continue;
+        }
+#endif
+        VI dot[NR];
+        block_dots<BITS, B, NR>(codes + bb * CODE_BYTES, h, x.q + (blk0 + bb) * B, x.K, dot);
+        for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vmul(dot[i], scv));
+      }
+      // the mins: N = sum_b mn_b * psum_b, then the superblock's two terms into each row's float sum, in order
+      const VF Dv = vf32(p + 4 * LANES * h), Mv = vf32(p + 64 + 4 * LANES * h);
+#ifdef __AVX512VNNI__
+      VI mn16[8];  // per pair of blocks: int16 pairs (mn_b0[j], mn_b1[j]) in lane j
+      for (int64_t bb = 0; bb < nb; bb += 2)  // nb is even in the K formats, at most 16
+        mn16[bb / 2] = _mm512_permutexvar_epi16(
+            pair_index(), _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + bb * TILE))));
+#endif
+      for (int i = 0; i < NR; ++i) {
+        const int32_t* ps = x.psum + i * x.nblocks + blk0;  // |psum| <= 32 * 127: int16
+        VI N = vzero();
+        for (int64_t bb = 0; bb < nb; bb += 2) {
+#ifdef __AVX512VNNI__
+          const uint32_t pair = (static_cast<uint32_t>(ps[bb]) & 0xFFFFu) | (static_cast<uint32_t>(ps[bb + 1]) << 16);
+          N = _mm512_dpwssd_epi32(N, mn16[bb / 2], _mm512_set1_epi32(static_cast<int32_t>(pair)));
+#else
+          N = vadd(N, vmul(vi8(mn + bb * TILE + LANES * h), vset(ps[bb])));
+          N = vadd(N, vmul(vi8(mn + (bb + 1) * TILE + LANES * h), vset(ps[bb + 1])));
+#endif
+        }
+        const VF ai = vfset(x.a[i * x.nsb + s]);
+        acc[i] = vfma(vfmul(Dv, ai), vcvt(S[i]), acc[i]);
+        acc[i] = vfma(vfmul(Mv, ai), vcvt(N), acc[i]);
+      }
+    }
+    for (int i = 0; i < NR; ++i) vstore(out + i * ldo + LANES * h, acc[i], cols - LANES * h);
+  }
+}
+
 template <int BITS, int B>
 void run_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int64_t sb, const Quantized& xq,
                float* out, int64_t ldo) {
@@ -308,11 +444,18 @@ void run_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
         const Rows x{xq.q.data_ptr<int8_t>() + r * K, xq.a.data_ptr<float>() + r * nsb,
                      xq.psum.data_ptr<int32_t>() + r * (K / B), K, nsb, K / B};
         float* o = out + r * ldo + t * TILE;
+        // rows that compute longer than the weight streams: the first row block fetches the next tile ahead (the
+        // hardware's prefetch alone leaves the memory idle while they compute)
+        const uint8_t* ahead = r == 0 && M > 1 && t + 1 < t1 ? tile + tile_bytes : nullptr;
         switch (std::min<int64_t>(ROW_BLOCK, M - r)) {
-          case 4: tile_rows<BITS, B, 4>(tile, nsb, sb, x, o, ldo, cols); break;
-          case 3: tile_rows<BITS, B, 3>(tile, nsb, sb, x, o, ldo, cols); break;
-          case 2: tile_rows<BITS, B, 2>(tile, nsb, sb, x, o, ldo, cols); break;
-          default: tile_rows<BITS, B, 1>(tile, nsb, sb, x, o, ldo, cols); break;
+          case 8: if constexpr (ROW_BLOCK >= 8) tile_rows<BITS, B, 8>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
+          case 7: if constexpr (ROW_BLOCK >= 7) tile_rows<BITS, B, 7>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
+          case 6: if constexpr (ROW_BLOCK >= 6) tile_rows<BITS, B, 6>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
+          case 5: if constexpr (ROW_BLOCK >= 5) tile_rows<BITS, B, 5>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
+          case 4: tile_rows<BITS, B, 4>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
+          case 3: tile_rows<BITS, B, 3>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
+          case 2: tile_rows<BITS, B, 2>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
+          default: tile_row<BITS, B, 1>(tile, nsb, sb, x, o, ldo, cols); break;
         }
       }
     }
@@ -357,7 +500,7 @@ bool amx_enable() { return syscall(SYS_arch_prctl, 0x1023 /*ARCH_REQ_XCOMP_PERM*
 // Calls of fewer rows take the vector kernel (the same bits): Q4_K, Q6_K. Building the planes costs about what
 // streaming the codes does, so the tiles win only where the vector kernel's per-row dot products pass it: prompts,
 // not a verify of 2..9 rows (docs/benchmarks.md, "bench runtime"). SPECSERVE_Q4_AMX_MIN_ROWS overrides both.
-int64_t g_amx_min_rows[2] = {12, 40};
+int64_t g_amx_min_rows[2] = {12, 48};
 
 template <int BITS> struct Digits;
 template <> struct Digits<4> { static constexpr int DS = 3, ND = 2, OFF = 0; };    // Q4_K: sc in [0, 63]
