@@ -17,7 +17,7 @@ CPU without bf16 instructions bf16 products are emulated and slower than fp32, h
 Without AMX, q4 is the fastest exact path at every row count: on the avx512 path of the same CPU
 (`SPECSERVE_CPU_KERNEL=avx512`, `bench runtime --dtype q4|bfloat16 --max-k 16`, 2026-12-04) one row costs 7.2 /
 21.9 / 47.9 ms in q4 against 18.2 / 52.4 / 136 ms in bf16 (SmolLM2, Qwen 0.5B, 1.5B), and 16 rows 2.6-3.3x one
-row in both. With AMX, bf16 rows are nearly free (8 rows 1.10-1.23x one row) and q4's are not (1.76-1.90x):
+row in both. With AMX, bf16 rows are nearly free (8 rows 1.10-1.23x one row) and q4's are not (1.71x, row blocks of 8):
 q4 is faster alone (SmolLM2 7.7 against 10.6 ms, the 1.5B 47 against 106) and bf16 from about 8 rows on for
 the small models, a server's batch: there auto runs q4 for an engine of one request at a time (`generate`
 without --n, `bench spec --batches 1`: a round scores 1 + k rows, k <= 8, or a tree the policy sizes on q4's
