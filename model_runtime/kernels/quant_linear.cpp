@@ -263,6 +263,7 @@ inline void block_chains(const uint8_t* codes, int h, const int8_t* xb, int64_t 
   }
 }
 
+// The sum of a block's two chains per row
 template <int BITS, int B, int NR>
 inline void block_dots(const uint8_t* codes, int h, const int8_t* xb, int64_t ldx, VI (&dot)[NR]) {
   VI c0[NR], c1[NR];
@@ -286,7 +287,8 @@ inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum 
 
 // One row through one tile (a decode step, bandwidth-bound): each block's codes decoded into registers first, then
 // two chains of the dot product. Kept apart from tile_rows, whose groups-outer order measured 3-9% slower for Q6_K
-// at one row (docs/benchmarks.md, "q4 verify rows").
+// at one row (docs/benchmarks.md, "q4 verify rows"). Its loops over NR are the earlier kernel's; run_tiles takes it
+// for NR = 1 only.
 template <int BITS, int B, int NR>
 void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float* out, int64_t ldo, int64_t cols) {
   constexpr int G = B / 4;
