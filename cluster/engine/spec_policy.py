@@ -259,7 +259,11 @@ def choose_k(inputs: AutoInputs) -> AutoDecision:
         t_verify = cost.verify_time(batch * (catch_up + k))
         assert t_verify is not None
         rates.append((1.0 + sum(survival[:k])) / (k * draft_cost_per_token + t_verify))
-    best_k = _best_k(rates, 1 / PLAIN_MARGIN)
+    # PLAIN_MARGIN keeps speculating while plain decoding is not clearly faster; a request that speculated and fell
+    # back learns nothing more while plain, so it speculates again at its probe or where a k is faster outright, not
+    # on the verify times' jitter inside the margin (a cold prose request flipped back twice that way)
+    fell_back = rounds_at_zero > 0 and own.proposed > 0
+    best_k = _best_k(rates, 1.0 if fell_back else 1 / PLAIN_MARGIN)
     if best_k == 0:
         return _plain_or_probe(rates, rounds_at_zero, probe_every, "")
     reason = "memory pressure: k capped at 1" if cap < k_max and best_k == cap else "cost model"

@@ -66,6 +66,19 @@ def test_plain_decoding_is_probed_again_later() -> None:
     assert k == 1 and reason.startswith("probe")
 
 
+def test_a_request_that_fell_back_leaves_plain_decoding_at_its_probe_not_inside_the_margin() -> None:
+    own = stats_with([1, 0, 0, 0], proposed=1, rounds=50)  # a quarter of its first drafts accepted
+    c = cost(0.05, {1: 0.30, 2: 0.33, 3: 0.40, 4: 0.47, 5: 0.54})
+    rate_plain, rate_k1 = 1 / 0.30, (1 + 0.25) / (0.05 + 0.33)
+    assert 1 / 1.05 < rate_k1 / rate_plain < 1.0  # k=1 a little slower than plain: inside PLAIN_MARGIN
+    assert choose(own, c) == (1, "cost model")  # speculating: it stays
+    k, reason = choose(own, c, rounds_at_zero=3)  # fell back: plain until the probe
+    assert k == 0 and reason.startswith("fallback")
+    k, reason = choose(own, c, rounds_at_zero=16)
+    assert k == 1 and reason.startswith("probe")
+    assert choose(AcceptanceStats(), c, rounds_at_zero=3)[0] >= 1  # never speculated: the margin still applies
+
+
 def test_memory_pressure_caps_k() -> None:
     own = stats_with([4], proposed=4, rounds=50)
     k, reason = choose(own, cost(0.01, {1: 0.30, 5: 0.34}), free_fraction=0.05)
