@@ -287,10 +287,10 @@ inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum 
 
 // One row through one tile (a decode step, bandwidth-bound): each block's codes decoded into registers first, then
 // two chains of the dot product. Kept apart from tile_rows, whose groups-outer order measured 3-9% slower for Q6_K
-// at one row (docs/benchmarks.md, "q4 verify rows"). Its loops over NR are the earlier kernel's; run_tiles takes it
-// for NR = 1 only.
-template <int BITS, int B, int NR>
+// at one row (docs/benchmarks.md, "q4 verify rows"). Its loops over NR are the earlier kernel's, at NR = 1.
+template <int BITS, int B>
 void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float* out, int64_t ldo, int64_t cols) {
+  constexpr int NR = 1;
   constexpr int G = B / 4;
   constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
   const int64_t nb = sb / B, codes_at = meta_bytes(nb), step = superblock_bytes(BITS, sb, B);
@@ -448,7 +448,7 @@ void run_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
         float* o = out + r * ldo + t * TILE;
         // rows that compute longer than the weight streams: the first row block fetches the next tile ahead (the
         // hardware's prefetch alone leaves the memory idle while they compute)
-        const uint8_t* ahead = r == 0 && M > 1 && t + 1 < t1 ? tile + tile_bytes : nullptr;
+        const uint8_t* ahead = r == 0 && t + 1 < t1 ? tile + tile_bytes : nullptr;
         switch (std::min<int64_t>(ROW_BLOCK, M - r)) {
           case 8: if constexpr (ROW_BLOCK >= 8) tile_rows<BITS, B, 8>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
           case 7: if constexpr (ROW_BLOCK >= 7) tile_rows<BITS, B, 7>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
@@ -457,7 +457,7 @@ void run_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
           case 4: tile_rows<BITS, B, 4>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
           case 3: tile_rows<BITS, B, 3>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
           case 2: tile_rows<BITS, B, 2>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
-          default: tile_row<BITS, B, 1>(tile, nsb, sb, x, o, ldo, cols); break;
+          default: tile_row<BITS, B>(tile, nsb, sb, x, o, ldo, cols); break;
         }
       }
     }
