@@ -81,15 +81,17 @@ class DraftWorker:
                 if item.sampling.has_penalties:
                     logits = penalized_logits_for_positions(logits, item.prompt_ids, item.output_ids + mine, [],
                                                             item.sampling)
-                q = transform_logits(logits, item.sampling)[0]
-                if item.sampling.is_greedy:
-                    token = int(q.argmax())
-                    if item.stop_below > 0 and float(torch.softmax(logits.float()[0], -1)[token]) < item.stop_below:
+                greedy = item.sampling.is_greedy
+                q = transform_logits(logits, item.sampling)[0] if item.want_probs or not greedy else None
+                if greedy:  # transform_logits' one-hot sits at the argmax: the token without building it
+                    row = logits[0].float()
+                    token = int(row.argmax())
+                    if item.stop_below > 0 and float(torch.exp(row[token] - row.logsumexp(-1))) < item.stop_below:
                         stopped.add(item.request_id)  # its next drafts would rarely survive
                 else:
                     token = sample_token(q, item.seed, item.position + step, "draft")
                 mine.append(token)
-                if item.want_probs:
+                if q is not None and item.want_probs:
                     probs[item.request_id].append(q)
         outputs = []
         for item in batch.items:
