@@ -285,25 +285,41 @@ inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum 
   return vadd(even, odd);
 }
 
+// The weight's bytes PREFETCH_AHEAD down this thread's stream of tiles into L2, a block's share of lines at a time
+// as the block computes (lines [from, to) of the superblock there): an even trickle keeps the memory busy while
+// the rows compute, where the hardware's prefetch alone leaves it idle, and a burst per superblock stalls the
+// loads behind it. 3 KB (48 lines, the L2's queue of misses) measured best of 1-8 KB at 1 and 8 rows
+// (docs/benchmarks.md, "q4 decode: the weight stream prefetched").
+constexpr int64_t PREFETCH_AHEAD = 3072;
+inline void prefetch_lines(const uint8_t* ahead, int64_t from, int64_t to, int64_t step) {
+  if (ahead == nullptr) return;
+  for (int64_t at = from * 64; at < std::min(to * 64, step); at += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T1);
+}
+
 // One row through one tile (a decode step, bandwidth-bound): each block's codes decoded into registers first, then
 // two chains of the dot product. Kept apart from tile_rows, whose groups-outer order measured 3-9% slower for Q6_K
 // at one row (docs/benchmarks.md, "q4 verify rows"). Its loops over NR are the earlier kernel's, at NR = 1.
 template <int BITS, int B>
-void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float* out, int64_t ldo, int64_t cols) {
+void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float* out, int64_t ldo, int64_t cols,
+              const uint8_t* ahead) {
   constexpr int NR = 1;
   constexpr int G = B / 4;
   constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
   const int64_t nb = sb / B, codes_at = meta_bytes(nb), step = superblock_bytes(BITS, sb, B);
+  const int64_t share = (step + 63) / 64 / nb + 1;  // lines to prefetch per block
   for (int h = 0; h < HALVES; ++h) {
     VF acc[NR];
     for (int i = 0; i < NR; ++i) acc[i] = vfzero();
     for (int64_t s = 0; s < nsb; ++s) {
       const uint8_t* p = tile + s * step;
       const uint8_t* codes = p + codes_at;
+      const uint8_t* pf = h == 0 && ahead != nullptr ? ahead + s * step : nullptr;
       const int64_t blk0 = s * nb;
       VF ai[NR];
       for (int i = 0; i < NR; ++i) ai[i] = vfset(x.a[i * x.nsb + s]);
       if (nb == 1) {  // sc = mn = 1; D and M float16 (Q4_0, Q4_1, Q5_0, Q8_0)
+        prefetch_lines(pf, 0, share, step);
         const VF Dv = vf16(p + 2 * LANES * h), Mv = vf16(p + 32 + 2 * LANES * h);
         VI w[G];
         load_codes<BITS, B>(codes, h, w);
@@ -335,6 +351,7 @@ void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float
           for (int i = 0; i < NR; ++i) N[i] = vadd(N[i], vmul(mnv, vset(x.psum[i * x.nblocks + blk0 + bb + e])));
         }
 #endif
+        prefetch_lines(pf, bb * share, (bb + 2) * share, step);
         for (int e = 0; e < 2; ++e) {
           const VI scv = vi8(sc + (bb + e) * TILE + LANES * h);
           VI w[G];
@@ -362,17 +379,17 @@ void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, floa
                const uint8_t* ahead) {
   constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
   const int64_t nb = sb / B, codes_at = meta_bytes(nb), step = superblock_bytes(BITS, sb, B);
+  const int64_t share = (step + 63) / 64 / nb + 1;  // lines to prefetch per block
   for (int h = 0; h < HALVES; ++h) {
     VF acc[NR];
     for (int i = 0; i < NR; ++i) acc[i] = vfzero();
     for (int64_t s = 0; s < nsb; ++s) {
       const uint8_t* p = tile + s * step;
       const uint8_t* codes = p + codes_at;
+      const uint8_t* pf = h == 0 && ahead != nullptr ? ahead + s * step : nullptr;
       const int64_t blk0 = s * nb;
-      if (ahead != nullptr && h == 0)  // the next tile's superblock s into L2 while this one computes
-        for (int64_t line = 0; line < step; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + s * step + line), _MM_HINT_T1);
       if (nb == 1) {  // sc = mn = 1; D and M float16 (Q4_0, Q4_1, Q5_0, Q8_0)
+        prefetch_lines(pf, 0, share, step);
         const VF Dv = vf16(p + 2 * LANES * h), Mv = vf16(p + 32 + 2 * LANES * h);
         VI dot[NR];
         block_dots<BITS, B, NR>(codes, h, x.q + blk0 * B, x.K, dot);
@@ -388,6 +405,7 @@ void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, floa
       VI S[NR];
       for (int i = 0; i < NR; ++i) S[i] = vzero();
       for (int64_t bb = 0; bb < nb; ++bb) {
+        prefetch_lines(pf, bb * share, (bb + 1) * share, step);
         const VI scv = vi8(sc + bb * TILE + LANES * h);
 #ifdef __AVX512VNNI__
         if constexpr (BITS == 4) {  // each chain sums 16 codes < 16 times |x| <= 127: an int16, so one pair product
@@ -446,9 +464,8 @@ void run_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
         const Rows x{xq.q.data_ptr<int8_t>() + r * K, xq.a.data_ptr<float>() + r * nsb,
                      xq.psum.data_ptr<int32_t>() + r * (K / B), K, nsb, K / B};
         float* o = out + r * ldo + t * TILE;
-        // rows that compute longer than the weight streams: the first row block fetches the next tile ahead (the
-        // hardware's prefetch alone leaves the memory idle while they compute)
-        const uint8_t* ahead = r == 0 && t + 1 < t1 ? tile + tile_bytes : nullptr;
+        // the first row block streams the weight (later ones find the tile in cache): it prefetches ahead
+        const uint8_t* ahead = r == 0 && tile + PREFETCH_AHEAD < w + t1 * tile_bytes ? tile + PREFETCH_AHEAD : nullptr;
         switch (std::min<int64_t>(ROW_BLOCK, M - r)) {
           case 8: if constexpr (ROW_BLOCK >= 8) tile_rows<BITS, B, 8>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
           case 7: if constexpr (ROW_BLOCK >= 7) tile_rows<BITS, B, 7>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
@@ -457,7 +474,7 @@ void run_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
           case 4: tile_rows<BITS, B, 4>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
           case 3: tile_rows<BITS, B, 3>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
           case 2: tile_rows<BITS, B, 2>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
-          default: tile_row<BITS, B>(tile, nsb, sb, x, o, ldo, cols); break;
+          default: tile_row<BITS, B>(tile, nsb, sb, x, o, ldo, cols, ahead); break;
         }
       }
     }
