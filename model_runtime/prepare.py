@@ -7,7 +7,7 @@ Cache layout (root = $SPECSERVE_CACHE, default ~/.cache/specserve):
     root/.<name>.staging-XXXX/     in progress; deleted on success, failure, and by the next prepare
         <gguf_name>                  assembled file (multi-part sources only)
         checkpoint/                  converted checkpoint, renamed to root/<name> when complete
-    root/<name>/quant-v2.safetensors the GGUF's quantized linears packed for `--dtype q4` (model_runtime/
+    root/<name>/quant-v3.safetensors the GGUF's quantized linears packed for `--dtype q4` (model_runtime/
                                    quant_weights.py), written at prepare, or on the first q4 load of an older entry
 
 Only a directory with a manifest whose source_sha256 matches the registry counts as cached.
@@ -154,6 +154,9 @@ def prepare_quant(entry: Path, progress: bool = True) -> Path:
             convert_quant(_verified_gguf(source, staging, progress), out, progress)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+        for stale in entry.glob("quant-v*.safetensors"):  # an earlier layout's packing, no longer read
+            if stale.name != QUANT_FILE:
+                stale.unlink(missing_ok=True)
     return out
 
 

@@ -1,6 +1,7 @@
 """A tensor in the affine form (quant_formats.py) packed into the kernel's layout, and back. kernels/quant_linear.cpp
 describes the layout: tiles of 16 outputs, each tile its superblocks in order, each superblock its scales then its
-codes (4 output-interleaved bytes per output per group of 4 weights; 4..6-bit codes as nibbles plus bit planes)."""
+codes (4 output-interleaved bytes per output per group of 4 weights; 4..6-bit codes as nibbles plus a bit plane
+(5 bits) or a vector of the four groups' 2-bit crumbs (6 bits))."""
 
 from __future__ import annotations
 
@@ -69,9 +70,14 @@ def pack(a: Affine) -> np.ndarray:
     else:
         low = q & 0x0F
         parts = [(low[:, :, :, : g // 2] | (low[:, :, :, g // 2:] << 4)).reshape(tiles, nsb, nb, -1)]
-        for bit in range(4, a.bits):  # one plane per high bit: 64 bits per group, bit i = byte i's
-            plane = np.packbits((q >> bit) & 1, axis=-1, bitorder="little")  # [t, s, b, g, 8]
-            parts.append(plane.reshape(tiles, nsb, nb, -1))
+        if a.bits == 6:  # one vector: byte i = hi(0) << 4 | hi(1) << 2 | hi(2) | hi(3) << 6 of the groups' byte i
+            if g != 4:
+                raise UnsupportedQuantError(f"{a.source}: 6-bit codes in blocks of {bk}; the kernels take 16")
+            hi = q >> 4
+            parts.append(((hi[:, :, :, 0] << 4) | (hi[:, :, :, 1] << 2) | hi[:, :, :, 2] | (hi[:, :, :, 3] << 6))
+                         .reshape(tiles, nsb, nb, -1))
+        if a.bits == 5:  # one plane of bit 4: 64 bits per group, bit i = byte i's
+            parts.append(np.packbits((q >> 4) & 1, axis=-1, bitorder="little").reshape(tiles, nsb, nb, -1))
         codes = np.concatenate(parts, axis=-1)
     out = np.concatenate([meta, codes.reshape(tiles, nsb, -1)], axis=-1).reshape(-1)
     assert out.size == packed_bytes(n, k, a.bits, sbk, bk), (out.size, n, k)
@@ -104,10 +110,12 @@ def unpack(packed: np.ndarray, n: int, k: int, bits: int, superblock: int, block
     else:
         nib = codes[..., : g // 2 * 64].reshape(tiles, nsb, nb, g // 2, 64)
         q = np.concatenate([nib & 0x0F, nib >> 4], axis=3)
-        for i, bit in enumerate(range(4, bits)):
-            start = g // 2 * 64 + i * g * 8
-            plane = codes[..., start:start + g * 8].reshape(tiles, nsb, nb, g, 8)
-            q = q | (np.unpackbits(plane, axis=-1, bitorder="little") << bit)
+        if bits == 6:
+            u = codes[..., g // 2 * 64:g // 2 * 64 + 64].reshape(tiles, nsb, nb, 1, 64)
+            q = q | (np.concatenate([(u >> 4) & 3, (u >> 2) & 3, u & 3, (u >> 6) & 3], axis=3) << 4)
+        if bits == 5:
+            plane = codes[..., g // 2 * 64:g // 2 * 64 + g * 8].reshape(tiles, nsb, nb, g, 8)
+            q = q | (np.unpackbits(plane, axis=-1, bitorder="little") << 4)
     q = q.reshape(tiles, nsb, nb, g, TILE, 4).transpose(0, 4, 1, 2, 3, 5).reshape(tiles * TILE, k)[:n]
     return Affine(np.ascontiguousarray(q), D, M, np.ascontiguousarray(sc), np.ascontiguousarray(mn), bits, superblock,
                   block, source)

@@ -3,7 +3,7 @@
 The GGUF is the model as shipped: its 4-bit (and 5/6/8-bit) codes are the weights, and the float32 or bfloat16
 checkpoints are approximations of them (float32 exactly their values, bfloat16 rounded once more). Here every
 linear keeps the GGUF's codes and scales (quant_formats.py: lossless), packed once into the kernel's layout and
-cached beside the float32 checkpoint as `quant-v2.safetensors` (prepare.prepare_quant). Norms, biases and the
+cached beside the float32 checkpoint as `quant-v3.safetensors` (prepare.prepare_quant). Norms, biases and the
 embedding table come from the float32 checkpoint, whose values are the GGUF's dequantized (transformers').
 
 Activations, norms, attention and the KV cache are float32 (the portable kernels, batch-invariant); a linear
@@ -30,7 +30,7 @@ from model_runtime.quant_formats import Affine, UnsupportedQuantError, to_affine
 from model_runtime.quant_pack import pack, unpack
 from model_runtime.weights_convert import fsync_path
 
-QUANT_FILE = "quant-v2.safetensors"
+QUANT_FILE = "quant-v3.safetensors"  # v3: Q6_K's high bits as crumbs (quant_pack.py)
 LINEARS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
            "down": ("ffn_down",)}
 

@@ -26,7 +26,11 @@
 //   codes, per block, in groups g of 4 weights (64 bytes: byte 4j+p is output j's weight 4g+p):
 //     8 bits: B/4 vectors of 64 bytes, the codes;
 //     4..6 bits: B/8 vectors of nibbles, vector g byte 4j+p = low4(j, 4g+p) | low4(j, 4(g + B/8) + p) << 4, then
-//                per high bit (bit 4, then bit 5) one 64-bit plane per group: bit 4j+p = that bit of (j, 4g+p).
+//                5 bits: one 64-bit plane per group, bit 4j+p = bit 4 of (j, 4g+p);
+//                6 bits (B = 16, groups 0..3): one vector of crumbs, byte 4j+p = hi(0) << 4 | hi(1) << 2 | hi(2) |
+//                hi(3) << 6 with hi(g) = bits 4-5 of (j, 4g+p): each group's crumb reaches bits 4-5 by one 16-bit
+//                shift or none and joins its nibble by a mask (decode6: 13 vector operations for the block, where
+//                bit planes took 30; the same 6 bits a weight).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -108,6 +112,9 @@ inline VI vload(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline VI vand(VI a, VI b) { return _mm512_and_si512(a, b); }
 inline VI vor(VI a, VI b) { return _mm512_or_si512(a, b); }
 inline VI vsrl4(VI a) { return _mm512_srli_epi16(a, 4); }
+inline VI vsrl2(VI a) { return _mm512_srli_epi16(a, 2); }
+inline VI vsll2(VI a) { return _mm512_slli_epi16(a, 2); }
+inline VI vsll4(VI a) { return _mm512_slli_epi16(a, 4); }
 inline VI vbytes(uint8_t b) { return _mm512_set1_epi8(static_cast<char>(b)); }
 inline VI vhigh(const uint8_t* plane, uint8_t bit) {  // the 64 bits of a plane as bytes 0 / bit
   uint64_t m;
@@ -157,6 +164,9 @@ inline VI vload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<c
 inline VI vand(VI a, VI b) { return _mm256_and_si256(a, b); }
 inline VI vor(VI a, VI b) { return _mm256_or_si256(a, b); }
 inline VI vsrl4(VI a) { return _mm256_srli_epi16(a, 4); }
+inline VI vsrl2(VI a) { return _mm256_srli_epi16(a, 2); }
+inline VI vsll2(VI a) { return _mm256_slli_epi16(a, 2); }
+inline VI vsll4(VI a) { return _mm256_slli_epi16(a, 4); }
 inline VI vbytes(uint8_t b) { return _mm256_set1_epi8(static_cast<char>(b)); }
 inline VI vhigh(const uint8_t* plane, uint8_t bit) {  // 32 bits (this half's) of a plane as bytes 0 / bit
   uint32_t m;
@@ -209,6 +219,17 @@ constexpr const char* ISA = "avx2";
 #endif
 #endif
 
+// A 6-bit block's four groups (B = 16) for this half of the tile: each crumb moved to bits 4-5 and masked in
+inline void decode6(const uint8_t* codes, int h, VI (&w)[4]) {
+  constexpr int HB = 64 / HALVES;  // bytes of a group vector per half
+  const VI low4 = vbytes(0x0F), crumb = vbytes(0x30);
+  const VI v0 = vload(codes + HB * h), v1 = vload(codes + 64 + HB * h), u = vload(codes + 128 + HB * h);
+  w[0] = vor(vand(v0, low4), vand(u, crumb));
+  w[1] = vor(vand(v1, low4), vand(vsll2(u), crumb));
+  w[2] = vor(vand(vsrl4(v0), low4), vand(vsll4(u), crumb));
+  w[3] = vor(vand(vsrl4(v1), low4), vand(vsrl2(u), crumb));
+}
+
 // One block's codes for this half of the tile: G vectors of LANES outputs x 4 weights
 template <int BITS, int B>
 inline void load_codes(const uint8_t* codes, int h, VI (&w)[B / 4]) {
@@ -216,6 +237,9 @@ inline void load_codes(const uint8_t* codes, int h, VI (&w)[B / 4]) {
   constexpr int HB = 64 / HALVES;  // bytes of a group vector per half
   if constexpr (BITS == 8) {
     for (int g = 0; g < G; ++g) w[g] = vload(codes + g * 64 + HB * h);
+  } else if constexpr (BITS == 6) {
+    static_assert(B == 16, "6-bit codes come in blocks of 16");
+    decode6(codes, h, w);
   } else {
     const VI low4 = vbytes(0x0F);
     for (int g = 0; g < G / 2; ++g) {
@@ -246,6 +270,13 @@ inline void block_chains(const uint8_t* codes, int h, const int8_t* xb, int64_t 
       rows(vload(codes + g * 64 + HB * h), g, c0);
       rows(vload(codes + (g + 1) * 64 + HB * h), g + 1, c1);
     }
+  } else if constexpr (BITS == 6) {
+    VI w[4];
+    decode6(codes, h, w);
+    rows(w[0], 0, c0);
+    rows(w[2], 2, c1);
+    rows(w[1], 1, c0);
+    rows(w[3], 3, c1);
   } else {
     const VI low4 = vbytes(0x0F);
     const uint8_t* planes = codes + G / 2 * 64;

@@ -222,7 +222,10 @@ def test_smollm2_entry_holds_its_quantized_linears_exactly(smollm2_fresh: tuple[
 
     meta, tensors = contents()
     (entry / QUANT_FILE).unlink()
+    superseded = entry / "quant-v2.safetensors"  # an earlier layout's file goes once the current one is written
+    superseded.write_bytes(b"an earlier packing")
     assert prepare_quant(entry, progress=False) == entry / QUANT_FILE
+    assert not superseded.exists()
     meta_again, tensors_again = contents()
     assert meta_again == meta and tensors_again.keys() == tensors.keys()
     assert all(torch.equal(tensors_again[name], tensors[name]) for name in tensors)
