@@ -38,7 +38,7 @@ ISAS = {  # compiler flags and the /proc/cpuinfo flags they need, fastest first
     "avx2": (["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
 }
 _MODULES: dict[str, tuple[ModuleType | None, str]] = {}
-AMX_MIN_ROWS = (12, 48)  # Q4_K, Q6_K: measured on Sapphire Rapids (docs/benchmarks.md, "bench runtime")
+AMX_MIN_ROWS = (9, 48)  # Q4_K, Q6_K: measured on Sapphire Rapids (docs/benchmarks.md, "bench runtime")
 
 
 def cpu_has(isa: str) -> bool:
@@ -66,7 +66,7 @@ def amx_min_rows() -> tuple[int, int]:
     try:
         q4k, q6k = (int(v) for v in raw.split(","))
     except ValueError:
-        raise ValueError(f"SPECSERVE_Q4_AMX_MIN_ROWS={raw!r}: two row counts, Q4_K then Q6_K, e.g. 12,48") from None
+        raise ValueError(f"SPECSERVE_Q4_AMX_MIN_ROWS={raw!r}: two row counts, Q4_K then Q6_K, e.g. 9,48") from None
     if q4k < 1 or q6k < 1:
         raise ValueError(f"SPECSERVE_Q4_AMX_MIN_ROWS={raw!r}: row counts are at least 1")
     return q4k, q6k

@@ -549,8 +549,8 @@ bool amx_enable() { return syscall(SYS_arch_prctl, 0x1023 /*ARCH_REQ_XCOMP_PERM*
 
 // Calls of fewer rows take the vector kernel (the same bits): Q4_K, Q6_K. Building the planes costs about what
 // streaming the codes does, so the tiles win only where the vector kernel's per-row dot products pass it: prompts,
-// not a verify of 2..9 rows (docs/benchmarks.md, "bench runtime"). SPECSERVE_Q4_AMX_MIN_ROWS overrides both.
-int64_t g_amx_min_rows[2] = {12, 48};
+// not a verify of 2..8 rows (docs/benchmarks.md, "bench runtime"). SPECSERVE_Q4_AMX_MIN_ROWS overrides both.
+int64_t g_amx_min_rows[2] = {9, 48};  // Q4_K from 9 since the planes' builder prefetches (was 12)
 
 template <int BITS> struct Digits;
 template <> struct Digits<4> { static constexpr int DS = 3, ND = 2, OFF = 0; };    // Q4_K: sc in [0, 63]
@@ -601,13 +601,16 @@ inline void store_sums(int32_t* c) {
 
 // a superblock's planes (sb = 256): [chunk of 64 codes][plane][16 x 64 bytes], from its metadata and codes at p
 template <int BITS, int B>
-inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes, __m512i tab0, __m512i tab1) {
+inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes, __m512i tab0, __m512i tab1,
+                         const uint8_t* pf, int64_t step) {
   using D = Digits<BITS>;
   constexpr int G = B / 4, P = D::ND + (D::OFF ? 1 : 0);
   constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
   const uint8_t* codes = p + meta_bytes(nb);
   const int8_t* sc = reinterpret_cast<const int8_t*>(p + 128);
+  const int64_t share = (step + 63) / 64 / nb + 1;
   for (int64_t bb = 0; bb < nb; ++bb) {  // block bb: chunk bb * B / 64, from row (bb * B % 64) / 4
+    prefetch_lines(pf, bb * share, (bb + 1) * share, step);
     const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + bb * TILE)));
     uint8_t* dst = planes + (bb * B / 64) * P * 1024 + (bb * B % 64) / 4 * 64;
     if constexpr (BITS == 4) {  // Q4_K: q * digit from a 128-byte table at index q | digit << 4 (bit 7 clear)
@@ -647,7 +650,9 @@ inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes, __m512i 
 }
 
 // Per output tile, superblock by superblock; the tile products of superblock s run while the planes of s + 1 are
-// built (two plane buffers), then their sums are stored and scaled into each row's float accumulator.
+// built (two plane buffers), then their sums are stored and scaled into each row's float accumulator. The planes'
+// builder prefetches the codes PREFETCH_AHEAD down the stream as the vector kernel does (12-16 rows of Q4_K ~18%
+// faster, docs/benchmarks.md "q4 decode: the weight stream prefetched").
 template <int BITS, int B>
 void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int64_t sb, const Quantized& xq,
                int64_t M, float* out, int64_t ldo) {
@@ -665,10 +670,12 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
     alignas(64) uint8_t planes[2][4 * P * 1024];
     alignas(64) int32_t sums[P * 256];
     std::vector<__m512> acc(M);
+    const uint8_t* end = w + t1 * tile_bytes;
+    auto ahead = [&](const uint8_t* at) { return at + PREFETCH_AHEAD < end ? at + PREFETCH_AHEAD : nullptr; };
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tile = w + t * tile_bytes;
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
-      build_planes<BITS, B>(tile, nb, planes[0], tab0, tab1);
+      build_planes<BITS, B>(tile, nb, planes[0], tab0, tab1, ahead(tile), step);
       for (int64_t s = 0; s < nsb; ++s) {
         const uint8_t* p = tile + s * step;
         const int8_t* mn = reinterpret_cast<const int8_t*>(p + 128) + nb * TILE;
@@ -683,7 +690,8 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
           if constexpr (P > 4) _tile_zero(4);
           for (int64_t c = 0; c < chunks; ++c)
             chunk_products<P>(xs + r0 * K + s * sb + c * 64, K, planes[s % 2] + c * P * 1024);
-          if (r0 == 0 && s + 1 < nsb) build_planes<BITS, B>(p + step, nb, planes[(s + 1) % 2], tab0, tab1);
+          if (r0 == 0 && s + 1 < nsb)
+            build_planes<BITS, B>(p + step, nb, planes[(s + 1) % 2], tab0, tab1, ahead(p + step), step);
           store_sums<P>(sums);
           for (int64_t i = 0; i < std::min<int64_t>(16, M - r0); ++i) {
             VI S = _mm512_load_si512(sums + i * 16);
