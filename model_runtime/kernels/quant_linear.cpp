@@ -322,6 +322,7 @@ inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum 
 // loads behind it. 3 KB (48 lines, the L2's queue of misses) measured best of 1-8 KB at 1 and 8 rows
 // (docs/benchmarks.md, "q4 decode: the weight stream prefetched").
 constexpr int64_t PREFETCH_AHEAD = 3072;
+inline int64_t lines_per_block(int64_t step, int64_t nb) { return (step + 63) / 64 / nb + 1; }  // once per call
 inline void prefetch_lines(const uint8_t* ahead, int64_t from, int64_t to, int64_t step) {
   if (ahead == nullptr) return;
   for (int64_t at = from * 64; at < std::min(to * 64, step); at += 64)
@@ -338,7 +339,7 @@ void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float
   constexpr int G = B / 4;
   constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
   const int64_t nb = sb / B, codes_at = meta_bytes(nb), step = superblock_bytes(BITS, sb, B);
-  const int64_t share = (step + 63) / 64 / nb + 1;  // lines to prefetch per block
+  const int64_t share = lines_per_block(step, nb);
   for (int h = 0; h < HALVES; ++h) {
     VF acc[NR];
     for (int i = 0; i < NR; ++i) acc[i] = vfzero();
@@ -410,7 +411,7 @@ void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, floa
                const uint8_t* ahead) {
   constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
   const int64_t nb = sb / B, codes_at = meta_bytes(nb), step = superblock_bytes(BITS, sb, B);
-  const int64_t share = (step + 63) / 64 / nb + 1;  // lines to prefetch per block
+  const int64_t share = lines_per_block(step, nb);
   for (int h = 0; h < HALVES; ++h) {
     VF acc[NR];
     for (int i = 0; i < NR; ++i) acc[i] = vfzero();
@@ -608,7 +609,7 @@ inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes, __m512i 
   constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
   const uint8_t* codes = p + meta_bytes(nb);
   const int8_t* sc = reinterpret_cast<const int8_t*>(p + 128);
-  const int64_t share = (step + 63) / 64 / nb + 1;
+  const int64_t share = lines_per_block(step, nb);
   for (int64_t bb = 0; bb < nb; ++bb) {  // block bb: chunk bb * B / 64, from row (bb * B % 64) / 4
     prefetch_lines(pf, bb * share, (bb + 1) * share, step);
     const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + bb * TILE)));
