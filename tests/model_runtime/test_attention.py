@@ -96,6 +96,29 @@ def test_tree_mask_rows_see_only_their_ancestors() -> None:
     assert (out[2] - alone(q[2], k, v, chain_slots)).abs().max().item() < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_rows_equal_their_chains_bitwise_across_key_chunks(dtype: torch.dtype) -> None:
+    """A 24-node tree after 45 past tokens (its nodes span the kernel's chunks of 32 key positions, their ancestors
+    scattered among non-ancestors): each node's row is bitwise the row of its chain (the past and its ancestors)
+    decoded alone, as greedy trees need."""
+    past, nodes = 45, 24
+    g = torch.Generator().manual_seed(11)
+    parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, nodes)]
+    tree = torch.zeros(nodes, nodes, dtype=torch.bool)
+    for i in range(nodes):
+        j = i
+        while j >= 0:
+            tree[i, j] = True
+            j = parent[j]
+    k, v, slots = pool(past + nodes, dtype, 12)
+    q = torch.randn(nodes, HEADS, D, generator=torch.Generator().manual_seed(13)).to(dtype)
+    mask = torch.cat([torch.ones(nodes, past, dtype=torch.bool), tree], dim=1)
+    out = paged_attention(q, k, v, plan_attention([(0, slots, mask)]))
+    for i in range(nodes):
+        chain = torch.cat([slots[:past], slots[past:][tree[i]]])
+        assert torch.equal(out[i], alone(q[i], k, v, chain)), (dtype, i)
+
+
 def test_plan_groups_rows_by_padded_key_width() -> None:
     slots = torch.arange(TILE + 3)
     groups = causal_plan(TILE - 2, 5, slots, offset=4)  # rows see 63, 64 | 65, 66, 67 keys
