@@ -323,6 +323,27 @@ inline vf hsum16(const vf* acc) {
          __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// A (row, head)'s nk scores -> softmax numerators exp(s - max) in place (summed in 16 lanes in key order, then
+// hsum); returns 1 / their sum (no keys: 1 / 0, as before). max is exact in any order: 16 lanes, then across them.
+inline float softmax_numerators(float* sq, int64_t nk) {
+  vf mxv = splat(-INFINITY);
+  for (int64_t i = 0; i + L <= nk; i += L) {
+    const vf x = load(sq + i);
+    mxv = mxv < x ? x : mxv;
+  }
+  float mx = -INFINITY;
+  for (int l = 0; l < L; ++l) mx = std::max(mx, mxv[l]);
+  for (int64_t i = nk / L * L; i < nk; ++i) mx = std::max(mx, sq[i]);
+  vf sum{};
+  for (int64_t i = 0; i < nk; i += L) {
+    vf p = vexp(load_n(sq + i, nk - i) - mx);
+    if (nk - i < L) for (int64_t l = nk - i; l < L; ++l) p[l] = 0.0f;
+    store_n(sq + i, p, nk - i);
+    sum += p;
+  }
+  return 1.0f / hsum(sum);
+}
+
 // One work item of paged_attention_group: sequence s, kv head h, its rows r0..r1 (D16 = head_dim / 16 known at
 // compile time for 64 and 128, so the query and the sums stay in registers)
 template <typename T, int D16C>
@@ -417,27 +438,11 @@ void attention_item(const T* qp, const T* kp, const T* vp, T* op, const int64_t*
       }
     }
   });
-  for (int64_t ri = 0; ri < nr; ++ri) {  // numerators in place, summed in 16 lanes in key order; 1 / their sum
+  for (int64_t ri = 0; ri < nr; ++ri) {  // numerators in place; 1 / their sum; the sums of p v from zero
     const int64_t nk = starts[ri + 1] - starts[ri];
-    for (int64_t g = 0; g < G; ++g) {  // no keys: 0 / 0, as one (row, head) alone
+    for (int64_t g = 0; g < G; ++g) {
       const int64_t qi = ri * G + g;
-      float* sq = &scores[qi * W16];
-      vf mxv = splat(-INFINITY);  // max is exact in any order: 16 lanes, then across them
-      for (int64_t i = 0; i + L <= nk; i += L) {
-        const vf x = load(sq + i);
-        mxv = mxv < x ? x : mxv;
-      }
-      float mx = -INFINITY;
-      for (int l = 0; l < L; ++l) mx = std::max(mx, mxv[l]);
-      for (int64_t i = nk / L * L; i < nk; ++i) mx = std::max(mx, sq[i]);
-      vf sum{};
-      for (int64_t i = 0; i < nk; i += L) {
-        vf pv_ = vexp(load_n(sq + i, nk - i) - mx);
-        if (nk - i < L) for (int64_t l = nk - i; l < L; ++l) pv_[l] = 0.0f;
-        store_n(sq + i, pv_, nk - i);
-        sum += pv_;
-      }
-      inv[qi] = 1.0f / hsum(sum);
+      inv[qi] = softmax_numerators(&scores[qi * W16], nk);
       for (int64_t c = 0; c < D16; ++c) store_n(&accs[qi * d + L * c], vf{}, L);
     }
   }
@@ -496,22 +501,13 @@ void attention_item_by_row(const T* qp, const T* kp, const T* vp, T* op, const i
       const T* qrow = qp + t * q_stride + (h * G + g) * d;
       vf qv[256 / L];
       for (int64_t c = 0; c < D16; ++c) qv[c] = load(qrow + L * c) * sc;
-      float mx = -INFINITY;
       for (int64_t i = 0; i < nk; ++i) {
         const float* krow = &kf[keys[i] * d];
         vf acc{};
         for (int64_t c = 0; c < D16; ++c) acc = qv[c] * load(krow + L * c) + acc;
         scores[i] = hsum(acc);
-        mx = std::max(mx, scores[i]);
       }
-      vf sum{};
-      for (int64_t i = 0; i < nk; i += L) {  // numerators in place, summed in 16 lanes in key order
-        vf p = vexp(load_n(&scores[i], nk - i) - mx);
-        if (nk - i < L) for (int64_t l = nk - i; l < L; ++l) p[l] = 0.0f;
-        store_n(&scores[i], p, nk - i);
-        sum += p;
-      }
-      const float inv = 1.0f / hsum(sum);
+      const float inv = softmax_numerators(scores.data(), nk);
       vf acc[256 / L] = {};
       for (int64_t i = 0; i < nk; ++i) {
         const float* vrow = &vf_[keys[i] * d];
