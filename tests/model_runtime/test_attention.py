@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model_runtime import cpu_kernels
 from model_runtime.attention import TILE, WidthGroup, paged_attention, plan_attention
 
 HEADS, KV_HEADS, D = 12, 2, 64
@@ -100,7 +101,9 @@ def test_tree_mask_rows_see_only_their_ancestors() -> None:
 def test_tree_rows_equal_their_chains_bitwise_across_key_chunks(dtype: torch.dtype) -> None:
     """A 24-node tree after 45 past tokens (its nodes span the kernel's chunks of 32 key positions, their ancestors
     scattered among non-ancestors): each node's row is bitwise the row of its chain (the past and its ancestors)
-    decoded alone, as greedy trees need."""
+    decoded alone, as greedy trees need. The libraries' products (SPECSERVE_CPU_KERNEL=onednn: bounded, not exact)
+    reduce over the masked width and are checked to rounding, as the tree test above."""
+    exact = cpu_kernels.for_dtype(dtype).exact
     past, nodes = 45, 24
     g = torch.Generator().manual_seed(11)
     parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, nodes)]
@@ -116,7 +119,11 @@ def test_tree_rows_equal_their_chains_bitwise_across_key_chunks(dtype: torch.dty
     out = paged_attention(q, k, v, plan_attention([(0, slots, mask)]))
     for i in range(nodes):
         chain = torch.cat([slots[:past], slots[past:][tree[i]]])
-        assert torch.equal(out[i], alone(q[i], k, v, chain)), (dtype, i)
+        ref = alone(q[i], k, v, chain)
+        if exact:
+            assert torch.equal(out[i], ref), (dtype, i)
+        else:
+            assert (out[i].float() - ref.float()).abs().max().item() < (1e-6 if dtype == torch.float32 else 2e-2), i
 
 
 def test_plan_groups_rows_by_padded_key_width() -> None:
