@@ -29,7 +29,7 @@ _BUILT: list[tuple[ModuleType | None, str]] = []
 
 def _module() -> ModuleType | None:
     if not _BUILT:
-        module, why = build_extension("suffix trie", "specserve_suffix_trie", SOURCE, ["-O2"], "suffix-trie",
+        module, why = build_extension("suffix trie", "specserve_suffix_trie", [SOURCE], ["-O2"], "suffix-trie",
                                       "portable")
         _BUILT.append((module, "C++ (drafter_service/native/suffix_trie.cpp)" if module is not None else
                        f"Python ({why})"))

@@ -60,8 +60,9 @@ def cpu_has(path: str) -> bool:
 def _load_portable(isa: str) -> tuple[ModuleType | None, str]:
     if not cpu_has(isa):
         return None, f"off: this CPU lacks {isa} ({', '.join(ISA_FLAGS[isa][1])})"
-    return build_extension(isa, f"specserve_{isa}", PORTABLE,
-                           ["-O3", "-ffp-contract=fast", *ISA_FLAGS[isa][0], "-fopenmp"], isa, isa)
+    return build_extension(isa, f"specserve_{isa}", [PORTABLE],
+                           ["-O3", "-ffp-contract=fast", *ISA_FLAGS[isa][0], "-fopenmp"], isa, isa,
+                           (KERNELS / "portable_ops.h",))
 
 
 def portable(isa: str) -> ModuleType | None:

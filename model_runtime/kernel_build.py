@@ -71,15 +71,15 @@ def load_extension(name: str, sources: list[Path], cflags: list[str], folder: Pa
                 verbose=False)
 
 
-def build_extension(what: str, name: str, source: Path, cflags: list[str], folder: str,
-                    isa: str) -> tuple[ModuleType | None, str]:
-    """Build (or load the cached build of) one C++ source as torch extension `name`: (module, isa), or (None, why).
-    The source's hash is in the flags, so an edited source rebuilds."""
+def build_extension(what: str, name: str, sources: list[Path], cflags: list[str], folder: str,
+                    isa: str, headers: tuple[Path, ...] = ()) -> tuple[ModuleType | None, str]:
+    """Build (or load the cached build of) C++ `sources` as torch extension `name`: (module, isa), or (None, why).
+    The hash of the sources and of the `headers` they include is in the flags, so an edit of either rebuilds."""
     try:
         start = time.perf_counter()
         log.info("loading the %s kernels (the first build on a machine takes about a minute)", what)
-        digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-        module = load_extension(name, [source], [*cflags, f"-DSPECSERVE_SOURCE={digest}"], build_dir(folder))
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*sources, *headers))).hexdigest()[:16]
+        module = load_extension(name, sources, [*cflags, f"-DSPECSERVE_SOURCE={digest}"], build_dir(folder))
     except Exception as exc:  # a missing compiler or a failed build: say so
         return None, f"off: the {what} kernels did not build ({type(exc).__name__}: {str(exc).strip()[:200]})"
     assert module.isa() == isa, (module.isa(), isa)

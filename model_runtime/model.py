@@ -109,6 +109,8 @@ class CausalLM:
         self.matmul_widths = {} if self.kernels.linear is not None else calibrate_all(
             [first.qkv, first.o, first.gate_up, first.down, self.weights.lm_head])
         self._stack = self._layer_stack()
+        # the q4 loop's attention (the portable kernels) takes every key width; the AMX loop's up to KERNEL_MAX_WIDTH
+        self._stack_any_width = isinstance(self.weights.lm_head, QuantLinear)
 
     @classmethod
     def load(
@@ -137,7 +139,10 @@ class CausalLM:
 
     def _layer_stack(self) -> object | None:
         """The decoder layers as one C++ loop over the kernels (kernels/layers.cpp), for a model whose every linear is
-        packed, on one rank; None elsewhere (the Python loop below: the same operations)."""
+        packed, on one rank; None elsewhere (the Python loop below: the same operations). A q4 model's loop is
+        kernels/q4_layers.cpp's."""
+        if isinstance(self.weights.lm_head, QuantLinear):
+            return self._q4_layer_stack()
         module = amx_kernel() if self.kernels.path == "amx" else None
         d = self.config.head_dim
         if module is None or self.tp_size != 1 or not kernel_head_dim(d) or not self.weights.layers:
@@ -152,6 +157,24 @@ class CausalLM:
         layers = [(lw.input_norm, lw.post_norm, lw.qkv_bias, lin(lw.qkv), lin(lw.o), lin(lw.gate_up), lin(lw.down))
                   for lw in self.weights.layers]
         return module.LayerStack(layers, self.num_heads, self.num_kv_heads, d, self.config.rms_norm_eps, d ** -0.5)
+
+    def _q4_layer_stack(self) -> object | None:
+        """kernels/q4_layers.cpp's loop for a q4 model whose every layer linear is quantized, on one rank, where the
+        portable kernels run its attention (kernel_head_dim); None elsewhere (the Python loop)."""
+        rows, d = self.kernels.rows, self.config.head_dim
+        linears = [w for lw in self.weights.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        if rows is None or not hasattr(rows, "ops") or self.tp_size != 1 or not kernel_head_dim(d) or not linears \
+                or not all(isinstance(w, QuantLinear) for w in linears):
+            return None
+        module = linears[0].kernels
+
+        def parts(w: QuantLinear) -> list[tuple[torch.Tensor, int, int, int, int]]:
+            return [(p.packed, p.n, p.bits, p.superblock, p.block) for p in w.parts]
+
+        layers = [(lw.input_norm, lw.post_norm, lw.qkv_bias, parts(lw.qkv), parts(lw.o), parts(lw.gate_up),
+                   parts(lw.down)) for lw in self.weights.layers]
+        return module.Q4LayerStack(layers, self.num_heads, self.num_kv_heads, d, self.config.rms_norm_eps, d ** -0.5,
+                                   rows.ops())
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> KVPool:
         return KVPool.allocate(self.config, num_blocks, block_size, self.tp_size, self.dtype, self.device)
@@ -177,7 +200,7 @@ class CausalLM:
         cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         h = F.embedding(batch.token_ids, self.weights.embed)
         rows, lin = self.kernels.rows, self.kernels.linear
-        if self._stack is not None and all(on_kernel(g) for g in batch.attention):
+        if self._stack is not None and (self._stack_any_width or all(on_kernel(g) for g in batch.attention)):
             groups = [(g.slots, g.rows, g.hidden, g.real) for g in batch.attention]
             h = self._stack.forward(h, cos, sin, batch.slot_mapping, kv.k, kv.v, groups)  # type: ignore[attr-defined]
         else:

@@ -27,7 +27,9 @@ from model_runtime.kernel_build import build_extension, cpu_flags
 from model_runtime.kernel_choice import requested
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "kernels" / "quant_linear.cpp"
+KERNELS = Path(__file__).parent / "kernels"
+SOURCES = [KERNELS / "quant_linear.cpp", KERNELS / "q4_layers.cpp"]  # the linears; a q4 model's layer loop
+HEADERS = (KERNELS / "quant_ops.h", KERNELS / "portable_ops.h")
 ISAS = {  # compiler flags and the /proc/cpuinfo flags they need, fastest first
     "amx": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mfma", "-mamx-tile",
              "-mamx-int8"],
@@ -48,8 +50,8 @@ def cpu_has(isa: str) -> bool:
 def _load(isa: str) -> tuple[ModuleType | None, str]:
     if not cpu_has(isa):
         return None, f"off: this CPU lacks {isa} ({', '.join(ISAS[isa][1])})"
-    module, why = build_extension(f"quantized {isa}", f"specserve_quant_{isa}", SOURCE,
-                                  ["-O3", *ISAS[isa][0], "-fopenmp"], f"quant-{isa}", isa)
+    module, why = build_extension(f"quantized {isa}", f"specserve_quant_{isa}", SOURCES,
+                                  ["-O3", *ISAS[isa][0], "-fopenmp"], f"quant-{isa}", isa, HEADERS)
     if module is not None and isa == "amx":
         if not module.amx_enable():
             return None, "off: Linux refused this process the AMX tile state (arch_prctl)"

@@ -66,6 +66,11 @@ class QuantLinear:
         return [p.source for p in self.parts]
 
     @property
+    def kernels(self) -> ModuleType:
+        """The build of kernels/quant_linear.cpp that runs it (its Q4LayerStack runs a model of such linears)."""
+        return self._module
+
+    @property
     def isa(self) -> str:
         """Which build of the kernels runs it (quant_kernels.py: avx512 or avx2)."""
         return str(self._module.isa())

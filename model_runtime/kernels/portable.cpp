@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "portable_ops.h"
+
 namespace {
 
 typedef float vf __attribute__((vector_size(64)));
@@ -603,4 +605,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention_group", &paged_attention_group, py::call_guard<py::gil_scoped_release>());
   m.def("isa", &isa);
+  m.def("ops", [] {  // for the quantized builds' layer loop (q4_layers.cpp): these kernels by address
+    static const PortableOps ops{&rms_norm, &silu_mul, &paged_attention_group};
+    return py::capsule(static_cast<const void*>(&ops), PORTABLE_OPS);
+  });
 }

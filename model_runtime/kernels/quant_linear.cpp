@@ -41,6 +41,8 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_ops.h"
+
 namespace {
 
 constexpr int64_t TILE = 16;
@@ -742,6 +744,8 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
 }
 #endif
 
+}  // namespace
+
 // x [M, K] float32 -> out[:, col : col + n_out] (float32, written in place; out's rows `ldo` apart)
 void quant_linear_into(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t bits, int64_t sb, int64_t b,
                        torch::Tensor out, int64_t col) {
@@ -776,6 +780,8 @@ void quant_linear_into(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t 
   else run_tiles<8, 32>(wp, tiles, n_out, nsb, sb, xq, o, out.stride(0));
 }
 
+namespace {
+
 int64_t packed_bytes(int64_t n_out, int64_t k, int64_t bits, int64_t sb, int64_t b) {
   return (n_out + TILE - 1) / TILE * (k / sb) * superblock_bytes(bits, sb, b);
 }
@@ -788,6 +794,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_into", &quant_linear_into, py::call_guard<py::gil_scoped_release>());
   m.def("packed_bytes", &packed_bytes);
   m.def("isa", &isa);
+  bind_q4_layers(m);
 #ifdef __AMX_INT8__
   m.def("amx_enable", &amx_enable);
   m.def("set_amx_min_rows", [](int64_t q4_k, int64_t q6_k) {

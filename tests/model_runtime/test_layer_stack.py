@@ -1,23 +1,29 @@
-"""The decoder layers' C++ loop (model_runtime/kernels/layers.cpp, CausalLM._stack) gives the Python loop's bits:
-ragged batches (prefill, decode, verify, a tree, rows in several key-width groups, padded groups), bf16 and int8
-linears, random and real weights. Skipped where the AMX kernel cannot run (the model then has no stack)."""
+"""The decoder layers' C++ loops (CausalLM._stack: model_runtime/kernels/layers.cpp for AMX-packed linears,
+kernels/q4_layers.cpp for the GGUF's codes) give the Python loop's bits: ragged batches (prefill, decode, verify, a
+tree, rows in several key-width groups, padded groups), bf16, int8 and q4 linears, random and real weights. The AMX
+loop's tests are skipped where the AMX kernel cannot run, the q4 loop's where no quantized kernel builds (the model
+then has no stack)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from model_runtime import quant_kernels
 from model_runtime.amx_kernel import kernel, status
 from model_runtime.attention import KERNEL_MAX_WIDTH
 from model_runtime.batch import SeqInput
 from model_runtime.kv_pool import KVPool
 from model_runtime.local_alloc import LocalAllocator, LocalSequence
 from model_runtime.model import CausalLM
+from model_runtime.precision import Q4
 from tests.model_runtime.random_checkpoint import make_random_checkpoint
 
-pytestmark = pytest.mark.skipif(kernel() is None, reason=f"AMX kernel {status()}")
+amx = pytest.mark.skipif(kernel() is None, reason=f"AMX kernel {status()}")
+q4 = pytest.mark.skipif(quant_kernels.active() is None, reason=quant_kernels.describe())
 
 
 def _tree(prompt_len: int, seq: LocalSequence, alloc: LocalAllocator) -> SeqInput:
@@ -66,6 +72,7 @@ def _assert_same_bits(model: CausalLM) -> None:
         assert torch.equal(a, b)
 
 
+@amx
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 def test_random_weights_give_the_python_loops_bits(tmp_path: Path, dtype: torch.dtype) -> None:
     ckpt = make_random_checkpoint(tmp_path, arch="qwen2", seed=5, hidden_size=256, num_heads=4, num_kv_heads=2,
@@ -73,10 +80,12 @@ def test_random_weights_give_the_python_loops_bits(tmp_path: Path, dtype: torch.
     _assert_same_bits(CausalLM.load(ckpt, dtype=dtype))
 
 
+@amx
 def test_smollm2_gives_the_python_loops_bits(smollm2_dir: Path) -> None:
     _assert_same_bits(CausalLM.load(smollm2_dir, dtype=torch.bfloat16))  # llama: no bias, 3 query heads per kv head
 
 
+@amx
 def test_wide_rows_take_the_python_loop(tmp_path: Path) -> None:
     """A forward with a row wider than the attention kernel's limit runs the Python loop (its wide groups on the
     float32 products); the rows within the limit get the same bits as in a forward of their own."""
@@ -105,3 +114,53 @@ def test_wide_rows_take_the_python_loop(tmp_path: Path) -> None:
     finally:
         model._stack = stack
     assert torch.equal(both[1], alone)
+
+
+@q4
+def test_q4_smollm2_gives_the_python_loops_bits(smollm2_dir: Path) -> None:
+    model = CausalLM.load(smollm2_dir, dtype=Q4)
+    assert type(model._stack).__name__ == "Q4LayerStack"
+    _assert_same_bits(model)
+
+
+@q4
+def test_q4_with_a_qkv_bias_gives_the_python_loops_bits(smollm2_dir: Path) -> None:
+    """Qwen2's q|k|v bias, added after the quantized linear (SmolLM2 has none: a random one here)."""
+    model = CausalLM.load(smollm2_dir, dtype=Q4)
+    gen = torch.Generator().manual_seed(3)
+    layers = [replace(lw, qkv_bias=torch.randn(lw.qkv.shape[0], generator=gen)) for lw in model.weights.layers]
+    biased = CausalLM(model.config, replace(model.weights, layers=layers))
+    assert biased._stack is not None
+    _assert_same_bits(biased)
+
+
+@q4
+def test_q4_loop_takes_rows_of_any_width(smollm2_dir: Path) -> None:
+    """The q4 loop's attention is the portable kernels', which take every key width: a row past the AMX loop's
+    limit runs it too, with the Python loop's bits."""
+    model = CausalLM.load(smollm2_dir, dtype=Q4)
+    stack = model._stack
+    calls: list[int] = []
+
+    class Counting:
+        def forward(self, *args: object) -> torch.Tensor:
+            calls.append(1)
+            return stack.forward(*args)  # type: ignore[union-attr]
+
+    def run(use_stack: bool) -> tuple[list[torch.Tensor], KVPool]:
+        model._stack = Counting() if use_stack else None
+        try:
+            alloc, kv, seq = LocalAllocator(64, 16), model.allocate_kv(64, 16), LocalSequence()
+            first = model.forward_seqs([alloc.extend(seq, [3 + i % 200 for i in range(KERNEL_MAX_WIDTH + 40)],
+                                                     logits="last")], kv)
+            return [*first, *model.forward_seqs([alloc.extend(seq, [7, 8, 9])], kv)], kv
+        finally:
+            model._stack = stack
+
+    ours, kv_ours = run(True)
+    assert calls == [1, 1]
+    theirs, kv_theirs = run(False)
+    for got, want in zip(ours, theirs, strict=True):
+        assert torch.equal(got, want)
+    for a, b in zip(kv_ours.k + kv_ours.v, kv_theirs.k + kv_theirs.v, strict=True):
+        assert torch.equal(a, b)
