@@ -2,8 +2,8 @@
 // codes, quant_linear.cpp) in C++: the same operations in the same order as the Python loop, on the same kernels
 // (quant_linear_into for the linears; the portable build's RMSNorm, SiLU * up and attention, reached through the
 // PortableOps its module hands over; ATen's for the rotary embedding, the bias and the residual adds), so the bits
-// are the Python loop's without its per-operation interpreter cost (~0.1 ms a layer: 12% of a q4 0.5B draft step,
-// 6% of a q4 1.5B decode step, measured here). One rank only (no all-reduce between the layers).
+// are the Python loop's without its per-operation interpreter cost (~0.1 ms a layer: ~9% of a q4 0.5B decode step,
+// ~6% of the 1.5B's; docs/benchmarks.md, "The q4 layer loop in C++"). One rank only (no all-reduce between the layers).
 #include <torch/extension.h>
 
 #include <array>
