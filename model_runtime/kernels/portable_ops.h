@@ -1,7 +1,8 @@
 // The portable kernels (portable.cpp) that another build calls by address: the quantized builds' layer loop
 // (q4_layers.cpp) runs a q4 model's norms, activation and attention on them. portable.cpp hands them over as one
 // PyCapsule named PORTABLE_OPS (its module's `ops()`); model_runtime/kernel_build.py hashes this header into both
-// builds, so the two always agree on it.
+// builds, so the two always agree on it. The AMX build fills one with its own row ops (ops.h: the same signatures)
+// for its layer loop (layers.cpp); layer_loop.h runs either.
 #pragma once
 #include <torch/extension.h>
 
