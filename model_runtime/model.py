@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from model_runtime import cpu_kernels, precision
 from model_runtime.amx_kernel import kernel as amx_kernel
 from model_runtime.amx_kernel import status as amx_status
-from model_runtime.attention import kernel_head_dim, on_kernel, paged_attention
+from model_runtime.attention import KERNEL_MAX_WIDTH, kernel_head_dim, paged_attention
 from model_runtime.batch import ForwardBatch, SeqInput
 from model_runtime.config import ModelConfig
 from model_runtime.kv_pool import KVPool
@@ -108,9 +108,8 @@ class CausalLM:
         # MKL's few-row block widths, timed per shape: only where the libraries run the linears (not our kernels)
         self.matmul_widths = {} if self.kernels.linear is not None else calibrate_all(
             [first.qkv, first.o, first.gate_up, first.down, self.weights.lm_head])
-        self._stack = self._layer_stack()
-        # the q4 loop's attention (the portable kernels) takes every key width; the AMX loop's up to KERNEL_MAX_WIDTH
-        self._stack_any_width = isinstance(self.weights.lm_head, QuantLinear)
+        # the widest key row the C++ loop's attention takes (None: any); wider forwards take the Python loop
+        self._stack, self._stack_width = self._layer_stack()
 
     @classmethod
     def load(
@@ -137,26 +136,28 @@ class CausalLM:
                                device=device)
         return cls(config, weights, tp_rank, tp_size, group, int8=int8)
 
-    def _layer_stack(self) -> object | None:
+    def _layer_stack(self) -> tuple[object | None, int | None]:
         """The decoder layers as one C++ loop over the kernels (kernels/layers.cpp), for a model whose every linear is
-        packed, on one rank; None elsewhere (the Python loop below: the same operations). A q4 model's loop is
-        kernels/q4_layers.cpp's."""
+        packed, on one rank, and the widest key row its attention takes (row_ops.cpp's KERNEL_MAX_WIDTH); None
+        elsewhere (the Python loop below: the same operations). A q4 model's loop is kernels/q4_layers.cpp's, on the
+        portable attention, which takes any width."""
         if isinstance(self.weights.lm_head, QuantLinear):
-            return self._q4_layer_stack()
+            return self._q4_layer_stack(), None
         module = amx_kernel() if self.kernels.path == "amx" else None
         d = self.config.head_dim
         if module is None or self.tp_size != 1 or not kernel_head_dim(d) or not self.weights.layers:
-            return None
+            return None, None
         if not all(isinstance(w, PackedBF16 | PackedInt8)
                    for lw in self.weights.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)):
-            return None
+            return None, None
 
         def lin(w: PackedBF16 | PackedInt8) -> tuple[torch.Tensor, torch.Tensor | None, int]:
             return w.packed, w.scale if isinstance(w, PackedInt8) else None, w.shape[0]
 
         layers = [(lw.input_norm, lw.post_norm, lw.qkv_bias, lin(lw.qkv), lin(lw.o), lin(lw.gate_up), lin(lw.down))
                   for lw in self.weights.layers]
-        return module.LayerStack(layers, self.num_heads, self.num_kv_heads, d, self.config.rms_norm_eps, d ** -0.5)
+        return (module.LayerStack(layers, self.num_heads, self.num_kv_heads, d, self.config.rms_norm_eps, d ** -0.5),
+                KERNEL_MAX_WIDTH)
 
     def _q4_layer_stack(self) -> object | None:
         """kernels/q4_layers.cpp's loop for a q4 model whose every layer linear is quantized, on one rank, where the
@@ -200,7 +201,8 @@ class CausalLM:
         cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         h = F.embedding(batch.token_ids, self.weights.embed)
         rows, lin = self.kernels.rows, self.kernels.linear
-        if self._stack is not None and (self._stack_any_width or all(on_kernel(g) for g in batch.attention)):
+        if self._stack is not None and (self._stack_width is None
+                                        or all(g.width <= self._stack_width for g in batch.attention)):
             groups = [(g.slots, g.rows, g.hidden, g.real) for g in batch.attention]
             h = self._stack.forward(h, cos, sin, batch.slot_mapping, kv.k, kv.v, groups)  # type: ignore[attr-defined]
         else:
