@@ -63,6 +63,7 @@ class Config:
     traced: bool = False  # request + round spans at sampling ratio 1.0 (--tracing-overhead)
     tree_nodes: int = 0  # "suffix", "model": the engine's tree limit (0: chains only)
     stop_below: float | None = None  # "model" at k auto: the engine's draft_stop_below (None: its default)
+    lookup: bool | None = None  # "model" at k auto: the engine's draft_lookup (None: its default)
 
     @property
     def label(self) -> str:
@@ -71,6 +72,8 @@ class Config:
             label += f" tree<={self.tree_nodes}" if self.tree_nodes else " chain"
         if self.stop_below is not None:
             label += f" stop<{self.stop_below:g}"
+        if self.lookup is not None:
+            label += " +lookup" if self.lookup else " -lookup"
         return label + (" +traced" if self.traced else "")
 
 
@@ -106,7 +109,8 @@ class SpecBench:
                 self.hf_draft = hf_model_sharing_weights(draft, model_dir(s.draft))
         self.tallies: dict[Config, Tally] = {}
         self.hf_tallies: dict[tuple[str, float], Tally] = {}
-        self.policy: dict[Config, tuple[Any, AcceptanceStats]] = {}  # auto policy state carried per config
+        # auto policy state carried per config: the cost model, the drafter's and the lookups' acceptance
+        self.policy: dict[Config, tuple[Any, AcceptanceStats | None, AcceptanceStats | None]] = {}
         self.tracer = trace_file_tracer() if s.tracing_overhead else None
         self.llamacpp = llamacpp_peer(s, self.base.eos_token_ids) if s.llamacpp and 0.0 in s.temperatures else None
 
@@ -115,17 +119,18 @@ class SpecBench:
         base = self.base
         namespaces = [pool.config for pool in base.kv.inner.ledger.pools.values()]
         # the auto policy's state carried per config; else the costs the base engine measured in its warm-up
-        cost, acceptance = self.policy.get(config, (copy.deepcopy(base.cost), None))
+        cost, acceptance, lookup = self.policy.get(config, (copy.deepcopy(base.cost), None, None))
         return SpecEngine(base.verifier, base.drafter, LocalKV(BlockLedger(namespaces)), base.tokenizer,
                           tuple(base.eos_token_ids), base.vocab_size,
                           dataclasses.replace(base.config, max_batch=config.batch,
                                               **{"model_tree_nodes" if config.draft == "model" else "tree_nodes":
                                                  config.tree_nodes},
                                               **({} if config.stop_below is None
-                                                 else {"draft_stop_below": config.stop_below})),
+                                                 else {"draft_stop_below": config.stop_below}),
+                                              **({} if config.lookup is None else {"draft_lookup": config.lookup})),
                           model_name=base.model_name, draft_name=base.draft_name, dtypes=base.dtypes,
                           observer=RoundSpans(self.tracer) if config.traced else None, cost=cost,
-                          acceptance=acceptance)
+                          acceptance=acceptance, lookup_acceptance=lookup)
 
     def _request(self, config: Config, prompt: BenchPrompt, index: int, max_tokens: int) -> GenerationRequest:
         greedy = config.temperature == 0
@@ -154,7 +159,7 @@ class SpecBench:
         engine.kv.audit().assert_no_leaks()
         if warmup:
             return
-        self.policy[config] = (engine.cost, engine.acceptance)
+        self.policy[config] = (engine.cost, engine.acceptance, engine.lookup_acceptance)
         tally = self.tallies.setdefault(config, Tally())
         tally.loadavg.append(os.getloadavg()[0])
         tokens = 0
@@ -222,9 +227,11 @@ class SpecBench:
 
     # ------------------------------------------------------------------ the plan
     def configs(self, temperature: float, batch: int) -> list[Config]:
-        spec = [Config(d, k, temperature, batch, tree_nodes=n, stop_below=x) for d in self.s.drafts for k in self.s.ks
+        spec = [Config(d, k, temperature, batch, tree_nodes=n, stop_below=x, lookup=lu)
+                for d in self.s.drafts for k in self.s.ks
                 for n in (self.s.tree_nodes if d in TREE_DRAFTS else [0])
-                for x in (self.s.draft_stop_below if d == "model" and k is None and self.s.draft_stop_below else [None])]
+                for x in (self.s.draft_stop_below if d == "model" and k is None and self.s.draft_stop_below else [None])
+                for lu in (self.s.draft_lookup if d == "model" and k is None and self.s.draft_lookup else [None])]
         configs = [Config("none", 0, temperature, batch), *spec]
         if self.s.tracing_overhead:
             configs += [dataclasses.replace(c, traced=True) for c in configs]
@@ -285,7 +292,7 @@ class SpecBench:
         for config, tally in self.tallies.items():
             row: dict[str, Any] = {"label": config.label, "draft": config.draft,
                                    "k": "auto" if config.k is None else config.k, "tree_nodes": config.tree_nodes,
-                                   "draft_stop_below": config.stop_below,
+                                   "draft_stop_below": config.stop_below, "draft_lookup": config.lookup,
                                    "temperature": config.temperature, "batch": config.batch,
                                    "contract": "greedy" if config.temperature == 0 else "exact", **tally.summary()}
             plain = self.tallies[Config("none", 0, config.temperature, config.batch)]

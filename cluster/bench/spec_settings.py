@@ -36,6 +36,8 @@ class SpecSettings:
     # "model" configs at k auto: the chain stop thresholds (EngineConfig.draft_stop_below) to run side by side; None:
     # the engine's default alone
     draft_stop_below: list[float] | None = None
+    # "model" configs at k auto: the engine's draft_lookup values to run side by side; None: its default alone
+    draft_lookup: list[bool] | None = None
 
     def __post_init__(self) -> None:
         if self.draft == "none" and "model" in self.drafts:
@@ -44,6 +46,8 @@ class SpecSettings:
         assert self.tree_nodes and all(0 <= n <= 64 for n in self.tree_nodes), self.tree_nodes
         assert self.draft_stop_below is None or (self.draft_stop_below and all(
             0.0 <= x <= 1.0 for x in self.draft_stop_below)), self.draft_stop_below
+        assert self.draft_lookup is None or (self.draft_lookup and len(set(self.draft_lookup)) == len(
+            self.draft_lookup)), self.draft_lookup
         assert self.ks and all(k is None or 1 <= k <= 8 for k in self.ks), self.ks
         assert all(b >= 1 for b in self.batches) and self.max_tokens >= 1 and self.per_category >= 1
         assert self.repeats >= 1, self.repeats

@@ -43,6 +43,7 @@ class AcceptanceRecord:
     ranks: tuple[int, ...] = ()  # a tree round's accepted nodes' sibling ranks (acceptance_stats.py)
     tree_nodes: int = 0
     request_id: str = ""
+    lookup: bool = False  # a model-drafted request's n-gram lookup drafts (planner.py), counted apart
 
 
 def _accepted_path(out: VerifyOutput, nodes: int) -> list[int]:
@@ -89,8 +90,10 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
         if proposed:
             record = AcceptanceRecord(kept_accepted, counted_proposed, s.request.spec.contract,
                                       ranks=() if tree is None else tuple(tree.rank(n) for n in path[:kept_accepted]),
-                                      tree_nodes=0 if tree is None else len(tree), request_id=s.request_id)
-            s.acceptance.record(record.accepted, record.proposed, record.contract, record.ranks, record.tree_nodes)
+                                      tree_nodes=0 if tree is None else len(tree), request_id=s.request_id,
+                                      lookup=plan.lookup)
+            (s.lookup_acceptance if plan.lookup else s.acceptance).record(
+                record.accepted, record.proposed, record.contract, record.ranks, record.tree_nodes)
             outcome.acceptance.append(record)
         target_len = len(plan.target_pending) + kept_accepted
         committed = plan.target_pending + accepted_drafts[:kept_accepted]

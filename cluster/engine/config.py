@@ -29,6 +29,7 @@ class EngineConfig:
     model_tree_nodes: int  # most nodes of a draft model's token tree (0: chains only; drafter_service/draft_tree.py)
     draft_stop_below: float  # auto greedy chains of a draft model stop after a draft below this probability
     reservation_windows: bool  # serial rounds grant the next round beside this one's verify (held_commit.py)
+    draft_lookup: bool  # auto: a model-drafted request drafts from an n-gram lookup where it pays more (planner.py)
 
     def __post_init__(self) -> None:
         problems = [name for name, ok in (
@@ -40,6 +41,7 @@ class EngineConfig:
             ("max_verifier_failures", self.max_verifier_failures >= 0),
             ("overlap", isinstance(self.overlap, bool)), ("predraft", isinstance(self.predraft, bool)),
             ("reservation_windows", isinstance(self.reservation_windows, bool)),
+            ("draft_lookup", isinstance(self.draft_lookup, bool)),
             ("tree_nodes", self.tree_nodes >= 0), ("model_tree_nodes", self.model_tree_nodes >= 0),
             ("draft_stop_below", 0.0 <= self.draft_stop_below <= 1.0),
         ) if not ok]

@@ -89,10 +89,11 @@ class SpecEngine:
         eos_token_ids: tuple[int, ...], vocab_size: int, config: EngineConfig,
         model_name: str = "", draft_name: str = "none", *, dtypes: Mapping[str, str] | None = None,
         observer: EngineObserver | None = None, cost: CostModel | None = None,
-        acceptance: AcceptanceStats | None = None,
+        acceptance: AcceptanceStats | None = None, lookup_acceptance: AcceptanceStats | None = None,
     ) -> None:
         """Complete at construction: `dtypes` ({"target": "bfloat16", "draft": ...}, as the workers resolved them),
-        the `observer` (traces, metrics), and a carried-over policy state (`cost`, `acceptance`) come in here;
+        the `observer` (traces, metrics), and a carried-over policy state (`cost`, `acceptance` of the drafter's drafts,
+        `lookup_acceptance` of model-drafted requests' n-gram lookups) come in here;
         nothing outside sets an attribute later."""
         self.verifier = verifier
         self.drafter = drafter
@@ -106,6 +107,7 @@ class SpecEngine:
         self.dtypes: dict[str, str] = dict(dtypes or {})
         self.cost = cost if cost is not None else CostModel()
         self.acceptance = acceptance if acceptance is not None else AcceptanceStats()
+        self.lookup_acceptance = lookup_acceptance if lookup_acceptance is not None else AcceptanceStats()
         self.waiting: collections.deque[RequestState] = collections.deque()
         self.running: list[RequestState] = []
         self.totals: dict[str, float] = collections.defaultdict(float)
@@ -247,7 +249,7 @@ class SpecEngine:
             nominal=self.nominal_costs(),
             suffix=self.suffix, tree_nodes=cfg.tree_nodes,
             model_tree_nodes=cfg.model_tree_nodes if self.mode.model_trees else 0,
-            draft_stop_below=cfg.draft_stop_below)
+            draft_stop_below=cfg.draft_stop_below, lookup=cfg.draft_lookup)
         self.suffix.retain(s.request_id for s in self.running)  # tries of requests that left (aborted, requeued)
 
         def plan_one(state: RequestState) -> RoundPlan:
@@ -381,7 +383,8 @@ class SpecEngine:
 
     def _commit(self, outcome: RoundOutcome) -> None:
         for record in outcome.acceptance:
-            self.acceptance.record(record.accepted, record.proposed, record.contract, record.ranks, record.tree_nodes)
+            (self.lookup_acceptance if record.lookup else self.acceptance).record(
+                record.accepted, record.proposed, record.contract, record.ranks, record.tree_nodes)
         for request_id in outcome.release_draft:
             self.kv.release(request_id, [DRAFT_NAMESPACE])
         kv_start = time.perf_counter()
@@ -415,11 +418,12 @@ class SpecEngine:
         predraft = self.mode.summary()
         overlap = self.overlap | ({"predraft": predraft} if predraft is not None else {})
         return engine_stats(identity, self.totals, self.acceptance, self.cost, self.fallback_events,
-                            self.kv.free_fraction(TARGET_NAMESPACE), overlap)
+                            self.kv.free_fraction(TARGET_NAMESPACE), overlap, self.lookup_acceptance)
 
     def reset_statistics(self) -> None:
         """Forget acceptance, time totals and events (after warm-up); the cost model stays."""
         self.acceptance = AcceptanceStats()
+        self.lookup_acceptance = AcceptanceStats()
         self.totals = collections.defaultdict(float)
         self.fallback_events.clear()
         self.trace.events_reset()

@@ -4,7 +4,13 @@
 
 Fixed k, or auto (spec_policy.py): seeded sampled requests from their own history only, the others from
 the measured costs. n-gram and suffix drafts are made here (in process); a suffix draft is a token tree of k
-levels whose size tree_policy.py picks, or its best chain. The plan is built once, on
+levels whose size tree_policy.py picks, or its best chain. Under auto a model-drafted request also looks up its
+last tokens in its own prompt and output (`draft_lookup`): where that n-gram chain matches, auto picks its k from
+the request's lookup acceptance at no draft cost, and the round drafts the lookup's chain if its expected tokens a
+second are no lower than the draft model's choice (spec_policy.lookup_wins); the draft model's cache then catches up
+in its next round. Each source's acceptance is measured apart (the request's and the engine's), so an n-gram that
+copies long spans (edits, summaries) never makes the draft model look better, nor the model the lookup. The plan is
+built once, on
 the engine thread; the engine then enters a model-drafted request in the draft namespace, sets its
 `draft_pending` and reserves the plan's maximum (docs/ARCHITECTURE.md §2).
 """
@@ -18,17 +24,21 @@ from cluster.engine.request_state import RequestState
 from cluster.engine.round_plan import RoundPlan
 from cluster.engine.spec_policy import (
     FLOAT32_COSTS,
+    AutoDecision,
     AutoInputs,
     CostModel,
     NominalCosts,
     SeededInputs,
     choose_k,
     choose_k_seeded,
+    lookup_wins,
 )
 from cluster.engine.tree_policy import TreeDecision, TreeInputs, tree_size, tree_size_seeded
-from drafter_service.ngram import propose_ngram
+from drafter_service.ngram import MAX_N, propose_ngram
 from drafter_service.suffix_drafts import SuffixDrafter
 from verifier_service.tree_contracts import TokenTree
+
+LOOKUP_N = MAX_N  # a model-drafted request's lookups match its last this many tokens
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,7 @@ class PlanContext:
     tree_nodes: int = 0  # most nodes of a suffix tree (0: chains only)
     model_tree_nodes: int = 0  # most nodes of a draft model's tree (0: chains; always 0 outside the serial mode)
     draft_stop_below: float = 0.0  # auto greedy model-draft chains stop after a draft below this probability
+    lookup: bool = False  # auto model-drafted requests may draft a round from their n-gram lookup instead
 
 
 def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
@@ -59,22 +70,22 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
     if spec.draft == "none" or k_cap == 0:
         state.record_k(0, "no speculation requested" if spec.draft == "none" or spec.k == 0 else "end of output")
         return RoundPlan(state=state, k=0, target_pending=pending)
-    if spec.draft == "model" and not ctx.drafter_usable:
+    lookup = _lookup(state, ctx, k_cap)
+    if spec.draft == "model" and not ctx.drafter_usable and not lookup:
         state.record_k(0, "fallback: drafter unavailable, plain decoding")
         return RoundPlan(state=state, k=0, target_pending=pending)
     if spec.k is not None:
         k, reason = k_cap, "fixed k"
-    elif sampling.seed is not None and not sampling.is_greedy:
-        # its own history only, so the seed reproduces its tokens whatever the batch and timing
-        decision = choose_k_seeded(SeededInputs.of(state.acceptance, k_cap, state.rounds_at_zero, ctx.probe_every,
-                                                   model_draft=spec.draft == "model", costs=ctx.nominal))
-        k, reason = decision.k, decision.reason
     else:
-        decision = choose_k(AutoInputs(
-            state.acceptance, ctx.engine_acceptance, ctx.cost, k_cap, len(pending),
-            state.rounds_at_zero, ctx.probe_every, ctx.free_fraction, ctx.pressure_free_fraction,
-            draft_cost_per_token=0.0 if spec.draft in ("ngram", "suffix") else ctx.cost.draft_token,
-            batch=ctx.batch))
+        decision = _auto_k(state, ctx, k_cap, len(pending))
+        if lookup:
+            chosen = _auto_k(state, ctx, len(lookup), len(pending), lookup=True)
+            if lookup_wins(chosen, decision) or not ctx.drafter_usable:
+                k = chosen.k
+                state.rounds_at_zero = state.rounds_at_zero + 1 if k == 0 else 0
+                reason = f"{chosen.reason}; lookup: n-gram chain" if k else chosen.reason
+                state.record_k(k, reason)
+                return RoundPlan(state=state, k=k, target_pending=pending, drafts=lookup[:k], lookup=k > 0)
         k, reason = decision.k, decision.reason
     state.rounds_at_zero = state.rounds_at_zero + 1 if k == 0 else 0
     drafts: list[int] = []
@@ -100,6 +111,34 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
     return RoundPlan(state=state, k=k, target_pending=pending, drafts=drafts,
                      uses_model_drafter=spec.draft == "model" and k > 0, draft_parents=parents, tree_budget=budget,
                      draft_stop_below=stop_below)
+
+
+def _lookup(state: RequestState, ctx: PlanContext, k_cap: int) -> list[int]:
+    """An auto model-drafted request's n-gram lookup for this round: what followed the latest earlier match of its
+    last LOOKUP_N tokens, up to k_cap ([] where lookups are off, k is fixed, or nothing matches). Only a match of
+    LOOKUP_N tokens: shorter ones match common tokens anywhere, where the draft model does better."""
+    spec = state.request.spec
+    if not ctx.lookup or spec.draft != "model" or spec.k is not None or k_cap == 0:
+        return []
+    return propose_ngram(state.token_ids, k_cap, min_n=LOOKUP_N)
+
+
+def _auto_k(state: RequestState, ctx: PlanContext, k_cap: int, catch_up: int, lookup: bool = False) -> AutoDecision:
+    """Auto's k for one request: from its drafter's acceptance, or (`lookup`) from its n-gram lookups' at no draft
+    cost. A seeded sampled request reads its own history and nominal costs only, so its seed reproduces its tokens
+    whatever the batch and timing; the others the measured costs and the engine-wide acceptance."""
+    spec, sampling = state.request.spec, state.request.sampling
+    own = state.lookup_acceptance if lookup else state.acceptance
+    model_draft = spec.draft == "model" and not lookup
+    if sampling.seed is not None and not sampling.is_greedy:
+        return choose_k_seeded(SeededInputs.of(own, k_cap, state.rounds_at_zero, ctx.probe_every,
+                                               model_draft=model_draft, costs=ctx.nominal))
+    # a lookup's acceptance is the request's own, shrunk towards the prior: it is high where a request copies its
+    # prompt or itself (edits, summaries) and low elsewhere, so other requests' say little about it
+    return choose_k(AutoInputs(
+        own, AcceptanceStats() if lookup else ctx.engine_acceptance, ctx.cost, k_cap, catch_up,
+        state.rounds_at_zero, ctx.probe_every, ctx.free_fraction, ctx.pressure_free_fraction,
+        draft_cost_per_token=ctx.cost.draft_token if model_draft else 0.0, batch=ctx.batch))
 
 
 def _tree_size(state: RequestState, ctx: PlanContext, k: int, catch_up: int, limit: int) -> TreeDecision:

@@ -88,7 +88,8 @@ class RequestState:
     first_token_at: float | None = None
     admitted_at: float | None = None  # first admission (the end of its wait in the queue)
     finished_at: float | None = None
-    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)  # its drafter's drafts (auto reads it)
+    lookup_acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)  # a model request's n-gram lookups
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     reconcile_seconds: float = 0.0
@@ -152,8 +153,14 @@ class RequestState:
             self.policy_events.append(PolicyEvent(time.monotonic() - self.arrival, k, reason))
         self.k = k
 
+    def all_acceptance(self) -> AcceptanceStats:
+        """Every draft it proposed: its drafter's and its n-gram lookups' (planner.py)."""
+        return self.acceptance.merge(self.lookup_acceptance) if self.lookup_acceptance.rounds else self.acceptance
+
     def stats(self) -> dict[str, Any]:
-        acc = self.acceptance.to_dict()
+        every = self.all_acceptance()
+        acc = every.to_dict()
+        lookup = {"lookup_acceptance": self.lookup_acceptance.to_dict()} if self.lookup_acceptance.rounds else {}
         return {
             "rounds": self.rounds,
             "prompt_tokens": self.prompt_len,
@@ -166,8 +173,9 @@ class RequestState:
             "ttft_seconds": None if self.first_token_at is None else round(self.first_token_at - self.arrival, 6),
             "queued_seconds": None if self.admitted_at is None else round(self.admitted_at - self.arrival, 6),
             "e2e_seconds": round((self.finished_at or time.monotonic()) - self.arrival, 6),
-            "speculative_decoding": self.acceptance.speculative_decoding(),
+            "speculative_decoding": every.speculative_decoding(),
             "policy_events": [{"at": round(e.at, 6), "k": e.k, "reason": e.reason} for e in self.policy_events],
+            **lookup,
         }
 
 

@@ -45,6 +45,7 @@ class RoundPlan:
     drafts: list[int] = field(default_factory=list)
     draft_probs: np.ndarray | None = None
     uses_model_drafter: bool = False
+    lookup: bool = False  # a model-drafted request whose drafts this round are its n-gram lookup's (planner.py)
     target_grant: Reservation | None = None
     draft_grant: Reservation | None = None
     prefill_to: int | None = None  # a prompt group's prefiller: prefill up to here only, nothing sampled
@@ -113,7 +114,7 @@ def window_items(plans: Sequence[RoundPlan], k_max: int, verifier: Holder, draft
 def plain(plan: RoundPlan, reason: str) -> RoundPlan:
     """This round decodes plainly: no drafts, no draft grant (the state records k = 0 and why)."""
     plan.state.record_k(0, reason)
-    return replace(plan, uses_model_drafter=False, k=0, drafts=[], draft_probs=None, draft_grant=None,
+    return replace(plan, uses_model_drafter=False, lookup=False, k=0, drafts=[], draft_probs=None, draft_grant=None,
                    draft_parents=None, tree_budget=0)
 
 

@@ -216,6 +216,7 @@ def blended_survival(own: AcceptanceStats, engine: AcceptanceStats, k_max: int) 
 class AutoDecision:
     k: int
     reason: str
+    rate: float | None = None  # the chosen k's expected tokens per second (None: a warm-up or probe round)
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,7 @@ def choose_k(inputs: AutoInputs) -> AutoDecision:
     if best_k == 0:
         return _plain_or_probe(rates, rounds_at_zero, probe_every, "")
     reason = "memory pressure: k capped at 1" if cap < k_max and best_k == cap else "cost model"
-    return AutoDecision(best_k, reason)
+    return AutoDecision(best_k, reason, rates[best_k])
 
 
 def _best_k(rates: list[float], leave_plain: float = PREFER_SMALLER) -> int:
@@ -285,7 +286,16 @@ def _plain_or_probe(rates: list[float], rounds_at_zero: int, probe_every: int, p
     if rounds_at_zero >= probe_every:
         return AutoDecision(1, f"{prefix}probe: re-measuring acceptance after plain decoding")
     return AutoDecision(0, f"{prefix}fallback: plain decoding is faster ({rates[0]:.2f} tokens/s vs best "
-                           f"speculative {max(rates[1:], default=0):.2f})")
+                           f"speculative {max(rates[1:], default=0):.2f})", rates[0])
+
+
+def lookup_wins(lookup: AutoDecision, model: AutoDecision) -> bool:
+    """A model-drafted request's round: the n-gram lookup's chain (no draft cost) instead of the draft model's, where
+    the lookup's own estimate drafts (k > 0, not a probe) at an expected rate no lower than the model's choice; a
+    round the model spends measuring (its warm-up, its probe) goes to the lookup only if the lookup drafts at all."""
+    if lookup.k == 0 or lookup.rate is None:
+        return False
+    return model.rate is None or model.k == 0 or lookup.rate >= model.rate
 
 
 @dataclass(frozen=True)
@@ -328,4 +338,4 @@ def choose_k_seeded(inputs: SeededInputs) -> AutoDecision:
     best_k = _best_k(rates)
     if best_k == 0:
         return _plain_or_probe(rates, inputs.rounds_at_zero, inputs.probe_every, "seeded: ")
-    return AutoDecision(best_k, "seeded: nominal cost model")
+    return AutoDecision(best_k, "seeded: nominal cost model", rates[best_k])

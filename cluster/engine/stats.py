@@ -42,14 +42,17 @@ def add_round_times(totals: dict[str, float], plans: Sequence[RoundPlan], draft_
 
 def engine_stats(identity: Mapping[str, Any], totals: Mapping[str, float], acceptance: AcceptanceStats,
                  cost: CostModel, fallback_events: Sequence[dict[str, Any]], kv_free_fraction: float,
-                 overlap: Mapping[str, Any]) -> dict[str, Any]:
+                 overlap: Mapping[str, Any], lookup: AcceptanceStats | None = None) -> dict[str, Any]:
     """`SpecEngine.stats()` as one JSON-able dict (GetStats, `--json`, benchmarks); `identity` holds
     model, draft, running and waiting; `overlap` whether the drafter runs beside the verifier, how, why
-    (overlap_policy.py) and the pre-draft counts (predraft.py)."""
+    (overlap_policy.py) and the pre-draft counts (predraft.py). `acceptance` counts every draft: the drafter's
+    (`acceptance`) and model-drafted requests' n-gram lookups (`lookup`, also apart as `lookup_acceptance`)."""
+    looked = lookup is not None and lookup.rounds > 0
     return {
         **identity,
         "rounds": int(totals.get("rounds", 0)),
-        "acceptance": acceptance.to_dict(),
+        "acceptance": (acceptance.merge(lookup) if looked else acceptance).to_dict(),
+        **({"lookup_acceptance": lookup.to_dict()} if looked else {}),
         "draft_seconds": totals.get("draft_seconds", 0.0),
         "verify_seconds": totals.get("verify_seconds", 0.0),
         "reconcile_seconds": totals.get("reconcile_seconds", 0.0),

@@ -144,6 +144,10 @@ class ClusterConfig(BaseModel):
     model_tree_nodes: int = Field(0, ge=0, le=64, description="most nodes of a token tree drafted by the draft model "
                                   "(the likeliest continuations where it is unsure; 0: chains, the default until "
                                   "trees are measured to pay; serial step mode only)")
+    draft_lookup: bool = Field(True, description="auto, a draft model's requests: a round whose n-gram lookup (the "
+                               "latest match of its last tokens in its own prompt and output) is expected to give "
+                               "more tokens a second than the draft model drafts the lookup's chain instead, at no "
+                               "draft cost (each source's acceptance measured apart; cluster/engine/planner.py)")
 
     # Serve health checks and graceful shutdown (applied to every deployment)
     health_check_period_s: float = Field(10.0, gt=0, le=3600)
@@ -319,6 +323,7 @@ class ClusterConfig(BaseModel):
             overlap=overlap.enabled, overlap_reason=overlap.reason, predraft=self.predraft,
             tree_nodes=self.tree_nodes, model_tree_nodes=self.model_tree_nodes,
             draft_stop_below=self.draft_stop_below, reservation_windows=self.reservation_windows,
+            draft_lookup=self.draft_lookup,
         )
 
     def local_runtime(self) -> LocalRuntime:

@@ -18,6 +18,7 @@ from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfi
 from cluster.engine.engine import SpecEngine
 from cluster.engine.factory import build_local_engine
 from cluster.engine.kv_client import LocalKV
+from cluster.engine.spec_policy import CostModel
 from cluster.serving.config import ClusterConfig
 from drafter_service.worker import DraftWorker
 from kv_manager.ledger import BlockLedger
@@ -170,15 +171,17 @@ def fake_engine(num_blocks: int = 256, block_size: int = 4, max_batch: int = 4, 
                 draft_rule: Callable[[list[int]], int | list[int]] = fake_draft_token, observer: Any = None,
                 target_rule: Callable[[list[int]], int] = fake_next_token, tree_nodes: int = 16,
                 model_tree_nodes: int = 0, reservation_windows: bool = True,
-                draft_stop_below: float = 0.5) -> SpecEngine:
+                draft_stop_below: float = 0.5, draft_lookup: bool = True,
+                cost: CostModel | None = None) -> SpecEngine:
     """The real engine, ledger (in process) and workers over FakeRunners, with a draft model (drafting by
     `draft_rule`); no EOS."""
     config = engine_config(max_batch=max_batch, queue_capacity=64, max_context=1024, k_max=k_max, overlap=overlap,
                            predraft=predraft, tree_nodes=tree_nodes, model_tree_nodes=model_tree_nodes,
-                           reservation_windows=reservation_windows, draft_stop_below=draft_stop_below)
+                           reservation_windows=reservation_windows, draft_stop_below=draft_stop_below,
+                           draft_lookup=draft_lookup)
     namespaces = [NamespaceConfig(TARGET_NAMESPACE, num_blocks, block_size),
                   NamespaceConfig(DRAFT_NAMESPACE, num_blocks, block_size)]
     return SpecEngine(VerifierWorker(FakeRunner(target_rule, block_size)),
                       DraftWorker(FakeRunner(draft_rule, block_size)), LocalKV(BlockLedger(namespaces)),
                       tokenizer=None, eos_token_ids=(), vocab_size=FAKE_VOCAB, config=config,
-                      model_name="fake", draft_name="fake-draft", observer=observer)
+                      model_name="fake", draft_name="fake-draft", observer=observer, cost=cost)
