@@ -87,6 +87,11 @@ def check_in_process(model: str, draft: str, texts: Sequence[str], settings: Che
             report = dataclasses.replace(report, trees={"rounds": a.rounds, "tree_rounds": a.tree_rounds,
                                                         "tree_nodes": a.tree_nodes,
                                                         "accepted_by_rank": list(a.accepted_by_rank)})
+        if engine.lookup_acceptance.rounds:
+            lk = engine.lookup_acceptance
+            report = dataclasses.replace(report, lookups={"rounds": engine.acceptance.rounds + lk.rounds,
+                                                          "lookup_rounds": lk.rounds, "proposed": lk.proposed,
+                                                          "accepted": lk.accepted})
     finally:
         engine.close()
     return report, tokenizer

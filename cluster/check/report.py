@@ -95,6 +95,8 @@ class CheckReport:
     reference_seconds: float
     # in process: the engine's token-tree rounds ({"rounds", "tree_rounds", "tree_nodes", "accepted_by_rank"})
     trees: dict[str, Any] | None = None
+    # in process: a draft model's n-gram lookup rounds ({"rounds", "lookup_rounds", "proposed", "accepted"})
+    lookups: dict[str, Any] | None = None
 
     @property
     def outcome(self) -> str:
@@ -117,7 +119,7 @@ class CheckReport:
             "settings": {**dataclasses.asdict(s), "positions": list(s.positions), "contract": s.contract},
             "outcome": self.outcome, "exit_code": self.exit_code,
             "sample_seconds": round(self.sample_seconds, 2), "reference_seconds": round(self.reference_seconds, 2),
-            "trees": self.trees,
+            "trees": self.trees, "lookups": self.lookups,
             "prompts": [{"prompt": p.prompt, "prompt_token_ids": p.prompt_ids, "first_seed": p.first_seed,
                          "samples": len(p.tokens), "drafts_proposed": p.proposed, "drafts_accepted": p.accepted}
                         for p in self.prompts],
@@ -149,6 +151,10 @@ class CheckReport:
             t = self.trees
             lines.append(f"  token trees: {t['tree_rounds']} of {t['rounds']} drafting rounds, {t['tree_nodes']} nodes; "
                          f"accepted nodes by sibling rank {t['accepted_by_rank']}")
+        if self.lookups is not None:
+            lk = self.lookups
+            lines.append(f"  n-gram lookups (draft_lookup): {lk['lookup_rounds']} of {lk['rounds']} drafting rounds, "
+                         f"{lk['accepted']} of {lk['proposed']} drafts accepted")
         by_prompt: dict[int, list[PositionResult]] = {}
         for r in self.results:
             by_prompt.setdefault(r.prompt_index, []).append(r)

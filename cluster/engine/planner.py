@@ -80,7 +80,10 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
         decision = _auto_k(state, ctx, k_cap, len(pending))
         if lookup:
             chosen = _auto_k(state, ctx, len(lookup), len(pending), lookup=True)
-            if lookup_wins(chosen, decision) or not ctx.drafter_usable:
+            # in a batch the draft model's steps are the batch's: a request that looks up saves them only if every
+            # other one does, so there the lookup must beat the model's chain as if its drafting were free
+            rival = decision if ctx.batch == 1 else _auto_k(state, ctx, k_cap, len(pending), free_draft=True)
+            if lookup_wins(chosen, rival) or not ctx.drafter_usable:
                 k = chosen.k
                 state.rounds_at_zero = state.rounds_at_zero + 1 if k == 0 else 0
                 reason = f"{chosen.reason}; lookup: n-gram chain" if k else chosen.reason
@@ -123,7 +126,8 @@ def _lookup(state: RequestState, ctx: PlanContext, k_cap: int) -> list[int]:
     return propose_ngram(state.token_ids, k_cap, min_n=LOOKUP_N)
 
 
-def _auto_k(state: RequestState, ctx: PlanContext, k_cap: int, catch_up: int, lookup: bool = False) -> AutoDecision:
+def _auto_k(state: RequestState, ctx: PlanContext, k_cap: int, catch_up: int, lookup: bool = False,
+            free_draft: bool = False) -> AutoDecision:
     """Auto's k for one request: from its drafter's acceptance, or (`lookup`) from its n-gram lookups' at no draft
     cost. A seeded sampled request reads its own history and nominal costs only, so its seed reproduces its tokens
     whatever the batch and timing; the others the measured costs and the engine-wide acceptance."""
@@ -138,7 +142,7 @@ def _auto_k(state: RequestState, ctx: PlanContext, k_cap: int, catch_up: int, lo
     return choose_k(AutoInputs(
         own, AcceptanceStats() if lookup else ctx.engine_acceptance, ctx.cost, k_cap, catch_up,
         state.rounds_at_zero, ctx.probe_every, ctx.free_fraction, ctx.pressure_free_fraction,
-        draft_cost_per_token=ctx.cost.draft_token if model_draft else 0.0, batch=ctx.batch))
+        draft_cost_per_token=ctx.cost.draft_token if model_draft and not free_draft else 0.0, batch=ctx.batch))
 
 
 def _tree_size(state: RequestState, ctx: PlanContext, k: int, catch_up: int, limit: int) -> TreeDecision:
