@@ -8,9 +8,9 @@ levels whose size tree_policy.py picks, or its best chain. Under auto a model-dr
 last tokens in its own prompt and output (`draft_lookup`): where that n-gram chain matches, auto picks its k from
 the request's lookup acceptance at no draft cost, and the round drafts the lookup's chain if its expected tokens a
 second are no lower than the draft model's choice (spec_policy.lookup_wins); the draft model's cache then catches up
-in its next round. Each source's acceptance is measured apart (the request's and the engine's), so an n-gram that
-copies long spans (edits, summaries) never makes the draft model look better, nor the model the lookup. The plan is
-built once, on
+in its next round. Each source's acceptance is measured apart, so an n-gram that copies long spans (edits,
+summaries) never makes the draft model look better, nor the model the lookup; a lookup's estimate reads the
+request's own lookups only (other requests' copy more or less than it does). The plan is built once, on
 the engine thread; the engine then enters a model-drafted request in the draft namespace, sets its
 `draft_pending` and reserves the plan's maximum (docs/ARCHITECTURE.md §2).
 """
