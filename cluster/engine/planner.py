@@ -74,6 +74,7 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
     if spec.draft == "model" and not ctx.drafter_usable and not lookup:
         state.record_k(0, "fallback: drafter unavailable, plain decoding")
         return RoundPlan(state=state, k=0, target_pending=pending)
+    looked_up = False  # this round drafts the lookup's chain
     if spec.k is not None:
         k, reason = k_cap, "fixed k"
     else:
@@ -83,14 +84,13 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
             # in a batch the draft model's steps are the batch's: a request that looks up saves them only if every
             # other one does, so there the lookup must beat the model's chain as if its drafting were free
             rival = decision if ctx.batch == 1 else _auto_k(state, ctx, k_cap, len(pending), free_draft=True)
-            if lookup_wins(chosen, rival) or not ctx.drafter_usable:
-                k = chosen.k
-                state.rounds_at_zero = state.rounds_at_zero + 1 if k == 0 else 0
-                reason = f"{chosen.reason}; lookup: n-gram chain" if k else chosen.reason
-                state.record_k(k, reason)
-                return RoundPlan(state=state, k=k, target_pending=pending, drafts=lookup[:k], lookup=k > 0)
+            looked_up = lookup_wins(chosen, rival) or not ctx.drafter_usable
+            decision = chosen if looked_up else decision
         k, reason = decision.k, decision.reason
     state.rounds_at_zero = state.rounds_at_zero + 1 if k == 0 else 0
+    if looked_up:
+        state.record_k(k, f"{reason}; lookup: n-gram chain" if k else reason)
+        return RoundPlan(state=state, k=k, target_pending=pending, drafts=lookup[:k], lookup=k > 0)
     drafts: list[int] = []
     parents: tuple[int, ...] | None = None
     if spec.draft == "ngram" and k > 0:

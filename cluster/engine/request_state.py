@@ -155,7 +155,7 @@ class RequestState:
 
     def all_acceptance(self) -> AcceptanceStats:
         """Every draft it proposed: its drafter's and its n-gram lookups' (planner.py)."""
-        return self.acceptance.merge(self.lookup_acceptance) if self.lookup_acceptance.rounds else self.acceptance
+        return self.acceptance.merge(self.lookup_acceptance)
 
     def stats(self) -> dict[str, Any]:
         every = self.all_acceptance()

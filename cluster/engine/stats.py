@@ -51,7 +51,7 @@ def engine_stats(identity: Mapping[str, Any], totals: Mapping[str, float], accep
     return {
         **identity,
         "rounds": int(totals.get("rounds", 0)),
-        "acceptance": (acceptance.merge(lookup) if looked else acceptance).to_dict(),
+        "acceptance": (acceptance if lookup is None else acceptance.merge(lookup)).to_dict(),
         **({"lookup_acceptance": lookup.to_dict()} if looked else {}),
         "draft_seconds": totals.get("draft_seconds", 0.0),
         "verify_seconds": totals.get("verify_seconds", 0.0),
