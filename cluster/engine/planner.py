@@ -134,15 +134,17 @@ def _auto_k(state: RequestState, ctx: PlanContext, k_cap: int, catch_up: int, lo
     spec, sampling = state.request.spec, state.request.sampling
     own = state.lookup_acceptance if lookup else state.acceptance
     model_draft = spec.draft == "model" and not lookup
+    tokens_left = sampling.max_tokens - state.num_output
     if sampling.seed is not None and not sampling.is_greedy:
         return choose_k_seeded(SeededInputs.of(own, k_cap, state.rounds_at_zero, ctx.probe_every,
-                                               model_draft=model_draft, costs=ctx.nominal))
+                                               model_draft=model_draft, costs=ctx.nominal, tokens_left=tokens_left))
     # a lookup's acceptance is the request's own, shrunk towards the prior: it is high where a request copies its
     # prompt or itself (edits, summaries) and low elsewhere, so other requests' say little about it
     return choose_k(AutoInputs(
         own, AcceptanceStats() if lookup else ctx.engine_acceptance, ctx.cost, k_cap, catch_up,
         state.rounds_at_zero, ctx.probe_every, ctx.free_fraction, ctx.pressure_free_fraction,
-        draft_cost_per_token=ctx.cost.draft_token if model_draft and not free_draft else 0.0, batch=ctx.batch))
+        draft_cost_per_token=ctx.cost.draft_token if model_draft and not free_draft else 0.0, batch=ctx.batch,
+        tokens_left=tokens_left))
 
 
 def _tree_size(state: RequestState, ctx: PlanContext, k: int, catch_up: int, limit: int) -> TreeDecision:

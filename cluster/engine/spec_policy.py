@@ -238,6 +238,7 @@ class AutoInputs:
     pressure_free_fraction: float
     draft_cost_per_token: float | None
     batch: int = 1
+    tokens_left: int | None = None  # the request's output tokens still to come (None: unbounded)
 
 
 def choose_k(inputs: AutoInputs) -> AutoDecision:
@@ -255,6 +256,10 @@ def choose_k(inputs: AutoInputs) -> AutoDecision:
     if draft_cost_per_token is None or (bucket < MAX_ROWS and not any(b > bucket for b in cost.verify_by_tokens)):
         return AutoDecision(min(2, cap), "warm-up: measuring draft and verify cost")
     survival = blended_survival(own, engine, k_max)
+    # at a prompt's round (catch_up > 1) drafts look cheap next to the prefill, so the round drafts at nearly any
+    # acceptance: that is the request's look at its own acceptance. Pricing them at the steady rate instead (kept
+    # out, docs/benchmarks.md "A prompt's round and the last probe") kept a code prompt after a prose one from ever
+    # drafting: the engine-wide rate said no, and the request never measured its own
     rates = []
     for k in range(0, cap + 1):
         t_verify = cost.verify_time(batch * (catch_up + k))
@@ -266,7 +271,7 @@ def choose_k(inputs: AutoInputs) -> AutoDecision:
     fell_back = rounds_at_zero > 0 and own.proposed > 0
     best_k = _best_k(rates, 1.0 if fell_back else 1 / PLAIN_MARGIN)
     if best_k == 0:
-        return _plain_or_probe(rates, rounds_at_zero, probe_every, "")
+        return _plain_or_probe(rates, rounds_at_zero, probe_every, "", inputs.tokens_left)
     reason = "memory pressure: k capped at 1" if cap < k_max and best_k == cap else "cost model"
     return AutoDecision(best_k, reason, rates[best_k])
 
@@ -282,8 +287,11 @@ def _best_k(rates: list[float], leave_plain: float = PREFER_SMALLER) -> int:
     return best_k
 
 
-def _plain_or_probe(rates: list[float], rounds_at_zero: int, probe_every: int, prefix: str) -> AutoDecision:
-    if rounds_at_zero >= probe_every:
+def _plain_or_probe(rates: list[float], rounds_at_zero: int, probe_every: int, prefix: str,
+                    tokens_left: int | None = None) -> AutoDecision:
+    """Plain decoding; a probe after `probe_every` plain rounds while more than half as many tokens are left to use
+    what it learns (a probe near the end pays its draft's catch-up and a step for a few tokens at best)."""
+    if rounds_at_zero >= probe_every and (tokens_left is None or 2 * tokens_left > probe_every):
         return AutoDecision(1, f"{prefix}probe: re-measuring acceptance after plain decoding")
     return AutoDecision(0, f"{prefix}fallback: plain decoding is faster ({rates[0]:.2f} tokens/s vs best "
                            f"speculative {max(rates[1:], default=0):.2f})", rates[0])
@@ -315,12 +323,13 @@ class SeededInputs:
     probe_every: int  # the engine setting (the same command gives the same value)
     model_draft: bool  # False: n-gram, drafting costs nothing
     costs: NominalCosts = FLOAT32_COSTS  # the engine's table (its target dtype: the same command, the same table)
+    tokens_left: int | None = None  # its output tokens still to come (None: unbounded)
 
     @classmethod
     def of(cls, own: AcceptanceStats, k_max: int, rounds_at_zero: int, probe_every: int,
-           model_draft: bool, costs: NominalCosts = FLOAT32_COSTS) -> SeededInputs:
+           model_draft: bool, costs: NominalCosts = FLOAT32_COSTS, tokens_left: int | None = None) -> SeededInputs:
         return cls(own.accepted, own.rejections, tuple(own.reached), tuple(own.survived), k_max, rounds_at_zero,
-                   probe_every, model_draft, costs)
+                   probe_every, model_draft, costs, tokens_left)
 
 
 def choose_k_seeded(inputs: SeededInputs) -> AutoDecision:
@@ -337,5 +346,5 @@ def choose_k_seeded(inputs: SeededInputs) -> AutoDecision:
              for k in range(inputs.k_max + 1)]
     best_k = _best_k(rates)
     if best_k == 0:
-        return _plain_or_probe(rates, inputs.rounds_at_zero, inputs.probe_every, "seeded: ")
+        return _plain_or_probe(rates, inputs.rounds_at_zero, inputs.probe_every, "seeded: ", inputs.tokens_left)
     return AutoDecision(best_k, "seeded: nominal cost model", rates[best_k])

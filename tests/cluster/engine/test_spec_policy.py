@@ -3,6 +3,7 @@ decoding when speculation does not pay, probes again later, and shrinks k under 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import fields
 
 import pytest
@@ -64,6 +65,18 @@ def test_plain_decoding_is_probed_again_later() -> None:
     own = stats_with([0], proposed=4, rounds=50)
     k, reason = choose(own, cost(0.10, {1: 0.30, 5: 0.60}), rounds_at_zero=16)
     assert k == 1 and reason.startswith("probe")
+
+
+def test_a_probe_needs_tokens_left_to_use_what_it_learns() -> None:
+    """A probe pays its draft's catch-up and a step; near the end of the output its gain is a few tokens at best."""
+    own = stats_with([0], proposed=4, rounds=50)
+    c = cost(0.10, {1: 0.30, 5: 0.60})
+    assert choose(own, c, rounds_at_zero=16, tokens_left=9)[0] == 1
+    k, reason = choose(own, c, rounds_at_zero=16, tokens_left=8)
+    assert k == 0 and reason.startswith("fallback")
+    seeded = SeededInputs.of(own, 4, 16, probe_every=16, model_draft=True, tokens_left=8)
+    assert choose_k_seeded(seeded).k == 0
+    assert choose_k_seeded(dataclasses.replace(seeded, tokens_left=40)).k == 1
 
 
 def test_a_request_that_fell_back_leaves_plain_decoding_at_its_probe_not_inside_the_margin() -> None:
@@ -152,7 +165,7 @@ def test_seeded_k_is_a_function_of_the_requests_own_history_only() -> None:
     decision for this history, the seeded decision is one k: its inputs hold nothing of those."""
     assert {f.name for f in fields(SeededInputs)} == {
         "accepted", "rejections", "reached", "survived", "k_max", "rounds_at_zero", "probe_every", "model_draft",
-        "costs"}  # costs: the engine's table, by its target dtype (the command), never by timing
+        "costs", "tokens_left"}  # costs: the engine's table, by its target dtype (the command), never by timing
     own = stats_with([0, 1, 2, 2, 2], proposed=2, rounds=20)  # s_1 = 0.8, s_2 = 0.6
     worlds = [(engine, c, batch, free)
               for engine in (AcceptanceStats(), stats_with([0], proposed=4, rounds=200))
