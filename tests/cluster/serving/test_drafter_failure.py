@@ -107,6 +107,14 @@ def stream_with_kill(client: SpecServeClient, pid: int) -> tuple[list[Any], int]
     return items, killed_after
 
 
+def test_the_warm_up_timed_the_drafter(client: SpecServeClient) -> None:
+    """Before any request: the scheduler's warm-up waited for the drafter's replica and timed its step and every k's
+    verify (started while the drafter was loading, it ran plain and measured neither)."""
+    cost = client.stats()["engine"]["cost_model"]
+    assert cost["draft_token_seconds"] is not None
+    assert {"2", "3", "4", "5"} <= set(cost["verify_seconds_by_tokens"])
+
+
 def test_drafter_killed_mid_stream_falls_back_then_recovers(client: SpecServeClient, plain_greedy: list[int]) -> None:
     pid = drafter_pid()
     (warm,) = collect(client.generate(PROMPT, max_tokens=8, k=4, draft="model", ignore_eos=True)).values()
