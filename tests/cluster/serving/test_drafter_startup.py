@@ -10,42 +10,35 @@ from typing import Any
 from cluster.serving.remote_backends import wait_for_drafter
 
 
-class FakeResponse:
-    def __init__(self, handle: FakeHandle) -> None:
-        self.handle = handle
+class FakeHandle:
+    """A Serve handle's `vocab_size.remote().result(timeout_s)`: the vocabulary size, or `error` raised, at once
+    (`result` raises it; `remote` raises it where `fails_to_send`)."""
+
+    def __init__(self, error: Exception | None = None, fails_to_send: bool = False) -> None:
+        self.error, self.fails_to_send = error, fails_to_send
+        self.waited: list[float | None] = []
+        self.vocab_size = self
+
+    def remote(self) -> FakeHandle:
+        if self.fails_to_send and self.error is not None:
+            raise self.error
+        return self
 
     def result(self, timeout_s: float | None = None) -> int:
-        self.handle.waited.append(timeout_s)
-        if self.handle.up:
-            return 49152
-        raise TimeoutError(f"no replica within {timeout_s}s")
-
-
-class FakeMethod:
-    def __init__(self, handle: FakeHandle) -> None:
-        self.handle = handle
-
-    def remote(self) -> FakeResponse:
-        return FakeResponse(self.handle)
-
-
-class FakeHandle:
-    """A Serve handle's `vocab_size.remote().result(timeout_s)`: blocks until a replica answers, here at once."""
-
-    def __init__(self, up: bool) -> None:
-        self.up = up
-        self.waited: list[float | None] = []
-        self.vocab_size = FakeMethod(self)
+        self.waited.append(timeout_s)
+        if self.error is not None:
+            raise self.error
+        return 49152
 
 
 def test_a_live_drafter_is_waited_for_with_the_given_timeout() -> None:
-    handle = FakeHandle(up=True)
+    handle = FakeHandle()
     assert wait_for_drafter(handle, 300.0) is True
     assert handle.waited == [300.0]
 
 
 def test_a_drafter_that_never_comes_up_is_reported_and_the_warm_up_goes_on(caplog: Any) -> None:
-    handle = FakeHandle(up=False)
+    handle = FakeHandle(TimeoutError("no replica within 2.0s"))
     with caplog.at_level(logging.WARNING, logger="specserve.cluster"):
         assert wait_for_drafter(handle, 2.0) is False
     assert handle.waited == [2.0]
@@ -53,14 +46,7 @@ def test_a_drafter_that_never_comes_up_is_reported_and_the_warm_up_goes_on(caplo
 
 
 def test_a_drafter_whose_call_fails_is_reported_and_the_warm_up_goes_on(caplog: Any) -> None:
-    class Broken(FakeHandle):
-        def __init__(self) -> None:
-            super().__init__(up=True)
-            self.vocab_size = self  # type: ignore[assignment]
-
-        def remote(self) -> Any:
-            raise RuntimeError("replica crashed in its constructor")
-
+    handle = FakeHandle(RuntimeError("replica crashed in its constructor"), fails_to_send=True)
     with caplog.at_level(logging.WARNING, logger="specserve.cluster"):
-        assert wait_for_drafter(Broken(), 1.0) is False
+        assert wait_for_drafter(handle, 1.0) is False
     assert "replica crashed in its constructor" in caplog.text
