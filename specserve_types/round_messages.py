@@ -87,6 +87,9 @@ class VerifyItem:
     # a token tree's drafts (verifier_service/tree_contracts.py): draft i's parent draft, -1 = the last input
     # token; None = a chain. The worker keeps the accepted path's KV in the first slots after the inputs.
     draft_parents: list[int] | None = None
+    # the exact contract's rule for a sampled chain (verifier_service/contracts.py EXACT_RULES): "block" (block
+    # verification) or "token" (token by token); the engine's `exact_rule`
+    exact_rule: str = "token"
 
 
 @dataclass

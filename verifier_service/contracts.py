@@ -1,6 +1,7 @@
 """The acceptance contracts of a speculative round: exact, greedy, typical.
 
-Symbols as in the papers (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2; Medusa, Cai et al. 2024):
+Symbols as in the papers (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2; Medusa, Cai et al. 2024;
+block verification: Sun et al. 2024, "Block Verification Accelerates Speculative Decoding", Alg. 2):
   x_1..x_k    draft tokens of the round, x_i ~ q_i (the drafter's transformed distribution at draft i)
   p_1..p_k+1  target distributions at the same positions (transformed by the same sampling transform);
               p_{k+1} is the distribution after all k drafts, used for the bonus token
@@ -97,6 +98,65 @@ def exact_accept(
     return accepted_len, next_token
 
 
+EXACT_RULES: tuple[str, ...] = ("block", "token")  # the exact contract's rules for a chain (`verify_exact`)
+
+
+def block_accept(
+    x: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, u: torch.Tensor, u_next: torch.Tensor,
+    inject_bias: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification (Sun et al. 2024, Alg. 2) for B rounds of k drafts: the exact contract's output
+    distribution, and in expectation at least as many accepted drafts as `exact_accept` (their Theorem 2).
+
+      w_0 = 1,  w_i = min(1, w_{i-1} p_i(x_i) / q_i(x_i))          the weight of the prefix x_1..x_i
+      Z_i = sum_v max(0, w_i p_{i+1}(v) - q_{i+1}(v))              (q_{k+1} = 0, so Z_k = w_k)
+      h_i = Z_i / (Z_i + 1 - w_i) for i < k  (1 where Z_i = 0 and w_i = 1),   h_k = w_k
+      n = the LAST i in 1..k with u_i <= h_i (0 if none): a later prefix may pass where an earlier draft
+          would have been rejected token by token
+      next ~ max(0, w_n p_{n+1} - q_{n+1}) / Z_n  (with n = k: p_{k+1}, the bonus)
+
+    Arguments and returns as `exact_accept` (the same uniforms: u_i is the test of the prefix ending at i).
+    `inject_bias` (the negative control only): the next token from p_{n+1} instead of the weighted residual.
+    """
+    B, k = x.shape
+    assert p.shape[:2] == (B, k + 1) and u.shape == (B, k) and u_next.shape == (B, k + 1)
+    if k == 0:  # no prefix to weigh: the next token ~ p_1 either way
+        return exact_accept(x, q, p, u, u_next, inject_bias)
+    u, u_next = u.to(p.device, torch.float64), u_next.to(p.device, torch.float64)
+    rows = torch.arange(B, device=p.device)
+    p_x = p[:, :k].gather(-1, x.unsqueeze(-1)).squeeze(-1).double()
+    q_x = torch.ones_like(p_x) if q is None else q.gather(-1, x.unsqueeze(-1)).squeeze(-1).double()
+    ratio = torch.where(q_x > 0, p_x / q_x.clamp(min=torch.finfo(torch.float64).tiny), torch.zeros_like(p_x))
+    w = [torch.ones(B, dtype=torch.float64, device=p.device)]  # w_0 .. w_k
+    for i in range(k):
+        w.append(torch.clamp(w[-1] * ratio[:, i], max=1.0))
+    weights = torch.stack(w, 1)  # [B, k+1]
+    # Z_1 .. Z_{k-1}: one pass over the vocabulary per draft (summed in float64); a point-mass q at x_{i+1} has
+    # the closed form w_i (sum p_{i+1} - p_{i+1}(x_{i+1})) + max(0, w_i p_{i+1}(x_{i+1}) - 1), the last term 0
+    if q is None:
+        Z = weights[:, 1:k] * (p[:, 1:k].sum(-1, dtype=torch.float64) - p_x[:, 1:])
+    else:
+        Z = (weights[:, 1:k, None].to(p.dtype) * p[:, 1:k] - q[:, 1:k]).clamp(min=0).sum(-1, dtype=torch.float64)
+    denominator = Z + 1 - weights[:, 1:k]
+    h_inner = torch.where(denominator > 0, Z / denominator.clamp(min=torch.finfo(torch.float64).tiny),
+                          torch.ones_like(denominator))
+    h = torch.cat([h_inner, weights[:, k:]], 1)  # [B, k]: h_1 .. h_k
+    steps = torch.arange(1, k + 1, device=p.device).expand(B, k)
+    accepted_len = torch.where(u <= h, steps, torch.zeros_like(steps)).amax(-1)
+    # the next token: the residual at n, in float64, for the chosen row only (q_{k+1} = 0: the bonus ~ p_{k+1})
+    p_next = p[rows, accepted_len].double()
+    if q is None:
+        q_next = F.one_hot(torch.cat([x, x[:, :1]], 1)[rows, accepted_len], p.shape[-1]).double()
+    else:
+        q_next = torch.cat([q, q.new_zeros(B, 1, q.shape[-1])], 1)[rows, accepted_len].double()
+    q_next = torch.where((accepted_len == k).unsqueeze(-1), torch.zeros_like(q_next), q_next)
+    residual = (weights[rows, accepted_len].unsqueeze(-1) * p_next - q_next).clamp(min=0)
+    Zn = residual.sum(-1, keepdim=True)
+    # Z_n == 0 only where the prefix could not pass (n = 0 with p_1 == q_1: u_1 <= h_1 = 1 always passes): float error
+    r = p_next if inject_bias else torch.where(Zn > 0, residual / Zn.clamp(min=torch.finfo(torch.float64).tiny), p_next)
+    return accepted_len, sample_with_uniforms(r, u_next[rows, accepted_len])
+
+
 def greedy_accept(x: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept while x_i == argmax p_i; next = argmax p_{n+1} (ties -> lowest id). x [B,k]; p [B,k+1,V] logits or probs."""
     B, k = x.shape
@@ -140,16 +200,19 @@ def _drafts(draft_tokens: Sequence[int], p: torch.Tensor) -> torch.Tensor:
 
 def verify_exact(
     draft_tokens: Sequence[int], q: torch.Tensor | None, p: torch.Tensor, seed: int, position: int,
-    inject_bias: bool = False,
+    inject_bias: bool = False, rule: str = "token",
 ) -> Verdict:
-    """Exact contract for one request. q [k,V] or None (point mass); p [k+1,V]; `position` = position of x_1.
+    """Exact contract for one request. q [k,V] or None (point mass); p [k+1,V]; `position` = position of x_1;
+    `rule`: "token" (`exact_accept`) or "block" (`block_accept`), the same uniforms.
     `inject_bias`: the negative control of `specserve check exact` (see `exact_accept`); never in production."""
+    if rule not in EXACT_RULES:
+        raise ValueError(f"unknown exact rule {rule!r}; known: {', '.join(EXACT_RULES)}")
     x, k = _drafts(draft_tokens, p), len(draft_tokens)
     assert q is None or q.shape == (k, p.shape[-1])
     u = request_uniforms(seed, position, k, "accept").view(1, k)
     u_next = request_uniforms(seed, position, k + 1, "residual").view(1, k + 1)
-    accepted_len, next_token = exact_accept(x, None if q is None else q.unsqueeze(0), p.unsqueeze(0), u, u_next,
-                                            inject_bias)
+    accept = block_accept if rule == "block" else exact_accept
+    accepted_len, next_token = accept(x, None if q is None else q.unsqueeze(0), p.unsqueeze(0), u, u_next, inject_bias)
     return _verdict(draft_tokens, accepted_len, next_token, "exact")
 
 

@@ -77,7 +77,7 @@ def decide(item: VerifyItem, logits: torch.Tensor, inject_bias: bool = False) ->
     if item.contract == "typical":
         return verify_typical(item.draft_ids, p, item.seed, first_draft_position)
     q = None if item.draft_probs is None else torch.from_numpy(item.draft_probs)
-    return verify_exact(item.draft_ids, q, p, item.seed, first_draft_position, inject_bias)
+    return verify_exact(item.draft_ids, q, p, item.seed, first_draft_position, inject_bias, item.exact_rule)
 
 
 def tree_of(item: VerifyItem) -> TokenTree:

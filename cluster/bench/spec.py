@@ -64,6 +64,7 @@ class Config:
     tree_nodes: int = 0  # "suffix", "model": the engine's tree limit (0: chains only)
     stop_below: float | None = None  # "model" at k auto: the engine's draft_stop_below (None: its default)
     lookup: bool | None = None  # "model" at k auto: the engine's draft_lookup (None: its default)
+    exact_rule: str | None = None  # temperature > 0: the engine's exact_rule (None: its default)
 
     @property
     def label(self) -> str:
@@ -74,6 +75,8 @@ class Config:
             label += f" stop<{self.stop_below:g}"
         if self.lookup is not None:
             label += " +lookup" if self.lookup else " -lookup"
+        if self.exact_rule is not None:
+            label += f" {self.exact_rule}"
         return label + (" +traced" if self.traced else "")
 
 
@@ -127,7 +130,8 @@ class SpecBench:
                                                  config.tree_nodes},
                                               **({} if config.stop_below is None
                                                  else {"draft_stop_below": config.stop_below}),
-                                              **({} if config.lookup is None else {"draft_lookup": config.lookup})),
+                                              **({} if config.lookup is None else {"draft_lookup": config.lookup}),
+                                              **({} if config.exact_rule is None else {"exact_rule": config.exact_rule})),
                           model_name=base.model_name, draft_name=base.draft_name, dtypes=base.dtypes,
                           observer=RoundSpans(self.tracer) if config.traced else None, cost=cost,
                           acceptance=acceptance, lookup_acceptance=lookup)
@@ -227,11 +231,12 @@ class SpecBench:
 
     # ------------------------------------------------------------------ the plan
     def configs(self, temperature: float, batch: int) -> list[Config]:
-        spec = [Config(d, k, temperature, batch, tree_nodes=n, stop_below=x, lookup=lu)
+        spec = [Config(d, k, temperature, batch, tree_nodes=n, stop_below=x, lookup=lu, exact_rule=r)
                 for d in self.s.drafts for k in self.s.ks
                 for n in (self.s.tree_nodes if d in TREE_DRAFTS else [0])
                 for x in (self.s.draft_stop_below if d == "model" and k is None and self.s.draft_stop_below else [None])
-                for lu in (self.s.draft_lookup if d == "model" and k is None and self.s.draft_lookup else [None])]
+                for lu in (self.s.draft_lookup if d == "model" and k is None and self.s.draft_lookup else [None])
+                for r in (self.s.exact_rule if temperature > 0 and self.s.exact_rule else [None])]
         configs = [Config("none", 0, temperature, batch), *spec]
         if self.s.tracing_overhead:
             configs += [dataclasses.replace(c, traced=True) for c in configs]
@@ -293,6 +298,7 @@ class SpecBench:
             row: dict[str, Any] = {"label": config.label, "draft": config.draft,
                                    "k": "auto" if config.k is None else config.k, "tree_nodes": config.tree_nodes,
                                    "draft_stop_below": config.stop_below, "draft_lookup": config.lookup,
+                                   "exact_rule": config.exact_rule,
                                    "temperature": config.temperature, "batch": config.batch,
                                    "contract": "greedy" if config.temperature == 0 else "exact", **tally.summary()}
             plain = self.tallies[Config("none", 0, config.temperature, config.batch)]

@@ -38,6 +38,8 @@ class SpecSettings:
     draft_stop_below: list[float] | None = None
     # "model" configs at k auto: the engine's draft_lookup values to run side by side; None: its default alone
     draft_lookup: list[bool] | None = None
+    # temperature > 0: the engine's exact_rule values ("block", "token") to run side by side; None: its default alone
+    exact_rule: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.draft == "none" and "model" in self.drafts:
@@ -48,6 +50,8 @@ class SpecSettings:
             0.0 <= x <= 1.0 for x in self.draft_stop_below)), self.draft_stop_below
         assert self.draft_lookup is None or (self.draft_lookup and len(set(self.draft_lookup)) == len(
             self.draft_lookup)), self.draft_lookup
+        assert self.exact_rule is None or (self.exact_rule and set(self.exact_rule) <= {"block", "token"} and len(
+            set(self.exact_rule)) == len(self.exact_rule)), self.exact_rule
         assert self.ks and all(k is None or 1 <= k <= 8 for k in self.ks), self.ks
         assert all(b >= 1 for b in self.batches) and self.max_tokens >= 1 and self.per_category >= 1
         assert self.repeats >= 1, self.repeats

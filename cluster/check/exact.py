@@ -50,7 +50,7 @@ def _prompts(tokenizer: Any, texts: Sequence[str], chat: bool, settings: CheckSe
 def check_in_process(model: str, draft: str, texts: Sequence[str], settings: CheckSettings, *, chat: bool = False,
                      window: int = 16, per_group: int = 16, draft_dtype: str | None = None, device: str | None = None,
                      dtype: str | None = None, tree_nodes: int | None = None, model_tree_nodes: int | None = None,
-                     biased: bool = False, progress: Progress | None = None) -> tuple[CheckReport, Any]:
+                     exact_rule: str | None = None, biased: bool = False, progress: Progress | None = None) -> tuple[CheckReport, Any]:
     """The check through an engine built here (`build_local_engine`), at most `window` requests at a time, in
     prompt groups of up to `per_group` completions (one prefill each).
     `draft` is 'ngram', 'suffix' or a draft model; `biased` turns on the negative control. Returns the report and the
@@ -64,7 +64,8 @@ def check_in_process(model: str, draft: str, texts: Sequence[str], settings: Che
     prompts = _prompts(tokenizer, texts, chat, settings)
     longest = max(len(p.prompt_ids) for p in prompts) + settings.max_tokens
     given = {key: value for key, value in (("draft_dtype", draft_dtype), ("device", device), ("dtype", dtype),
-                                           ("tree_nodes", tree_nodes), ("model_tree_nodes", model_tree_nodes))
+                                           ("tree_nodes", tree_nodes), ("model_tree_nodes", model_tree_nodes),
+                                           ("exact_rule", exact_rule))
              if value is not None}
     defaults = make_config(**{k: v for k, v in given.items() if "tree" in k})
     k_max = settings.k if settings.k is not None else defaults.k_max

@@ -73,6 +73,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sp.add_argument("--draft-lookup", nargs="+", choices=["on", "off"], default=None,
                     help="model drafts at k auto: with and/or without the n-gram lookup rounds, side by side (the "
                          "engine's draft_lookup; default: the engine's default alone)")
+    sp.add_argument("--exact-rule", nargs="+", choices=["block", "token"], default=None,
+                    help="temperature > 0: the exact contract's rule for chains, side by side (block verification, "
+                         "token by token; the engine's exact_rule; default: the engine's default alone)")
     sp.add_argument("--categories", nargs="+", default=None, help="prompt categories (default: all five)")
     sp.add_argument("--per-category", type=int, default=None, help="prompts per category (default 2)")
     sp.add_argument("--ks", nargs="+", type=parse_k, default=None, help="k values, ints or 'auto' (default 1 2 3 4 auto)")
@@ -209,7 +212,8 @@ def _run_spec(args: argparse.Namespace) -> int:
              "draft_dtype": args.draft_dtype, "dtype": args.dtype, "llamacpp_draft_tokens": args.llamacpp_draft_tokens,
              "llamacpp_bin": args.llamacpp_bin,
              "repeats": args.repeats, "tree_nodes": args.tree_nodes, "draft_stop_below": args.draft_stop_below,
-             "draft_lookup": None if args.draft_lookup is None else [v == "on" for v in args.draft_lookup]}
+             "draft_lookup": None if args.draft_lookup is None else [v == "on" for v in args.draft_lookup],
+             "exact_rule": args.exact_rule}
     base.update({key: value for key, value in flags.items() if value is not None})
     if args.model and args.model != "qwen2.5-coder-1.5b" and args.draft is None and not args.quick:
         base.setdefault("draft", "none")

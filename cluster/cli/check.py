@@ -82,6 +82,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "tree (0: chains; default the engine's, 16)")
     ex.add_argument("--model-tree-nodes", type=int, default=None, help="in process, a draft model: most nodes of its "
                     "token trees (default the engine's, 0: chains)")
+    ex.add_argument("--exact-rule", choices=["block", "token"], default=None, help="in process: the exact contract's "
+                    "rule for chains (block verification or token by token; default the engine's, block)")
     ex.add_argument("--device", default=None, help="in process: torch device of the workers (default cpu)")
     ex.add_argument("--threads", type=int, default=0, help="in process: torch threads (default 0: torch's default; "
                     "1 is often fastest on a busy machine, since the check's forwards are small)")
@@ -118,10 +120,15 @@ def _run_exact(args: argparse.Namespace) -> int:
                              alpha=args.alpha, tv=args.tv, min_power=args.min_power, seed=args.seed)
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     progress = stderr_progress("check exact")
-    print(f"check exact: {args.model} (draft {args.draft}) {'via ' + args.server if args.server else 'in process'}, "
+    rule = "" if args.server else f", exact rule {args.exact_rule or 'the default'}"
+    print(f"check exact: {args.model} (draft {args.draft}{rule}) "
+          f"{'via ' + args.server if args.server else 'in process'}, "
           f"{len(prompts)} prompt(s) x {args.n} samples ...", file=sys.stderr)
     if args.server:
         apply_client_flags(args)
+        if args.exact_rule:
+            raise SpecServeError("--exact-rule is the engine's setting: a server runs its config's exact_rule "
+                                 "(drop --server to check a rule in process)")
         if args.inject_bias:
             raise SpecServeError("--inject-bias works in process only (it is a test of the check itself, not a "
                                  "server option); drop --server")
@@ -138,7 +145,7 @@ def _run_exact(args: argparse.Namespace) -> int:
                                              window=args.batch, per_group=args.per_call,
                                              draft_dtype=args.draft_dtype, device=args.device,
                                              tree_nodes=args.tree_nodes, model_tree_nodes=args.model_tree_nodes,
-                                             dtype=args.dtype,
+                                             dtype=args.dtype, exact_rule=args.exact_rule,
                                              biased=args.inject_bias, progress=progress)
 
     def decode(ids: list[int] | tuple[int, ...]) -> str:

@@ -30,6 +30,7 @@ class EngineConfig:
     draft_stop_below: float  # auto greedy chains of a draft model stop after a draft below this probability
     reservation_windows: bool  # serial rounds grant the next round beside this one's verify (held_commit.py)
     draft_lookup: bool  # auto: a model-drafted request drafts from an n-gram lookup where it pays more (planner.py)
+    exact_rule: str  # the exact contract's rule for sampled chains (verifier_service/contracts.py)
 
     def __post_init__(self) -> None:
         problems = [name for name, ok in (
@@ -42,6 +43,7 @@ class EngineConfig:
             ("overlap", isinstance(self.overlap, bool)), ("predraft", isinstance(self.predraft, bool)),
             ("reservation_windows", isinstance(self.reservation_windows, bool)),
             ("draft_lookup", isinstance(self.draft_lookup, bool)),
+            ("exact_rule", self.exact_rule in ("block", "token")),
             ("tree_nodes", self.tree_nodes >= 0), ("model_tree_nodes", self.model_tree_nodes >= 0),
             ("draft_stop_below", 0.0 <= self.draft_stop_below <= 1.0),
         ) if not ok]

@@ -334,7 +334,7 @@ class SpecEngine:
         return plain_proposed(plans, reason)
 
     def _verify(self, plans: list[RoundPlan]) -> VerifyResult:
-        items = [verify_item(p) for p in plans]
+        items = [verify_item(p, self.config.exact_rule) for p in plans]
         self.trace.begin(plans)
         # the held commit and the next round's windows, on a ledger call sent once the verify is on its way
         # (held_commit.py; in process it runs before the verify, in microseconds)
@@ -414,7 +414,7 @@ class SpecEngine:
 
     def stats(self) -> dict[str, Any]:
         identity = {"model": self.model_name, "draft": self.draft_name, "dtype": dict(self.dtypes),
-                    "running": len(self.running), "waiting": len(self.waiting) + self.inbox.queued()}
+                    "exact_rule": self.config.exact_rule, "running": len(self.running), "waiting": len(self.waiting) + self.inbox.queued()}
         predraft = self.mode.summary()
         overlap = self.overlap | ({"predraft": predraft} if predraft is not None else {})
         return engine_stats(identity, self.totals, self.acceptance, self.cost, self.fallback_events,

@@ -203,7 +203,7 @@ def propose_item(plan: RoundPlan) -> ProposeItem:
     )
 
 
-def verify_item(plan: RoundPlan) -> VerifyItem:
+def verify_item(plan: RoundPlan, exact_rule: str = "token") -> VerifyItem:
     s, grant = plan.state, plan.target_grant
     assert grant is not None, "verify needs a target reservation"
     drafts, probs = (plan.drafts, plan.draft_probs) if plan.prefill_to is None else ([], None)  # never verified
@@ -215,4 +215,5 @@ def verify_item(plan: RoundPlan) -> VerifyItem:
         sampling=s.request.sampling, contract=s.request.spec.contract, seed=s.seed, position=len(s.token_ids),
         prompt_ids=prompt_ids, output_ids=output_ids, copy_blocks=list(grant.copy_on_write),
         draft_parents=list(plan.draft_parents) if plan.draft_parents is not None and drafts else None,
+        exact_rule=exact_rule,
     )

@@ -148,6 +148,11 @@ class ClusterConfig(BaseModel):
                                "latest match of its last tokens in its own prompt and output) is expected to give "
                                "more tokens a second than the draft model drafts the lookup's chain instead, at no "
                                "draft cost (each source's acceptance measured apart; cluster/engine/planner.py)")
+    exact_rule: Literal["block", "token"] = Field("block", description="the exact contract's rule for a sampled "
+                                                  "chain: block verification (Sun et al. 2024: the same output "
+                                                  "distribution, at least as many accepted drafts in expectation) "
+                                                  "or token-by-token speculative sampling "
+                                                  "(verifier_service/contracts.py)")
 
     # Serve health checks and graceful shutdown (applied to every deployment)
     health_check_period_s: float = Field(10.0, gt=0, le=3600)
@@ -323,7 +328,7 @@ class ClusterConfig(BaseModel):
             overlap=overlap.enabled, overlap_reason=overlap.reason, predraft=self.predraft,
             tree_nodes=self.tree_nodes, model_tree_nodes=self.model_tree_nodes,
             draft_stop_below=self.draft_stop_below, reservation_windows=self.reservation_windows,
-            draft_lookup=self.draft_lookup,
+            draft_lookup=self.draft_lookup, exact_rule=self.exact_rule,
         )
 
     def local_runtime(self) -> LocalRuntime:

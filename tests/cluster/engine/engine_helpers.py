@@ -171,14 +171,14 @@ def fake_engine(num_blocks: int = 256, block_size: int = 4, max_batch: int = 4, 
                 draft_rule: Callable[[list[int]], int | list[int]] = fake_draft_token, observer: Any = None,
                 target_rule: Callable[[list[int]], int] = fake_next_token, tree_nodes: int = 16,
                 model_tree_nodes: int = 0, reservation_windows: bool = True,
-                draft_stop_below: float = 0.5, draft_lookup: bool = True,
+                draft_stop_below: float = 0.5, draft_lookup: bool = True, exact_rule: str = "block",
                 cost: CostModel | None = None) -> SpecEngine:
     """The real engine, ledger (in process) and workers over FakeRunners, with a draft model (drafting by
     `draft_rule`); no EOS."""
     config = engine_config(max_batch=max_batch, queue_capacity=64, max_context=1024, k_max=k_max, overlap=overlap,
                            predraft=predraft, tree_nodes=tree_nodes, model_tree_nodes=model_tree_nodes,
                            reservation_windows=reservation_windows, draft_stop_below=draft_stop_below,
-                           draft_lookup=draft_lookup)
+                           draft_lookup=draft_lookup, exact_rule=exact_rule)
     namespaces = [NamespaceConfig(TARGET_NAMESPACE, num_blocks, block_size),
                   NamespaceConfig(DRAFT_NAMESPACE, num_blocks, block_size)]
     return SpecEngine(VerifierWorker(FakeRunner(target_rule, block_size)),

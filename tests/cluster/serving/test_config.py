@@ -120,7 +120,7 @@ def test_engine_config_derives_from_the_cluster_config() -> None:
         max_batch=4, max_waiting=32, max_context=512, k_max=4, probe_every=8, pressure_free_fraction=0.1,
         drafter_retry_seconds=5.0, max_verifier_failures=20, overlap=False,
         overlap_reason=config.overlap_decision(in_process=True).reason, predraft=False, tree_nodes=16,
-        model_tree_nodes=0, draft_stop_below=0.5, reservation_windows=True, draft_lookup=True)
+        model_tree_nodes=0, draft_stop_below=0.5, reservation_windows=True, draft_lookup=True, exact_rule="block")
     assert config.overlap == "auto" and config.engine_config().overlap_reason.startswith("auto: in process")
 
 
