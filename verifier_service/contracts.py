@@ -101,6 +101,15 @@ def exact_accept(
 EXACT_RULES: tuple[str, ...] = ("block", "token")  # the exact contract's rules for a chain (`verify_exact`)
 
 
+def weighted_residual(p: torch.Tensor, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Block verification's next-token distribution after a prefix of weight w: max(0, w p - q) / Z over the last
+    dim (p, q [B,V], w [B]). Z == 0 only where the prefix could not pass (n = 0 with p_1 == q_1, whose test
+    h_1 = 1 always passes): float error, so fall back to p."""
+    r = (w.unsqueeze(-1) * p - q).clamp(min=0)
+    Z = r.sum(-1, keepdim=True)
+    return torch.where(Z > 0, r / Z.clamp(min=torch.finfo(r.dtype).tiny), p)
+
+
 def block_accept(
     x: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, u: torch.Tensor, u_next: torch.Tensor,
     inject_bias: bool = False,
@@ -150,10 +159,7 @@ def block_accept(
     else:
         q_next = torch.cat([q, q.new_zeros(B, 1, q.shape[-1])], 1)[rows, accepted_len].double()
     q_next = torch.where((accepted_len == k).unsqueeze(-1), torch.zeros_like(q_next), q_next)
-    residual = (weights[rows, accepted_len].unsqueeze(-1) * p_next - q_next).clamp(min=0)
-    Zn = residual.sum(-1, keepdim=True)
-    # Z_n == 0 only where the prefix could not pass (n = 0 with p_1 == q_1: u_1 <= h_1 = 1 always passes): float error
-    r = p_next if inject_bias else torch.where(Zn > 0, residual / Zn.clamp(min=torch.finfo(torch.float64).tiny), p_next)
+    r = p_next if inject_bias else weighted_residual(p_next, q_next, weights[rows, accepted_len])
     return accepted_len, sample_with_uniforms(r, u_next[rows, accepted_len])
 
 
