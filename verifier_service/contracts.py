@@ -55,12 +55,19 @@ class Verdict:
 # ----------------------------------------------------------------------------------------------
 
 
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """r(v) = max(0, p(v) - q(v)) / Z over the last dim; where Z == 0 (p == q: a rejection only float error
-    can produce) fall back to p."""
-    r = (p - q).clamp(min=0)
+def weighted_residual(p: torch.Tensor, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Block verification's next-token distribution after a prefix of weight w: max(0, w p - q) / Z over the last
+    dim (p, q [B,V], w [B]). Z == 0 only where the prefix could not pass (n = 0 with p_1 == q_1, whose test
+    h_1 = 1 always passes): float error, so fall back to p."""
+    r = (w.unsqueeze(-1) * p - q).clamp(min=0)
     Z = r.sum(-1, keepdim=True)
     return torch.where(Z > 0, r / Z.clamp(min=torch.finfo(r.dtype).tiny), p)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """r(v) = max(0, p(v) - q(v)) / Z over the last dim; where Z == 0 (p == q: a rejection only float error
+    can produce) fall back to p. (Block verification's `weighted_residual` at weight 1.)"""
+    return weighted_residual(p, q, torch.ones(p.shape[:-1], dtype=p.dtype, device=p.device))
 
 
 def exact_accept(
@@ -99,15 +106,6 @@ def exact_accept(
 
 
 EXACT_RULES: tuple[str, ...] = ("block", "token")  # the exact contract's rules for a chain (`verify_exact`)
-
-
-def weighted_residual(p: torch.Tensor, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Block verification's next-token distribution after a prefix of weight w: max(0, w p - q) / Z over the last
-    dim (p, q [B,V], w [B]). Z == 0 only where the prefix could not pass (n = 0 with p_1 == q_1, whose test
-    h_1 = 1 always passes): float error, so fall back to p."""
-    r = (w.unsqueeze(-1) * p - q).clamp(min=0)
-    Z = r.sum(-1, keepdim=True)
-    return torch.where(Z > 0, r / Z.clamp(min=torch.finfo(r.dtype).tiny), p)
 
 
 def block_accept(
