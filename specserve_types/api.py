@@ -17,6 +17,10 @@ from typing import Literal
 
 Contract = Literal["exact", "greedy", "typical"]
 CONTRACTS: tuple[str, ...] = ("exact", "greedy", "typical")
+# the exact contract's rules for a sampled chain (verifier_service/contracts.py): block verification (Sun et al.
+# 2024), the default, or token by token (Leviathan et al. 2023); a server setting (ClusterConfig.exact_rule)
+ExactRule = Literal["block", "token"]
+EXACT_RULES: tuple[str, ...] = ("block", "token")
 # see model_runtime.precision; q4: the GGUF's own quantized linears (model_runtime/quant_weights.py)
 DRAFT_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16", "int8", "q4")
 TARGET_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "q4")  # model_runtime.precision.target_dtype

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specserve_types.api import EXACT_RULES
 from verifier_service.sampling import request_uniforms, sample_with_uniforms
 
 # Medusa's defaults (posterior_threshold=0.09, posterior_alpha=0.3 in medusa/model/utils.py).
@@ -103,9 +104,6 @@ def exact_accept(
     r = p_next if inject_bias else residual_distribution(p_next, q_padded[rows, accepted_len].double())
     next_token = sample_with_uniforms(r, u_next[rows, accepted_len])
     return accepted_len, next_token
-
-
-EXACT_RULES: tuple[str, ...] = ("block", "token")  # the exact contract's rules for a chain (`verify_exact`)
 
 
 def block_accept(

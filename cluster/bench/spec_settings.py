@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.bench.bench_prompts import CATEGORIES
+from specserve_types.api import EXACT_RULES
 
 
 @dataclass
@@ -38,7 +39,7 @@ class SpecSettings:
     draft_stop_below: list[float] | None = None
     # "model" configs at k auto: the engine's draft_lookup values to run side by side; None: its default alone
     draft_lookup: list[bool] | None = None
-    # temperature > 0: the engine's exact_rule values ("block", "token") to run side by side; None: its default alone
+    # temperature > 0: the engine's exact_rule values (EXACT_RULES) to run side by side; None: its default alone
     exact_rule: list[str] | None = None
 
     def __post_init__(self) -> None:
@@ -50,7 +51,7 @@ class SpecSettings:
             0.0 <= x <= 1.0 for x in self.draft_stop_below)), self.draft_stop_below
         assert self.draft_lookup is None or (self.draft_lookup and len(set(self.draft_lookup)) == len(
             self.draft_lookup)), self.draft_lookup
-        assert self.exact_rule is None or (self.exact_rule and set(self.exact_rule) <= {"block", "token"} and len(
+        assert self.exact_rule is None or (self.exact_rule and set(self.exact_rule) <= set(EXACT_RULES) and len(
             set(self.exact_rule)) == len(self.exact_rule)), self.exact_rule
         assert self.ks and all(k is None or 1 <= k <= 8 for k in self.ks), self.ks
         assert all(b >= 1 for b in self.batches) and self.max_tokens >= 1 and self.per_category >= 1

@@ -26,7 +26,7 @@ from cluster.cli.bench_spec_report import format_spec, plot_spec
 from cluster.cli.bench_tables import table, write_json
 from cluster.cli.client_flags import add_client_flags, apply_client_flags
 from cluster.cli.generate import parse_k
-from specserve_types.api import DRAFT_AUTO, DRAFT_DTYPES, TARGET_AUTO, TARGET_DTYPES
+from specserve_types.api import DRAFT_AUTO, DRAFT_DTYPES, EXACT_RULES, TARGET_AUTO, TARGET_DTYPES
 
 
 def _at_least_one(value: str) -> int:
@@ -73,7 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sp.add_argument("--draft-lookup", nargs="+", choices=["on", "off"], default=None,
                     help="model drafts at k auto: with and/or without the n-gram lookup rounds, side by side (the "
                          "engine's draft_lookup; default: the engine's default alone)")
-    sp.add_argument("--exact-rule", nargs="+", choices=["block", "token"], default=None,
+    sp.add_argument("--exact-rule", nargs="+", choices=EXACT_RULES, default=None,
                     help="temperature > 0: the exact contract's rule for chains, side by side (block verification, "
                          "token by token; the engine's exact_rule; default: the engine's default alone)")
     sp.add_argument("--categories", nargs="+", default=None, help="prompt categories (default: all five)")

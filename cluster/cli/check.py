@@ -16,7 +16,7 @@ from cluster.check.settings import DEFAULT_PROMPTS, CheckSettings
 from cluster.cli.client_flags import add_client_flags, apply_client_flags
 from cluster.cli.generate import parse_k
 from cluster.serving.config import ConfigError
-from specserve_types.api import DRAFT_DTYPES, TARGET_DTYPES, SpecServeError
+from specserve_types.api import DRAFT_DTYPES, EXACT_RULES, TARGET_DTYPES, SpecServeError
 
 CHECK_MODEL = "smollm2-135m"
 
@@ -82,7 +82,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "tree (0: chains; default the engine's, 16)")
     ex.add_argument("--model-tree-nodes", type=int, default=None, help="in process, a draft model: most nodes of its "
                     "token trees (default the engine's, 0: chains)")
-    ex.add_argument("--exact-rule", choices=["block", "token"], default=None, help="in process: the exact contract's "
+    ex.add_argument("--exact-rule", choices=EXACT_RULES, default=None, help="in process: the exact contract's "
                     "rule for chains (block verification or token by token; default the engine's, block)")
     ex.add_argument("--device", default=None, help="in process: torch device of the workers (default cpu)")
     ex.add_argument("--threads", type=int, default=0, help="in process: torch threads (default 0: torch's default; "

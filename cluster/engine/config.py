@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specserve_types.api import EXACT_RULES
+
 TARGET_NAMESPACE = "verifier/target"  # the ledger namespace of the target model's KV pool
 DRAFT_NAMESPACE = "drafter/draft"  # the ledger namespace of the draft model's KV pool
 
@@ -43,7 +45,7 @@ class EngineConfig:
             ("overlap", isinstance(self.overlap, bool)), ("predraft", isinstance(self.predraft, bool)),
             ("reservation_windows", isinstance(self.reservation_windows, bool)),
             ("draft_lookup", isinstance(self.draft_lookup, bool)),
-            ("exact_rule", self.exact_rule in ("block", "token")),
+            ("exact_rule", self.exact_rule in EXACT_RULES),
             ("tree_nodes", self.tree_nodes >= 0), ("model_tree_nodes", self.model_tree_nodes >= 0),
             ("draft_stop_below", 0.0 <= self.draft_stop_below <= 1.0),
         ) if not ok]

@@ -203,7 +203,7 @@ def propose_item(plan: RoundPlan) -> ProposeItem:
     )
 
 
-def verify_item(plan: RoundPlan, exact_rule: str = "token") -> VerifyItem:
+def verify_item(plan: RoundPlan, exact_rule: str) -> VerifyItem:
     s, grant = plan.state, plan.target_grant
     assert grant is not None, "verify needs a target reservation"
     drafts, probs = (plan.drafts, plan.draft_probs) if plan.prefill_to is None else ([], None)  # never verified

@@ -29,7 +29,7 @@ from pydantic import (
 
 from cluster.serving.cpu_binding import AUTO_SERVICE_CPUS, CpuPlan, own_cpus, plan_cpus
 from cluster.serving.cpu_quota import available_cpus
-from specserve_types.api import DRAFT_AUTO, TARGET_AUTO
+from specserve_types.api import DRAFT_AUTO, TARGET_AUTO, ExactRule
 from specserve_types.tracing import ENV_OTLP_ENDPOINT, OTEL_ENDPOINT_VARS, TracingSettings
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ class ClusterConfig(BaseModel):
                                "latest match of its last tokens in its own prompt and output) is expected to give "
                                "more tokens a second than the draft model drafts the lookup's chain instead, at no "
                                "draft cost (each source's acceptance measured apart; cluster/engine/planner.py)")
-    exact_rule: Literal["block", "token"] = Field("block", description="the exact contract's rule for a sampled "
+    exact_rule: ExactRule = Field("block", description="the exact contract's rule for a sampled "
                                                   "chain: block verification (Sun et al. 2024: the same output "
                                                   "distribution, at least as many accepted drafts in expectation) "
                                                   "or token-by-token speculative sampling "
