@@ -1,7 +1,8 @@
 """The quantized linears' kernels (kernels/quant_linear.cpp), built once per machine for its ISA:
 
     amx     the avx512 build plus -mavx512vbmi -mamx-tile -mamx-int8: the K formats' (Q4_K, Q6_K) integer sums of
-            a call of many rows (a prompt) on AMX tiles, each weight decoded once per 16 rows; fewer rows take the
+            a call of 8-9 rows or more on AMX tiles (a verify's rows a tile product per block, a prompt's on
+            planes with the blocks' scales in the codes), each weight decoded once per 16 rows; fewer rows take the
             avx512 kernel in the same build (Intel Sapphire Rapids and later)
     avx512  -mavx512f/bw/vl -mavx512vnni: integer dot products on VNNI (AMD Zen 4/5, Intel Ice Lake and later)
     avx2vnni  -mavx2 -mfma -mf16c -mavxvnni: the same dot products on 256-bit vectors (AVX2 CPUs with AVX-VNNI:
@@ -29,7 +30,7 @@ from model_runtime.kernel_choice import requested
 log = logging.getLogger(__name__)
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = [KERNELS / "quant_linear.cpp", KERNELS / "q4_layers.cpp"]  # the linears; a q4 model's layer loop
-HEADERS = (KERNELS / "quant_ops.h", KERNELS / "portable_ops.h", KERNELS / "layer_loop.h")
+HEADERS = (KERNELS / "quant_ops.h", KERNELS / "quant_amx.h", KERNELS / "portable_ops.h", KERNELS / "layer_loop.h")
 ISAS = {  # compiler flags and the /proc/cpuinfo flags they need, fastest first
     "amx": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mfma", "-mamx-tile",
              "-mamx-int8"],
@@ -40,7 +41,10 @@ ISAS = {  # compiler flags and the /proc/cpuinfo flags they need, fastest first
     "avx2": (["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
 }
 _MODULES: dict[str, tuple[ModuleType | None, str]] = {}
-AMX_MIN_ROWS = (9, 48)  # Q4_K, Q6_K: measured on Sapphire Rapids (docs/benchmarks.md, "bench runtime")
+# Q4_K, Q6_K: the fewest rows the amx build's tiles take (block tiles), and where its planes take over (prompts);
+# measured on Sapphire Rapids (docs/benchmarks.md, "q4 verify rows on AMX block tiles")
+AMX_MIN_ROWS = (8, 9)
+AMX_PLANE_ROWS = (17, 64)
 
 
 def cpu_has(isa: str) -> bool:
@@ -56,6 +60,7 @@ def _load(isa: str) -> tuple[ModuleType | None, str]:
         if not module.amx_enable():
             return None, "off: Linux refused this process the AMX tile state (arch_prctl)"
         module.set_amx_min_rows(*amx_min_rows())
+        module.set_amx_plane_rows(*AMX_PLANE_ROWS)
     return module, why
 
 

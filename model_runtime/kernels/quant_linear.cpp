@@ -43,6 +43,11 @@
 
 #include "quant_ops.h"
 
+#ifdef __AMX_INT8__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 constexpr int64_t TILE = 16;
@@ -538,210 +543,7 @@ void run_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
 }
 
 #ifdef __AMX_INT8__
-// ---- AMX (the `amx` build: the avx512 build plus -mavx512vbmi -mamx-tile -mamx-int8): the K formats' sums on tiles --
-//
-// A tile product sums 64 codes of each row against 64 of each output (TDPBSUD: x's int8 codes signed, the weight's
-// codes unsigned) with no place for a scale per block of 16 or 32. So the per-block multiplier goes into the weight's
-// codes, one digit at a time: with sc' = sc + OFF written in base 2^DS (digits c_d, OFF = 128 where sc is signed),
-//     S = sum_b sc_b (q . x)_b = sum_d 2^(DS d) sum_k x_k (q_k c_d(b(k))) - OFF sum_k x_k q_k
-// where every q * c_d fits a byte (Q4_K: 15 * 7, base 8, two digits of its 6-bit scales, q * digit read from a
-// 128-byte table by vpermi2b at index q | digit << 4; Q6_K: 63 * 3, base 4, four digits of sc + 128 by lane masks, q
-// and 2q added where a digit's bit is set, and the plain codes for the offset). Each plane of a superblock is built
-// once in L1 from the codes and each
-// plane's sum over the superblock accumulates in a tile of up to 16 rows: a weight's bytes are decoded once whatever
-// the row count. S is the same int32 the vector kernel sums (exact integers in either order), N the same
-// dot products, and the float steps the same instructions, so these tiles give the avx512 build's bits row for row:
-// `amx_min_rows` decides which runs a call, and no row can tell.
-#include <sys/syscall.h>
-#include <unistd.h>
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16];
-};
-
-inline void load_config(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory"); }
-
-// tiles 0..4: the planes' int32 sums (rows x 16), 5: the rows' codes (rows x 64), 6 and 7: a plane (16 x 64)
-void configure_tiles(int rows) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) { cfg.rows[t] = static_cast<uint8_t>(t < 6 ? rows : 16); cfg.colsb[t] = 64; }
-  load_config(cfg);
-}
-
-bool amx_enable() { return syscall(SYS_arch_prctl, 0x1023 /*ARCH_REQ_XCOMP_PERM*/, 18 /*XFEATURE_XTILEDATA*/) == 0; }
-
-// Calls of fewer rows take the vector kernel (the same bits): Q4_K, Q6_K. Building the planes costs about what
-// streaming the codes does, so the tiles win only where the vector kernel's per-row dot products pass it: prompts,
-// not a verify of 2..8 rows (docs/benchmarks.md, "bench runtime"). SPECSERVE_Q4_AMX_MIN_ROWS overrides both.
-int64_t g_amx_min_rows[2] = {9, 48};  // Q4_K from 9 since the planes' builder prefetches (was 12)
-
-template <int BITS> struct Digits;
-template <> struct Digits<4> { static constexpr int DS = 3, ND = 2, OFF = 0; };    // Q4_K: sc in [0, 63]
-template <> struct Digits<6> { static constexpr int DS = 2, ND = 4, OFF = 128; };  // Q6_K: sc in [-128, 127]
-
-// Q4_K's products q * d (q < 16, d < 8) at index q | d << 4: the 128-byte table of permutex2var, halves 0 and 1
-inline __m512i q4_table(int half) {
-  alignas(64) static const auto table = [] {
-    struct { uint8_t b[128]; } t{};
-    for (int i = 0; i < 128; ++i) t.b[i] = static_cast<uint8_t>((i & 15) * (i >> 4));
-    return t;
-  }();
-  return _mm512_load_si512(table.b + 64 * half);
-}
-
-inline __m512i spread_low_byte(__m512i v) {  // each int32 lane's low byte into its 4 bytes
-  const __m512i pattern = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
-  return _mm512_shuffle_epi8(v, pattern);
-}
-
-// the plane sums of one 64-code chunk for a tile of rows: P products, the B operand alternating between tiles 6, 7
-template <int P>
-inline void chunk_products(const int8_t* a, int64_t lda, const uint8_t* planes) {
-  _tile_loadd(5, a, lda);
-  _tile_loadd(6, planes, 64);
-  _tile_dpbsud(0, 5, 6);
-  _tile_loadd(7, planes + 1024, 64);
-  _tile_dpbsud(1, 5, 7);
-  if constexpr (P > 2) {
-    _tile_loadd(6, planes + 2048, 64);
-    _tile_dpbsud(2, 5, 6);
-    _tile_loadd(7, planes + 3072, 64);
-    _tile_dpbsud(3, 5, 7);
-  }
-  if constexpr (P > 4) {
-    _tile_loadd(6, planes + 4096, 64);
-    _tile_dpbsud(4, 5, 6);
-  }
-}
-
-template <int P>
-inline void store_sums(int32_t* c) {
-  _tile_stored(0, c, 64);
-  _tile_stored(1, c + 256, 64);
-  if constexpr (P > 2) { _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64); }
-  if constexpr (P > 4) _tile_stored(4, c + 1024, 64);
-}
-
-// a superblock's planes (sb = 256): [chunk of 64 codes][plane][16 x 64 bytes], from its metadata and codes at p
-template <int BITS, int B>
-inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes, __m512i tab0, __m512i tab1,
-                         const uint8_t* pf, int64_t step) {
-  using D = Digits<BITS>;
-  constexpr int G = B / 4, P = D::ND + (D::OFF ? 1 : 0);
-  constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
-  const uint8_t* codes = p + meta_bytes(nb);
-  const int8_t* sc = reinterpret_cast<const int8_t*>(p + 128);
-  const int64_t share = lines_per_block(step, nb);
-  for (int64_t bb = 0; bb < nb; ++bb) {  // block bb: chunk bb * B / 64, from row (bb * B % 64) / 4
-    prefetch_lines(pf, bb * share, (bb + 1) * share, step);
-    const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + bb * TILE)));
-    uint8_t* dst = planes + (bb * B / 64) * P * 1024 + (bb * B % 64) / 4 * 64;
-    if constexpr (BITS == 4) {  // Q4_K: q * digit from a 128-byte table at index q | digit << 4 (bit 7 clear)
-      const __m512i dig[2] = {  // per output j, bytes 4j..4j+3: (sc & 7) << 4 and (sc >> 3) << 4
-          spread_low_byte(_mm512_slli_epi32(_mm512_and_si512(scv, _mm512_set1_epi32(7)), 4)),
-          spread_low_byte(_mm512_slli_epi32(_mm512_srli_epi32(scv, 3), 4))};
-      const uint8_t* src = codes + bb * CODE_BYTES;
-      const __m512i low4 = _mm512_set1_epi8(0x0F);
-      for (int g = 0; g < G / 2; ++g) {  // a vector of nibbles: group g low, group g + G / 2 high
-        const __m512i v = _mm512_loadu_si512(src + g * 64), hi = _mm512_srli_epi16(v, 4);
-        for (int d = 0; d < 2; ++d) {
-          _mm512_store_si512(dst + d * 1024 + g * 64,
-                             _mm512_permutex2var_epi8(tab0, _mm512_ternarylogic_epi32(v, low4, dig[d], 0xEA), tab1));
-          _mm512_store_si512(dst + d * 1024 + (g + G / 2) * 64,
-                             _mm512_permutex2var_epi8(tab0, _mm512_ternarylogic_epi32(hi, low4, dig[d], 0xEA), tab1));
-        }
-      }
-    } else {  // digit d's bits as lane masks: q, 2q, 4q, ... added where the bit is set
-      const __m512i sc_off = _mm512_add_epi32(scv, _mm512_set1_epi32(D::OFF));
-      __mmask16 bit[D::ND * D::DS];
-      for (int i = 0; i < D::ND * D::DS; ++i) bit[i] = _mm512_test_epi32_mask(sc_off, _mm512_set1_epi32(1 << i));
-      VI q[G];
-      load_codes<BITS, B>(codes + bb * CODE_BYTES, 0, q);
-      for (int g = 0; g < G; ++g) {
-        VI mult[D::DS];  // bytes below 128
-        mult[0] = q[g];
-        for (int e = 1; e < D::DS; ++e) mult[e] = _mm512_add_epi8(mult[e - 1], mult[e - 1]);
-        for (int d = 0; d < D::ND; ++d) {  // q * digit d: no byte carries into the next (<= 189)
-          VI v = _mm512_maskz_mov_epi32(bit[d * D::DS], mult[0]);
-          for (int e = 1; e < D::DS; ++e) v = _mm512_mask_add_epi32(v, bit[d * D::DS + e], v, mult[e]);
-          _mm512_store_si512(dst + d * 1024 + g * 64, v);
-        }
-        if constexpr (D::OFF != 0) _mm512_store_si512(dst + D::ND * 1024 + g * 64, q[g]);
-      }
-    }
-  }
-}
-
-// Per output tile, superblock by superblock; the tile products of superblock s run while the planes of s + 1 are
-// built (two plane buffers), then their sums are stored and scaled into each row's float accumulator. The planes'
-// builder prefetches the codes PREFETCH_AHEAD down the stream as the vector kernel does (12-16 rows of Q4_K ~18%
-// faster, docs/benchmarks.md "q4 decode: the weight stream prefetched").
-template <int BITS, int B>
-void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int64_t sb, const Quantized& xq,
-               int64_t M, float* out, int64_t ldo) {
-  using D = Digits<BITS>;
-  constexpr int P = D::ND + (D::OFF ? 1 : 0);
-  const int64_t K = xq.q.size(1), nb = sb / B, step = superblock_bytes(BITS, sb, B);
-  const int64_t chunks = sb / 64, tile_bytes = nsb * step, nblocks = K / B;
-  const int rows = static_cast<int>(std::min<int64_t>(16, M));
-  const int8_t* xs = xq.q.data_ptr<int8_t>();
-  const float* as = xq.a.data_ptr<float>();
-  const int32_t* ps = xq.psum.data_ptr<int32_t>();
-  const __m512i tab0 = q4_table(0), tab1 = q4_table(1);
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    configure_tiles(rows);
-    alignas(64) uint8_t planes[2][4 * P * 1024];
-    alignas(64) int32_t sums[P * 256];
-    std::vector<__m512> acc(M);
-    const uint8_t* end = w + t1 * tile_bytes;
-    auto ahead = [&](const uint8_t* at) { return at + PREFETCH_AHEAD < end ? at + PREFETCH_AHEAD : nullptr; };
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* tile = w + t * tile_bytes;
-      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
-      build_planes<BITS, B>(tile, nb, planes[0], tab0, tab1, ahead(tile), step);
-      for (int64_t s = 0; s < nsb; ++s) {
-        const uint8_t* p = tile + s * step;
-        const int8_t* mn = reinterpret_cast<const int8_t*>(p + 128) + nb * TILE;
-        VI mn16[8];  // per pair of blocks: int16 pairs (mn_b0[j], mn_b1[j]) in lane j, as the vector kernel
-        for (int64_t bb = 0; bb < nb; bb += 2)
-          mn16[bb / 2] = _mm512_permutexvar_epi16(
-              pair_index(), _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + bb * TILE))));
-        const VF Dv = vf32(p), Mv = vf32(p + 64);
-        for (int64_t r0 = 0; r0 < M; r0 += 16) {
-          _tile_zero(0); _tile_zero(1);
-          if constexpr (P > 2) { _tile_zero(2); _tile_zero(3); }
-          if constexpr (P > 4) _tile_zero(4);
-          for (int64_t c = 0; c < chunks; ++c)
-            chunk_products<P>(xs + r0 * K + s * sb + c * 64, K, planes[s % 2] + c * P * 1024);
-          if (r0 == 0 && s + 1 < nsb)
-            build_planes<BITS, B>(p + step, nb, planes[(s + 1) % 2], tab0, tab1, ahead(p + step), step);
-          store_sums<P>(sums);
-          for (int64_t i = 0; i < std::min<int64_t>(16, M - r0); ++i) {
-            VI S = _mm512_load_si512(sums + i * 16);
-            for (int d = 1; d < D::ND; ++d)
-              S = _mm512_add_epi32(S, _mm512_slli_epi32(_mm512_load_si512(sums + d * 256 + i * 16), D::DS * d));
-            if constexpr (D::OFF != 0)
-              S = _mm512_sub_epi32(S, _mm512_slli_epi32(_mm512_load_si512(sums + D::ND * 256 + i * 16), 7));
-            VI N = vzero();
-            const int32_t* pr = ps + (r0 + i) * nblocks + s * nb;
-            for (int64_t bb = 0; bb < nb; bb += 2) {
-              const uint32_t pair = (static_cast<uint32_t>(pr[bb]) & 0xFFFFu) | (static_cast<uint32_t>(pr[bb + 1]) << 16);
-              N = _mm512_dpwssd_epi32(N, mn16[bb / 2], _mm512_set1_epi32(static_cast<int32_t>(pair)));
-            }
-            const VF ai = vfset(as[(r0 + i) * nsb + s]);
-            acc[r0 + i] = vfma(vfmul(Dv, ai), vcvt(S), acc[r0 + i]);
-            acc[r0 + i] = vfma(vfmul(Mv, ai), vcvt(N), acc[r0 + i]);
-          }
-        }
-      }
-      const int64_t cols = std::min<int64_t>(TILE, n_out - t * TILE);
-      for (int64_t i = 0; i < M; ++i) vstore(out + i * ldo + t * TILE, acc[i], cols);
-    }
-    _tile_release();
-  });
-}
+#include "quant_amx.h"  // inside this namespace: the helpers above
 #endif
 
 }  // namespace
@@ -766,10 +568,17 @@ void quant_linear_into(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t 
   float* o = out.data_ptr<float>() + col;
   const uint8_t* wp = w.data_ptr<uint8_t>();
 #ifdef __AMX_INT8__
-  if (sb == 256 && ((bits == 4 && b == 32 && M >= g_amx_min_rows[0]) || (bits == 6 && b == 16 && M >= g_amx_min_rows[1]))) {
+  const int kf = bits == 4 && b == 32 ? 0 : bits == 6 && b == 16 ? 1 : -1;  // Q4_K, Q6_K
+  if (sb == 256 && kf >= 0 && M >= g_amx_min_rows[kf]) {
     const Quantized xq = quantize_rows(x, sb, b, M > 16 ? (M + 15) / 16 * 16 : M);
-    if (bits == 4) amx_tiles<4, 32>(wp, tiles, n_out, nsb, sb, xq, M, o, out.stride(0));
-    else amx_tiles<6, 16>(wp, tiles, n_out, nsb, sb, xq, M, o, out.stride(0));
+    if (M < g_amx_plane_rows[kf]) {
+      if (kf == 0) block_tiles<4>(wp, tiles, n_out, nsb, xq, M, o, out.stride(0));
+      else block_tiles<6>(wp, tiles, n_out, nsb, xq, M, o, out.stride(0));
+    } else if (kf == 0) {
+      amx_tiles<4, 32>(wp, tiles, n_out, nsb, sb, xq, M, o, out.stride(0));
+    } else {
+      amx_tiles<6, 16>(wp, tiles, n_out, nsb, sb, xq, M, o, out.stride(0));
+    }
     return;
   }
 #endif
@@ -801,6 +610,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_amx_min_rows[0] = std::max<int64_t>(1, q4_k);
     g_amx_min_rows[1] = std::max<int64_t>(1, q6_k);
   });
+  m.def("set_amx_plane_rows", [](int64_t q4_k, int64_t q6_k) {
+    g_amx_plane_rows[0] = std::max<int64_t>(1, q4_k);
+    g_amx_plane_rows[1] = std::max<int64_t>(1, q6_k);
+  });
+  m.def("amx_plane_rows", []() { return std::make_pair(g_amx_plane_rows[0], g_amx_plane_rows[1]); });
   m.def("amx_min_rows", []() { return std::make_pair(g_amx_min_rows[0], g_amx_min_rows[1]); });
 #endif
 }

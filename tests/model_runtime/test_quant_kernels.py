@@ -95,23 +95,28 @@ def test_q4_is_refused_where_the_kernels_are_turned_off(smollm2_dir: Path, monke
 @pytest.mark.skipif(not quant_kernels.cpu_has("amx") or not quant_kernels.cpu_has("avx512"),
                     reason="this CPU has no AMX")
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
-def test_amx_tiles_give_the_vector_kernels_bits_at_every_row_count(name: str) -> None:
-    """The tiles run from 1 row here (by default only prompts take them): every row count, ragged 16-row chunks
-    included, gives the avx512 build's bits."""
+@pytest.mark.parametrize("kernel", ["blocks", "planes"])
+def test_amx_tiles_give_the_vector_kernels_bits_at_every_row_count(name: str, kernel: str) -> None:
+    """The tiles run from 1 row here (by default only calls of 8-9 rows and more take them): every row count, ragged
+    16-row chunks included, gives the avx512 build's bits, on the block tiles (a verify's rows; past 16 rows they
+    run 16 at a time) and on the planes (prompts)."""
     amx, vnni = module("amx"), module("avx512")
     n, k = 40, 1024
     a = to_affine(name, raw_tensor(name, n, k, seed=5), n, k)
     packed = torch.from_numpy(pack(a))
-    x = torch.randn(50, k, generator=torch.Generator().manual_seed(2)) * 2
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(2)) * 2
     x[7] = 0
     expected = run(vnni, a, packed, x)
     amx.set_amx_min_rows(1, 1)
+    amx.set_amx_plane_rows(*((1000, 1000) if kernel == "blocks" else (1, 1)))
     try:
-        for rows in (1, 2, 3, 8, 15, 16, 17, 31, 33, 50):
+        for rows in (1, 2, 3, 8, 9, 15, 16, 17, 31, 33, 50, 64, 70):
             assert torch.equal(run(amx, a, packed, x[:rows]), expected[:rows]), rows
     finally:
         amx.set_amx_min_rows(*quant_kernels.amx_min_rows())
+        amx.set_amx_plane_rows(*quant_kernels.AMX_PLANE_ROWS)
     assert amx.amx_min_rows() == quant_kernels.AMX_MIN_ROWS
+    assert amx.amx_plane_rows() == quant_kernels.AMX_PLANE_ROWS
 
 
 def test_amx_min_rows_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

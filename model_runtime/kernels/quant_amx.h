@@ -1,0 +1,363 @@
+// The amx build's tile kernels for the K formats (Q4_K, Q6_K), included by quant_linear.cpp inside its anonymous
+// namespace after the vector kernels, whose helpers (Quantized, VI / VF operations, decode6, prefetch_lines) they
+// use. Not a standalone header.
+#pragma once
+// ---- AMX (the `amx` build: the avx512 build plus -mavx512vbmi -mamx-tile -mamx-int8): the K formats' sums on tiles --
+//
+// A tile product sums 64 codes of each row against 64 of each output (TDPBSUD: x's int8 codes signed, the weight's
+// codes unsigned) with no place for a scale per block of 16 or 32. So the per-block multiplier goes into the weight's
+// codes, one digit at a time: with sc' = sc + OFF written in base 2^DS (digits c_d, OFF = 128 where sc is signed),
+//     S = sum_b sc_b (q . x)_b = sum_d 2^(DS d) sum_k x_k (q_k c_d(b(k))) - OFF sum_k x_k q_k
+// where every q * c_d fits a byte (Q4_K: 15 * 7, base 8, two digits of its 6-bit scales, q * digit read from a
+// 128-byte table by vpermi2b at index q | digit << 4; Q6_K: 63 * 3, base 4, four digits of sc + 128 by lane masks, q
+// and 2q added where a digit's bit is set, and the plain codes for the offset). Each plane of a superblock is built
+// once in L1 from the codes and each
+// plane's sum over the superblock accumulates in a tile of up to 16 rows: a weight's bytes are decoded once whatever
+// the row count. S is the same int32 the vector kernel sums (exact integers in either order), N the same
+// dot products, and the float steps the same instructions, so these tiles give the avx512 build's bits row for row:
+// the row count decides which kernel runs a call (g_amx_min_rows, g_amx_plane_rows), and no row can tell.
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16];
+};
+
+inline void load_config(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory"); }
+
+// tiles 0..4: the planes' int32 sums (rows x 16), 5: the rows' codes (rows x 64), 6 and 7: a plane (16 x 64)
+void configure_tiles(int rows) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) { cfg.rows[t] = static_cast<uint8_t>(t < 6 ? rows : 16); cfg.colsb[t] = 64; }
+  load_config(cfg);
+}
+
+bool amx_enable() { return syscall(SYS_arch_prctl, 0x1023 /*ARCH_REQ_XCOMP_PERM*/, 18 /*XFEATURE_XTILEDATA*/) == 0; }
+
+// Which kernel runs a Q4_K / Q6_K call, by its rows (all give the same bits): the vector kernel below
+// g_amx_min_rows, the block tiles (below) from there, the planes from g_amx_plane_rows. Building the planes costs
+// about what streaming the codes does whatever the rows, the block tiles a multiply-add per row and block, so the
+// block tiles take a verify's rows and the planes prompts. Measured on Sapphire Rapids (docs/benchmarks.md, "q4
+// verify rows on AMX block tiles"); SPECSERVE_Q4_AMX_MIN_ROWS overrides the first pair.
+int64_t g_amx_min_rows[2] = {8, 9};
+int64_t g_amx_plane_rows[2] = {17, 64};
+
+template <int BITS> struct Digits;
+template <> struct Digits<4> { static constexpr int DS = 3, ND = 2, OFF = 0; };    // Q4_K: sc in [0, 63]
+template <> struct Digits<6> { static constexpr int DS = 2, ND = 4, OFF = 128; };  // Q6_K: sc in [-128, 127]
+
+// Q4_K's products q * d (q < 16, d < 8) at index q | d << 4: the 128-byte table of permutex2var, halves 0 and 1
+inline __m512i q4_table(int half) {
+  alignas(64) static const auto table = [] {
+    struct { uint8_t b[128]; } t{};
+    for (int i = 0; i < 128; ++i) t.b[i] = static_cast<uint8_t>((i & 15) * (i >> 4));
+    return t;
+  }();
+  return _mm512_load_si512(table.b + 64 * half);
+}
+
+inline __m512i spread_low_byte(__m512i v) {  // each int32 lane's low byte into its 4 bytes
+  const __m512i pattern = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+  return _mm512_shuffle_epi8(v, pattern);
+}
+
+// the plane sums of one 64-code chunk for a tile of rows: P products, the B operand alternating between tiles 6, 7
+template <int P>
+inline void chunk_products(const int8_t* a, int64_t lda, const uint8_t* planes) {
+  _tile_loadd(5, a, lda);
+  _tile_loadd(6, planes, 64);
+  _tile_dpbsud(0, 5, 6);
+  _tile_loadd(7, planes + 1024, 64);
+  _tile_dpbsud(1, 5, 7);
+  if constexpr (P > 2) {
+    _tile_loadd(6, planes + 2048, 64);
+    _tile_dpbsud(2, 5, 6);
+    _tile_loadd(7, planes + 3072, 64);
+    _tile_dpbsud(3, 5, 7);
+  }
+  if constexpr (P > 4) {
+    _tile_loadd(6, planes + 4096, 64);
+    _tile_dpbsud(4, 5, 6);
+  }
+}
+
+template <int P>
+inline void store_sums(int32_t* c) {
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  if constexpr (P > 2) { _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64); }
+  if constexpr (P > 4) _tile_stored(4, c + 1024, 64);
+}
+
+// a superblock's planes (sb = 256): [chunk of 64 codes][plane][16 x 64 bytes], from its metadata and codes at p
+template <int BITS, int B>
+inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes, __m512i tab0, __m512i tab1,
+                         const uint8_t* pf, int64_t step) {
+  using D = Digits<BITS>;
+  constexpr int G = B / 4, P = D::ND + (D::OFF ? 1 : 0);
+  constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
+  const uint8_t* codes = p + meta_bytes(nb);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(p + 128);
+  const int64_t share = lines_per_block(step, nb);
+  for (int64_t bb = 0; bb < nb; ++bb) {  // block bb: chunk bb * B / 64, from row (bb * B % 64) / 4
+    prefetch_lines(pf, bb * share, (bb + 1) * share, step);
+    const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + bb * TILE)));
+    uint8_t* dst = planes + (bb * B / 64) * P * 1024 + (bb * B % 64) / 4 * 64;
+    if constexpr (BITS == 4) {  // Q4_K: q * digit from a 128-byte table at index q | digit << 4 (bit 7 clear)
+      const __m512i dig[2] = {  // per output j, bytes 4j..4j+3: (sc & 7) << 4 and (sc >> 3) << 4
+          spread_low_byte(_mm512_slli_epi32(_mm512_and_si512(scv, _mm512_set1_epi32(7)), 4)),
+          spread_low_byte(_mm512_slli_epi32(_mm512_srli_epi32(scv, 3), 4))};
+      const uint8_t* src = codes + bb * CODE_BYTES;
+      const __m512i low4 = _mm512_set1_epi8(0x0F);
+      for (int g = 0; g < G / 2; ++g) {  // a vector of nibbles: group g low, group g + G / 2 high
+        const __m512i v = _mm512_loadu_si512(src + g * 64), hi = _mm512_srli_epi16(v, 4);
+        for (int d = 0; d < 2; ++d) {
+          _mm512_store_si512(dst + d * 1024 + g * 64,
+                             _mm512_permutex2var_epi8(tab0, _mm512_ternarylogic_epi32(v, low4, dig[d], 0xEA), tab1));
+          _mm512_store_si512(dst + d * 1024 + (g + G / 2) * 64,
+                             _mm512_permutex2var_epi8(tab0, _mm512_ternarylogic_epi32(hi, low4, dig[d], 0xEA), tab1));
+        }
+      }
+    } else {  // digit d's bits as lane masks: q, 2q, 4q, ... added where the bit is set
+      const __m512i sc_off = _mm512_add_epi32(scv, _mm512_set1_epi32(D::OFF));
+      __mmask16 bit[D::ND * D::DS];
+      for (int i = 0; i < D::ND * D::DS; ++i) bit[i] = _mm512_test_epi32_mask(sc_off, _mm512_set1_epi32(1 << i));
+      VI q[G];
+      load_codes<BITS, B>(codes + bb * CODE_BYTES, 0, q);
+      for (int g = 0; g < G; ++g) {
+        VI mult[D::DS];  // bytes below 128
+        mult[0] = q[g];
+        for (int e = 1; e < D::DS; ++e) mult[e] = _mm512_add_epi8(mult[e - 1], mult[e - 1]);
+        for (int d = 0; d < D::ND; ++d) {  // q * digit d: no byte carries into the next (<= 189)
+          VI v = _mm512_maskz_mov_epi32(bit[d * D::DS], mult[0]);
+          for (int e = 1; e < D::DS; ++e) v = _mm512_mask_add_epi32(v, bit[d * D::DS + e], v, mult[e]);
+          _mm512_store_si512(dst + d * 1024 + g * 64, v);
+        }
+        if constexpr (D::OFF != 0) _mm512_store_si512(dst + D::ND * 1024 + g * 64, q[g]);
+      }
+    }
+  }
+}
+
+// Per output tile, superblock by superblock; the tile products of superblock s run while the planes of s + 1 are
+// built (two plane buffers), then their sums are stored and scaled into each row's float accumulator. The planes'
+// builder prefetches the codes PREFETCH_AHEAD down the stream as the vector kernel does (12-16 rows of Q4_K ~18%
+// faster, docs/benchmarks.md "q4 decode: the weight stream prefetched").
+template <int BITS, int B>
+void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int64_t sb, const Quantized& xq,
+               int64_t M, float* out, int64_t ldo) {
+  using D = Digits<BITS>;
+  constexpr int P = D::ND + (D::OFF ? 1 : 0);
+  const int64_t K = xq.q.size(1), nb = sb / B, step = superblock_bytes(BITS, sb, B);
+  const int64_t chunks = sb / 64, tile_bytes = nsb * step, nblocks = K / B;
+  const int rows = static_cast<int>(std::min<int64_t>(16, M));
+  const int8_t* xs = xq.q.data_ptr<int8_t>();
+  const float* as = xq.a.data_ptr<float>();
+  const int32_t* ps = xq.psum.data_ptr<int32_t>();
+  const __m512i tab0 = q4_table(0), tab1 = q4_table(1);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    configure_tiles(rows);
+    alignas(64) uint8_t planes[2][4 * P * 1024];
+    alignas(64) int32_t sums[P * 256];
+    std::vector<__m512> acc(M);
+    const uint8_t* end = w + t1 * tile_bytes;
+    auto ahead = [&](const uint8_t* at) { return at + PREFETCH_AHEAD < end ? at + PREFETCH_AHEAD : nullptr; };
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tile = w + t * tile_bytes;
+      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
+      build_planes<BITS, B>(tile, nb, planes[0], tab0, tab1, ahead(tile), step);
+      for (int64_t s = 0; s < nsb; ++s) {
+        const uint8_t* p = tile + s * step;
+        const int8_t* mn = reinterpret_cast<const int8_t*>(p + 128) + nb * TILE;
+        VI mn16[8];  // per pair of blocks: int16 pairs (mn_b0[j], mn_b1[j]) in lane j, as the vector kernel
+        for (int64_t bb = 0; bb < nb; bb += 2)
+          mn16[bb / 2] = _mm512_permutexvar_epi16(
+              pair_index(), _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + bb * TILE))));
+        const VF Dv = vf32(p), Mv = vf32(p + 64);
+        for (int64_t r0 = 0; r0 < M; r0 += 16) {
+          _tile_zero(0); _tile_zero(1);
+          if constexpr (P > 2) { _tile_zero(2); _tile_zero(3); }
+          if constexpr (P > 4) _tile_zero(4);
+          for (int64_t c = 0; c < chunks; ++c)
+            chunk_products<P>(xs + r0 * K + s * sb + c * 64, K, planes[s % 2] + c * P * 1024);
+          if (r0 == 0 && s + 1 < nsb)
+            build_planes<BITS, B>(p + step, nb, planes[(s + 1) % 2], tab0, tab1, ahead(p + step), step);
+          store_sums<P>(sums);
+          for (int64_t i = 0; i < std::min<int64_t>(16, M - r0); ++i) {
+            VI S = _mm512_load_si512(sums + i * 16);
+            for (int d = 1; d < D::ND; ++d)
+              S = _mm512_add_epi32(S, _mm512_slli_epi32(_mm512_load_si512(sums + d * 256 + i * 16), D::DS * d));
+            if constexpr (D::OFF != 0)
+              S = _mm512_sub_epi32(S, _mm512_slli_epi32(_mm512_load_si512(sums + D::ND * 256 + i * 16), 7));
+            VI N = vzero();
+            const int32_t* pr = ps + (r0 + i) * nblocks + s * nb;
+            for (int64_t bb = 0; bb < nb; bb += 2) {
+              const uint32_t pair = (static_cast<uint32_t>(pr[bb]) & 0xFFFFu) | (static_cast<uint32_t>(pr[bb + 1]) << 16);
+              N = _mm512_dpwssd_epi32(N, mn16[bb / 2], _mm512_set1_epi32(static_cast<int32_t>(pair)));
+            }
+            const VF ai = vfset(as[(r0 + i) * nsb + s]);
+            acc[r0 + i] = vfma(vfmul(Dv, ai), vcvt(S), acc[r0 + i]);
+            acc[r0 + i] = vfma(vfmul(Mv, ai), vcvt(N), acc[r0 + i]);
+          }
+        }
+      }
+      const int64_t cols = std::min<int64_t>(TILE, n_out - t * TILE);
+      for (int64_t i = 0; i < M; ++i) vstore(out + i * ldo + t * TILE, acc[i], cols);
+    }
+    _tile_release();
+  });
+}
+
+// ---- AMX, a tile product per block (Q4_K, Q6_K; a verify's rows): no planes ----
+// Each block (Q4_K: 32 codes, Q6_K: 16) x 16 outputs is one TDPBSUD of K = B whose B tile is the block's codes as
+// bytes in B / 4 rows (Q4_K: its 4 vectors of nibbles split, low nibbles rows 0..3, high 4..7; Q6_K: decode6's 4
+// vectors; both the VNNI layout the codes are stored in), giving the block's dot products (q . x)_b as int32 for up
+// to 16 rows at once; each row's S then takes sc_b * (q . x)_b on vectors (vpmulld: exact), the same int32 the
+// vector kernel sums, so the bits are the vector kernel's. Per block this costs the split, four tile instructions
+// and a multiply-add per row, where the vector kernel spends a dot product per 64 codes per row and the planes
+// several stores per 64 codes. Stages of 4 blocks run as a pipeline: the products of stage h are issued, then the
+// codes of h + 1 are split and the sums of h - 1 (stored one stage ago) are scaled, then h's sums are stored, so no
+// tile load waits on the stores just written and no vector load on the tile just stored (measured: without the
+// pipeline a 2-row call of the 1.5B's Q4_K gate_up took 1.28x its 1-row time, with it 1.11x).
+// Tiles 0, 1: the rows' codes (R x 32), 2, 3: a block's codes (8 x 64), 4..7: four blocks' sums (R x 16 int32).
+void configure_block_tiles(int rows, int block) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(t == 2 || t == 3 ? block / 4 : rows);
+    cfg.colsb[t] = static_cast<uint16_t>(t < 2 ? block : 64);
+  }
+  load_config(cfg);
+}
+
+template <int BITS>
+inline void split_block(const uint8_t* src, uint8_t* dst) {  // a block's codes -> B / 4 rows of bytes
+  if constexpr (BITS == 4) {  // 4 vectors of nibbles -> 8 rows
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < 4; ++g) {
+      const __m512i v = _mm512_loadu_si512(src + g * 64);
+      _mm512_store_si512(dst + g * 64, _mm512_and_si512(v, low4));
+      _mm512_store_si512(dst + (g + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+    }
+  } else {  // Q6_K: nibbles and crumbs -> 4 rows
+    VI w[4];
+    decode6(src, 0, w);
+    for (int g = 0; g < 4; ++g) _mm512_store_si512(dst + g * 64, w[g]);
+  }
+}
+
+// one block's product into sums tile C (the tile intrinsics take their tile numbers as literal tokens)
+#define BLOCK_PRODUCT(A, B, C, a, lda, b) \
+  do {                                    \
+    _tile_loadd(A, a, lda);               \
+    _tile_loadd(B, b, 64);                \
+    _tile_zero(C);                        \
+    _tile_dpbsud(C, A, B);                \
+  } while (0)
+
+struct BlockScratch {  // per thread: two halves' split codes and sums
+  alignas(64) uint8_t codes[2][4][512];
+  alignas(64) int32_t sums[2][4][16 * 16];
+};
+
+// Rows r0 .. r0 + NR through one output tile (tiles configured for NR rows, or 16 where the call has more). A stage
+// is 4 blocks: half a Q4_K superblock, a quarter of a Q6_K one.
+template <int BITS, int NR>
+void tile_blocks(const uint8_t* tile, int64_t nsb, const Quantized& xq, int64_t r0, float* out, int64_t ldo,
+                 int64_t cols, const uint8_t* end, BlockScratch& scr) {
+  constexpr int B = BITS == 4 ? 32 : 16, nb = 256 / B, STAGES = nb / 4;
+  constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
+  const int64_t K = xq.q.size(1), step = superblock_bytes(BITS, 256, B), nblocks = K / B;
+  const int64_t codes_at = meta_bytes(nb), share = lines_per_block(step, nb);
+  const int8_t* xs = xq.q.data_ptr<int8_t>() + r0 * K;
+  const float* as = xq.a.data_ptr<float>() + r0 * nsb;
+  const int32_t* ps = xq.psum.data_ptr<int32_t>() + r0 * nblocks;
+  auto split = [&](int64_t hh) {  // stage hh: superblock hh / STAGES, blocks 4 (hh % STAGES) .. + 3
+    const uint8_t* p = tile + (hh / STAGES) * step;
+    const int64_t part = hh % STAGES;
+    if (p + PREFETCH_AHEAD < end) prefetch_lines(p + PREFETCH_AHEAD, part * 4 * share, (part + 1) * 4 * share, step);
+    for (int j = 0; j < 4; ++j) split_block<BITS>(p + codes_at + (part * 4 + j) * CODE_BYTES, scr.codes[hh % 2][j]);
+  };
+  VF acc[NR];
+  VI S[NR];
+  for (int i = 0; i < NR; ++i) { acc[i] = vfzero(); S[i] = vzero(); }
+  split(0);
+  const int64_t stages = STAGES * nsb;
+  for (int64_t hh = 0; hh <= stages; ++hh) {
+    if (hh < stages) {  // this stage's products (its codes split one stage ago), then the next stage's split
+      const int8_t* xb = xs + hh * 4 * B;
+      uint8_t(*c)[512] = scr.codes[hh % 2];
+      BLOCK_PRODUCT(0, 2, 4, xb, K, c[0]);
+      BLOCK_PRODUCT(1, 3, 5, xb + B, K, c[1]);
+      BLOCK_PRODUCT(0, 2, 6, xb + 2 * B, K, c[2]);
+      BLOCK_PRODUCT(1, 3, 7, xb + 3 * B, K, c[3]);
+      if (hh + 1 < stages) split(hh + 1);
+    }
+    if (hh >= 1) {  // the last stage's sums into S; at a superblock's end, S and N into each row's float sum
+      const int64_t h1 = hh - 1, s = h1 / STAGES;
+      const uint8_t* p = tile + s * step;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(p + 128);
+      for (int j = 0; j < 4; ++j) {
+        const VI scv = vi8(sc + ((h1 % STAGES) * 4 + j) * TILE);
+        const int32_t* sums = scr.sums[h1 % 2][j];
+        for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vmul(_mm512_load_si512(sums + i * 16), scv));
+      }
+      if (h1 % STAGES == STAGES - 1) {  // as tile_rows: N = sum_b mn_b * psum_b, then the two terms in order
+        const int8_t* mn = sc + nb * TILE;
+        VI mn16[nb / 2];
+        for (int64_t bb = 0; bb < nb; bb += 2)
+          mn16[bb / 2] = _mm512_permutexvar_epi16(
+              pair_index(), _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + bb * TILE))));
+        const VF Dv = vf32(p), Mv = vf32(p + 64);
+        for (int i = 0; i < NR; ++i) {
+          const int32_t* pr = ps + i * nblocks + s * nb;
+          VI N = vzero();
+          for (int64_t bb = 0; bb < nb; bb += 2) {
+            const uint32_t pair = (static_cast<uint32_t>(pr[bb]) & 0xFFFFu) | (static_cast<uint32_t>(pr[bb + 1]) << 16);
+            N = _mm512_dpwssd_epi32(N, mn16[bb / 2], _mm512_set1_epi32(static_cast<int32_t>(pair)));
+          }
+          const VF ai = vfset(as[i * nsb + s]);
+          acc[i] = vfma(vfmul(Dv, ai), vcvt(S[i]), acc[i]);
+          acc[i] = vfma(vfmul(Mv, ai), vcvt(N), acc[i]);
+          S[i] = vzero();
+        }
+      }
+    }
+    if (hh < stages) {
+      _tile_stored(4, scr.sums[hh % 2][0], 64);
+      _tile_stored(5, scr.sums[hh % 2][1], 64);
+      _tile_stored(6, scr.sums[hh % 2][2], 64);
+      _tile_stored(7, scr.sums[hh % 2][3], 64);
+    }
+  }
+  for (int i = 0; i < NR; ++i) vstore(out + (r0 + i) * ldo, acc[i], cols);
+}
+
+// A K-format call on block tiles: per output tile, its rows 16 at a time (the tile's codes in L2 after the first 16)
+template <int BITS>
+void block_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, const Quantized& xq, int64_t M,
+                 float* out, int64_t ldo) {
+  constexpr int B = BITS == 4 ? 32 : 16;
+  const int64_t tile_bytes = nsb * superblock_bytes(BITS, 256, B);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    configure_block_tiles(static_cast<int>(std::min<int64_t>(16, M)), B);  // rows past M: the zero rows quantize_rows adds
+    BlockScratch scr;
+    const uint8_t* end = w + t1 * tile_bytes;
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tile = w + t * tile_bytes;
+      const int64_t cols = std::min<int64_t>(TILE, n_out - t * TILE);
+      float* o = out + t * TILE;
+      for (int64_t r0 = 0; r0 < M; r0 += 16) {
+        switch (std::min<int64_t>(16, M - r0)) {
+#define CASE(n) case n: tile_blocks<BITS, n>(tile, nsb, xq, r0, o, ldo, cols, end, scr); break;
+          CASE(16) CASE(15) CASE(14) CASE(13) CASE(12) CASE(11) CASE(10) CASE(9)
+          CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2)
+#undef CASE
+          default: tile_blocks<BITS, 1>(tile, nsb, xq, r0, o, ldo, cols, end, scr); break;
+        }
+      }
+    }
+    _tile_release();
+  });
+}
