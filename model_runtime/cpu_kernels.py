@@ -171,9 +171,11 @@ def describe() -> list[str]:
     from model_runtime.quant_kernels import describe as quant_describe
 
     lines.append(quant_describe())
+    from model_runtime.heap import describe as heap_describe
     from model_runtime.huge_pages import describe as pages_describe
 
     lines.append(pages_describe())
+    lines.append(heap_describe())
     return lines
 
 

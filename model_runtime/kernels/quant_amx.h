@@ -40,7 +40,7 @@ bool amx_enable() { return syscall(SYS_arch_prctl, 0x1023 /*ARCH_REQ_XCOMP_PERM*
 // block tiles take a verify's rows and the planes prompts. Measured on Sapphire Rapids (docs/benchmarks.md, "q4
 // verify rows on AMX block tiles"); SPECSERVE_Q4_AMX_MIN_ROWS overrides the first pair.
 int64_t g_amx_min_rows[2] = {8, 9};
-int64_t g_amx_plane_rows[2] = {17, 64};
+int64_t g_amx_plane_rows[2] = {33, 128};
 
 template <int BITS> struct Digits;
 template <> struct Digits<4> { static constexpr int DS = 3, ND = 2, OFF = 0; };    // Q4_K: sc in [0, 63]
@@ -256,106 +256,131 @@ inline void split_block(const uint8_t* src, uint8_t* dst) {  // a block's codes 
     _tile_dpbsud(C, A, B);                \
   } while (0)
 
-struct BlockScratch {  // per thread: two halves' split codes and sums
+struct BlockScratch {  // per thread: two stages' split codes, and their sums per chunk of 16 rows
   alignas(64) uint8_t codes[2][4][512];
-  alignas(64) int32_t sums[2][4][16 * 16];
+  alignas(64) int32_t sums[2][2][4][16 * 16];
 };
 
-// Rows r0 .. r0 + NR through one output tile (tiles configured for NR rows, or 16 where the call has more). A stage
-// is 4 blocks: half a Q4_K superblock, a quarter of a Q6_K one.
-template <int BITS, int NR>
-void tile_blocks(const uint8_t* tile, int64_t nsb, const Quantized& xq, int64_t r0, float* out, int64_t ldo,
-                 int64_t cols, const uint8_t* end, BlockScratch& scr) {
-  constexpr int B = BITS == 4 ? 32 : 16, nb = 256 / B, STAGES = nb / 4;
+// Rows r0 .. r0 + NR (NR <= 32) through one output tile, in one or two chunks of CS rows (the tiles' rows; rows
+// past the call's are quantize_rows' zero rows, their sums never stored: `real` rows are). A stage is 4 blocks: half a
+// Q4_K superblock, a quarter of a Q6_K one; each stage's codes are split once for both chunks.
+template <int BITS, int NR, int CS>
+void tile_blocks(const uint8_t* tile, int64_t nsb, const Quantized& xq, int64_t r0, int64_t real, float* out,
+                 int64_t ldo, int64_t cols, const uint8_t* end, BlockScratch& scr) {
+  static_assert(NR >= 1 && CS <= 16 && NR <= 2 * CS, "one or two chunks of at most 16 rows");
+  constexpr int B = BITS == 4 ? 32 : 16, nb = 256 / B, STAGES = nb / 4, CHUNKS = (NR + CS - 1) / CS;
   constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
   const int64_t K = xq.q.size(1), step = superblock_bytes(BITS, 256, B), nblocks = K / B;
   const int64_t codes_at = meta_bytes(nb), share = lines_per_block(step, nb);
   const int8_t* xs = xq.q.data_ptr<int8_t>() + r0 * K;
   const float* as = xq.a.data_ptr<float>() + r0 * nsb;
   const int32_t* ps = xq.psum.data_ptr<int32_t>() + r0 * nblocks;
+  const int64_t stages = STAGES * nsb;
   auto split = [&](int64_t hh) {  // stage hh: superblock hh / STAGES, blocks 4 (hh % STAGES) .. + 3
     const uint8_t* p = tile + (hh / STAGES) * step;
     const int64_t part = hh % STAGES;
     if (p + PREFETCH_AHEAD < end) prefetch_lines(p + PREFETCH_AHEAD, part * 4 * share, (part + 1) * 4 * share, step);
     for (int j = 0; j < 4; ++j) split_block<BITS>(p + codes_at + (part * 4 + j) * CODE_BYTES, scr.codes[hh % 2][j]);
   };
+  auto products = [&](int64_t hh, int c) {  // stage hh's products for chunk c (its codes split one stage ago)
+    const int8_t* xb = xs + c * CS * K + hh * 4 * B;
+    uint8_t(*cd)[512] = scr.codes[hh % 2];
+    BLOCK_PRODUCT(0, 2, 4, xb, K, cd[0]);
+    BLOCK_PRODUCT(1, 3, 5, xb + B, K, cd[1]);
+    BLOCK_PRODUCT(0, 2, 6, xb + 2 * B, K, cd[2]);
+    BLOCK_PRODUCT(1, 3, 7, xb + 3 * B, K, cd[3]);
+  };
+  auto store = [&](int64_t hh, int c) {
+    _tile_stored(4, scr.sums[hh % 2][c][0], 64);
+    _tile_stored(5, scr.sums[hh % 2][c][1], 64);
+    _tile_stored(6, scr.sums[hh % 2][c][2], 64);
+    _tile_stored(7, scr.sums[hh % 2][c][3], 64);
+  };
   VF acc[NR];
   VI S[NR];
   for (int i = 0; i < NR; ++i) { acc[i] = vfzero(); S[i] = vzero(); }
+  // stage h1's sums (stored one stage ago) into chunk C's S; at a superblock's end, S and N into its float sums
+  auto scale = [&](int64_t h1, auto chunk) {
+    constexpr int C = decltype(chunk)::value, LO = CS * C, HI = NR < CS * (C + 1) ? NR : CS * (C + 1);
+    const int64_t s = h1 / STAGES;
+    const uint8_t* p = tile + s * step;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 128);
+    for (int j = 0; j < 4; ++j) {
+      const VI scv = vi8(sc + ((h1 % STAGES) * 4 + j) * TILE);
+      const int32_t* sums = scr.sums[h1 % 2][C][j];
+      for (int i = LO; i < HI; ++i) S[i] = vadd(S[i], vmul(_mm512_load_si512(sums + (i - LO) * 16), scv));
+    }
+    if (h1 % STAGES != STAGES - 1) return;
+    const int8_t* mn = sc + nb * TILE;  // as tile_rows: N = sum_b mn_b * psum_b, then the two terms in order
+    VI mn16[nb / 2];
+    for (int64_t bb = 0; bb < nb; bb += 2)
+      mn16[bb / 2] = _mm512_permutexvar_epi16(
+          pair_index(), _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + bb * TILE))));
+    const VF Dv = vf32(p), Mv = vf32(p + 64);
+    for (int i = LO; i < HI; ++i) {
+      const int32_t* pr = ps + i * nblocks + s * nb;
+      VI N = vzero();
+      for (int64_t bb = 0; bb < nb; bb += 2) {
+        const uint32_t pair = (static_cast<uint32_t>(pr[bb]) & 0xFFFFu) | (static_cast<uint32_t>(pr[bb + 1]) << 16);
+        N = _mm512_dpwssd_epi32(N, mn16[bb / 2], _mm512_set1_epi32(static_cast<int32_t>(pair)));
+      }
+      const VF ai = vfset(as[i * nsb + s]);
+      acc[i] = vfma(vfmul(Dv, ai), vcvt(S[i]), acc[i]);
+      acc[i] = vfma(vfmul(Mv, ai), vcvt(N), acc[i]);
+      S[i] = vzero();
+    }
+  };
   split(0);
-  const int64_t stages = STAGES * nsb;
-  for (int64_t hh = 0; hh <= stages; ++hh) {
-    if (hh < stages) {  // this stage's products (its codes split one stage ago), then the next stage's split
-      const int8_t* xb = xs + hh * 4 * B;
-      uint8_t(*c)[512] = scr.codes[hh % 2];
-      BLOCK_PRODUCT(0, 2, 4, xb, K, c[0]);
-      BLOCK_PRODUCT(1, 3, 5, xb + B, K, c[1]);
-      BLOCK_PRODUCT(0, 2, 6, xb + 2 * B, K, c[2]);
-      BLOCK_PRODUCT(1, 3, 7, xb + 3 * B, K, c[3]);
+  for (int64_t hh = 0; hh <= stages; ++hh) {  // each chunk: products, then the last stage's scaling, then the store
+    if (hh < stages) {
+      products(hh, 0);
       if (hh + 1 < stages) split(hh + 1);
     }
-    if (hh >= 1) {  // the last stage's sums into S; at a superblock's end, S and N into each row's float sum
-      const int64_t h1 = hh - 1, s = h1 / STAGES;
-      const uint8_t* p = tile + s * step;
-      const int8_t* sc = reinterpret_cast<const int8_t*>(p + 128);
-      for (int j = 0; j < 4; ++j) {
-        const VI scv = vi8(sc + ((h1 % STAGES) * 4 + j) * TILE);
-        const int32_t* sums = scr.sums[h1 % 2][j];
-        for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vmul(_mm512_load_si512(sums + i * 16), scv));
-      }
-      if (h1 % STAGES == STAGES - 1) {  // as tile_rows: N = sum_b mn_b * psum_b, then the two terms in order
-        const int8_t* mn = sc + nb * TILE;
-        VI mn16[nb / 2];
-        for (int64_t bb = 0; bb < nb; bb += 2)
-          mn16[bb / 2] = _mm512_permutexvar_epi16(
-              pair_index(), _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + bb * TILE))));
-        const VF Dv = vf32(p), Mv = vf32(p + 64);
-        for (int i = 0; i < NR; ++i) {
-          const int32_t* pr = ps + i * nblocks + s * nb;
-          VI N = vzero();
-          for (int64_t bb = 0; bb < nb; bb += 2) {
-            const uint32_t pair = (static_cast<uint32_t>(pr[bb]) & 0xFFFFu) | (static_cast<uint32_t>(pr[bb + 1]) << 16);
-            N = _mm512_dpwssd_epi32(N, mn16[bb / 2], _mm512_set1_epi32(static_cast<int32_t>(pair)));
-          }
-          const VF ai = vfset(as[i * nsb + s]);
-          acc[i] = vfma(vfmul(Dv, ai), vcvt(S[i]), acc[i]);
-          acc[i] = vfma(vfmul(Mv, ai), vcvt(N), acc[i]);
-          S[i] = vzero();
-        }
-      }
-    }
-    if (hh < stages) {
-      _tile_stored(4, scr.sums[hh % 2][0], 64);
-      _tile_stored(5, scr.sums[hh % 2][1], 64);
-      _tile_stored(6, scr.sums[hh % 2][2], 64);
-      _tile_stored(7, scr.sums[hh % 2][3], 64);
+    if (hh >= 1) scale(hh - 1, std::integral_constant<int, 0>{});
+    if (hh < stages) store(hh, 0);
+    if constexpr (CHUNKS == 2) {
+      if (hh < stages) products(hh, 1);
+      if (hh >= 1) scale(hh - 1, std::integral_constant<int, 1>{});
+      if (hh < stages) store(hh, 1);
     }
   }
-  for (int i = 0; i < NR; ++i) vstore(out + (r0 + i) * ldo, acc[i], cols);
+  for (int i = 0; i < NR; ++i)
+    if (i < real) vstore(out + (r0 + i) * ldo, acc[i], cols);
 }
 
-// A K-format call on block tiles: per output tile, its rows 16 at a time (the tile's codes in L2 after the first 16)
+// A K-format call on block tiles, per output tile: up to 32 rows in one pass as two chunks of (M + 1) / 2 rows; more
+// 32 at a time as chunks of 16 (the tile's codes in L2 after the first pass). Every call's tiles have one shape.
+int64_t block_chunk_rows(int64_t M) { return M <= 16 ? M : M <= 32 ? (M + 1) / 2 : 16; }
+int64_t block_padded_rows(int64_t M) { return M <= 16 ? M : (M + block_chunk_rows(M) - 1) / block_chunk_rows(M) * block_chunk_rows(M); }
+
 template <int BITS>
 void block_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, const Quantized& xq, int64_t M,
                  float* out, int64_t ldo) {
   constexpr int B = BITS == 4 ? 32 : 16;
-  const int64_t tile_bytes = nsb * superblock_bytes(BITS, 256, B);
+  const int64_t tile_bytes = nsb * superblock_bytes(BITS, 256, B), cs = block_chunk_rows(M);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    configure_block_tiles(static_cast<int>(std::min<int64_t>(16, M)), B);  // rows past M: the zero rows quantize_rows adds
+    configure_block_tiles(static_cast<int>(cs), B);
     BlockScratch scr;
     const uint8_t* end = w + t1 * tile_bytes;
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tile = w + t * tile_bytes;
       const int64_t cols = std::min<int64_t>(TILE, n_out - t * TILE);
       float* o = out + t * TILE;
-      for (int64_t r0 = 0; r0 < M; r0 += 16) {
-        switch (std::min<int64_t>(16, M - r0)) {
-#define CASE(n) case n: tile_blocks<BITS, n>(tile, nsb, xq, r0, o, ldo, cols, end, scr); break;
-          CASE(16) CASE(15) CASE(14) CASE(13) CASE(12) CASE(11) CASE(10) CASE(9)
-          CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2)
-#undef CASE
-          default: tile_blocks<BITS, 1>(tile, nsb, xq, r0, o, ldo, cols, end, scr); break;
+      if (M > 32) {  // 32 rows a pass (the last one's padding rows zero)
+        for (int64_t r0 = 0; r0 < M; r0 += 32) {
+          const int64_t real = std::min<int64_t>(32, M - r0);
+          if (real > 16) tile_blocks<BITS, 32, 16>(tile, nsb, xq, r0, real, o, ldo, cols, end, scr);
+          else tile_blocks<BITS, 16, 16>(tile, nsb, xq, r0, real, o, ldo, cols, end, scr);
         }
+        continue;
+      }
+      switch (M) {
+#define CASE(n) case n: tile_blocks<BITS, n, (n <= 16 ? n : (n + 1) / 2)>(tile, nsb, xq, 0, n, o, ldo, cols, end, scr); break;
+        CASE(32) CASE(31) CASE(30) CASE(29) CASE(28) CASE(27) CASE(26) CASE(25) CASE(24) CASE(23) CASE(22)
+        CASE(21) CASE(20) CASE(19) CASE(18) CASE(17) CASE(16) CASE(15) CASE(14) CASE(13) CASE(12) CASE(11)
+        CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2)
+#undef CASE
+        default: tile_blocks<BITS, 1, 1>(tile, nsb, xq, 0, 1, o, ldo, cols, end, scr); break;
       }
     }
     _tile_release();

@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "quant_ops.h"
@@ -71,7 +72,7 @@ struct Quantized {
 // every superblock's max first (independent chains): the scalar narrowing and sums with one max chain per
 // superblock took ~40 us of an 8-row call at K = 8960 (the 1.5B's down projection) on one thread before the tiles'
 // parallel loop, this ~10 us.
-// codes: M rows, and zero rows up to `rows` (the tiles read 16 rows at a time)
+// codes, scales and sums: M rows, and zero rows up to `rows` (the tiles read whole chunks of rows)
 inline int32_t hsum8(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -82,7 +83,8 @@ inline int32_t hsum8(__m256i v) {
 Quantized quantize_rows(const torch::Tensor& x, int64_t sb, int64_t b, int64_t rows) {
   const int64_t M = x.size(0), K = x.size(1);
   Quantized r{rows > M ? torch::zeros({rows, K}, torch::kInt8) : torch::empty({M, K}, torch::kInt8),
-              torch::empty({M, K / sb}, torch::kFloat), torch::empty({M, K / b}, torch::kInt)};
+              rows > M ? torch::zeros({rows, K / sb}, torch::kFloat) : torch::empty({M, K / sb}, torch::kFloat),
+              rows > M ? torch::zeros({rows, K / b}, torch::kInt) : torch::empty({M, K / b}, torch::kInt)};
   const float* xs = x.data_ptr<float>();
   int8_t* qs = r.q.data_ptr<int8_t>();
   float* as = r.a.data_ptr<float>();
@@ -570,8 +572,9 @@ void quant_linear_into(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t 
 #ifdef __AMX_INT8__
   const int kf = bits == 4 && b == 32 ? 0 : bits == 6 && b == 16 ? 1 : -1;  // Q4_K, Q6_K
   if (sb == 256 && kf >= 0 && M >= g_amx_min_rows[kf]) {
-    const Quantized xq = quantize_rows(x, sb, b, M > 16 ? (M + 15) / 16 * 16 : M);
-    if (M < g_amx_plane_rows[kf]) {
+    const bool blocks = M < g_amx_plane_rows[kf];
+    const Quantized xq = quantize_rows(x, sb, b, blocks ? block_padded_rows(M) : M > 16 ? (M + 15) / 16 * 16 : M);
+    if (blocks) {
       if (kf == 0) block_tiles<4>(wp, tiles, n_out, nsb, xq, M, o, out.stride(0));
       else block_tiles<6>(wp, tiles, n_out, nsb, xq, M, o, out.stride(0));
     } else if (kf == 0) {

@@ -110,7 +110,7 @@ def test_amx_tiles_give_the_vector_kernels_bits_at_every_row_count(name: str, ke
     amx.set_amx_min_rows(1, 1)
     amx.set_amx_plane_rows(*((1000, 1000) if kernel == "blocks" else (1, 1)))
     try:
-        for rows in (1, 2, 3, 8, 9, 15, 16, 17, 31, 33, 50, 64, 70):
+        for rows in (1, 2, 3, 8, 9, 15, 16, 17, 31, 32, 33, 50, 64, 70):
             assert torch.equal(run(amx, a, packed, x[:rows]), expected[:rows]), rows
     finally:
         amx.set_amx_min_rows(*quant_kernels.amx_min_rows())
