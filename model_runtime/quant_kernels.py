@@ -114,4 +114,8 @@ def describe() -> str:
     module = active()
     chosen = module.isa() if module is not None else "none"
     why = "; ".join(f"{isa}: {'built' if status(isa) == isa else status(isa)}" for isa in ISAS)
-    return f"quantized linears (--dtype q4): {chosen} ({why})"
+    tiles = ""
+    if chosen == "amx":
+        (q4k, q6k), (p4k, p6k) = amx_min_rows(), AMX_PLANE_ROWS
+        tiles = f"; Q4_K / Q6_K on AMX block tiles from {q4k} / {q6k} rows, on planes from {p4k} / {p6k}"
+    return f"quantized linears (--dtype q4): {chosen} ({why}{tiles})"
