@@ -128,3 +128,13 @@ def test_amx_min_rows_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
             quant_kernels.amx_min_rows()
     monkeypatch.delenv("SPECSERVE_Q4_AMX_MIN_ROWS")
     assert quant_kernels.amx_min_rows() == quant_kernels.AMX_MIN_ROWS
+
+
+@pytest.mark.skipif(not quant_kernels.cpu_has("amx"), reason="this CPU has no AMX")
+def test_describe_says_where_the_tiles_take_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    if quant_kernels.active() is None or quant_kernels.active().isa() != "amx":
+        pytest.skip(quant_kernels.describe())
+    line = quant_kernels.describe()
+    assert "block tiles from 8 / 9 rows, on planes from 33 / 128" in line
+    monkeypatch.setenv("SPECSERVE_Q4_AMX_MIN_ROWS", "4,5")
+    assert "block tiles from 4 / 5 rows" in quant_kernels.describe()
