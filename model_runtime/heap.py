@@ -14,7 +14,6 @@ Owner of `_STATE`: this module (written once per process by `keep_large_allocati
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger(__name__)
@@ -30,8 +29,7 @@ def keep_large_allocations() -> str:
     if "result" in _STATE:
         return _STATE["result"]
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own symbols: libc's where it is glibc
     except (OSError, AttributeError):
         _STATE["result"] = "unchanged: no glibc mallopt here"
         return _STATE["result"]
