@@ -14,9 +14,6 @@ Owner of `_STATE`: this module (written once per process by `keep_large_allocati
 from __future__ import annotations
 
 import ctypes
-import logging
-
-log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)

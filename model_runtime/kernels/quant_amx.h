@@ -170,9 +170,7 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
         const uint8_t* p = tile + s * step;
         const int8_t* mn = reinterpret_cast<const int8_t*>(p + 128) + nb * TILE;
         VI mn16[8];  // per pair of blocks: int16 pairs (mn_b0[j], mn_b1[j]) in lane j, as the vector kernel
-        for (int64_t bb = 0; bb < nb; bb += 2)
-          mn16[bb / 2] = _mm512_permutexvar_epi16(
-              pair_index(), _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + bb * TILE))));
+        for (int64_t bb = 0; bb < nb; bb += 2) mn16[bb / 2] = min_pair(mn + bb * TILE);
         const VF Dv = vf32(p), Mv = vf32(p + 64);
         for (int64_t r0 = 0; r0 < M; r0 += 16) {
           _tile_zero(0); _tile_zero(1);
@@ -191,10 +189,7 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
               S = _mm512_sub_epi32(S, _mm512_slli_epi32(_mm512_load_si512(sums + D::ND * 256 + i * 16), 7));
             VI N = vzero();
             const int32_t* pr = ps + (r0 + i) * nblocks + s * nb;
-            for (int64_t bb = 0; bb < nb; bb += 2) {
-              const uint32_t pair = (static_cast<uint32_t>(pr[bb]) & 0xFFFFu) | (static_cast<uint32_t>(pr[bb + 1]) << 16);
-              N = _mm512_dpwssd_epi32(N, mn16[bb / 2], _mm512_set1_epi32(static_cast<int32_t>(pair)));
-            }
+            for (int64_t bb = 0; bb < nb; bb += 2) N = add_min_pair(N, mn16[bb / 2], pr + bb);
             const VF ai = vfset(as[(r0 + i) * nsb + s]);
             acc[r0 + i] = vfma(vfmul(Dv, ai), vcvt(S), acc[r0 + i]);
             acc[r0 + i] = vfma(vfmul(Mv, ai), vcvt(N), acc[r0 + i]);
@@ -232,19 +227,11 @@ void configure_block_tiles(int rows, int block) {
 }
 
 template <int BITS>
-inline void split_block(const uint8_t* src, uint8_t* dst) {  // a block's codes -> B / 4 rows of bytes
-  if constexpr (BITS == 4) {  // 4 vectors of nibbles -> 8 rows
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    for (int g = 0; g < 4; ++g) {
-      const __m512i v = _mm512_loadu_si512(src + g * 64);
-      _mm512_store_si512(dst + g * 64, _mm512_and_si512(v, low4));
-      _mm512_store_si512(dst + (g + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
-    }
-  } else {  // Q6_K: nibbles and crumbs -> 4 rows
-    VI w[4];
-    decode6(src, 0, w);
-    for (int g = 0; g < 4; ++g) _mm512_store_si512(dst + g * 64, w[g]);
-  }
+inline void split_block(const uint8_t* src, uint8_t* dst) {  // a block's codes -> B / 4 rows of bytes, as decoded
+  constexpr int B = BITS == 4 ? 32 : 16;
+  VI w[B / 4];
+  load_codes<BITS, B>(src, 0, w);
+  for (int g = 0; g < B / 4; ++g) _mm512_store_si512(dst + g * 64, w[g]);
 }
 
 // one block's product into sums tile C (the tile intrinsics take their tile numbers as literal tokens)
@@ -313,17 +300,12 @@ void tile_blocks(const uint8_t* tile, int64_t nsb, const Quantized& xq, int64_t 
     if (h1 % STAGES != STAGES - 1) return;
     const int8_t* mn = sc + nb * TILE;  // as tile_rows: N = sum_b mn_b * psum_b, then the two terms in order
     VI mn16[nb / 2];
-    for (int64_t bb = 0; bb < nb; bb += 2)
-      mn16[bb / 2] = _mm512_permutexvar_epi16(
-          pair_index(), _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + bb * TILE))));
+    for (int64_t bb = 0; bb < nb; bb += 2) mn16[bb / 2] = min_pair(mn + bb * TILE);
     const VF Dv = vf32(p), Mv = vf32(p + 64);
     for (int i = LO; i < HI; ++i) {
       const int32_t* pr = ps + i * nblocks + s * nb;
       VI N = vzero();
-      for (int64_t bb = 0; bb < nb; bb += 2) {
-        const uint32_t pair = (static_cast<uint32_t>(pr[bb]) & 0xFFFFu) | (static_cast<uint32_t>(pr[bb + 1]) << 16);
-        N = _mm512_dpwssd_epi32(N, mn16[bb / 2], _mm512_set1_epi32(static_cast<int32_t>(pair)));
-      }
+      for (int64_t bb = 0; bb < nb; bb += 2) N = add_min_pair(N, mn16[bb / 2], pr + bb);
       const VF ai = vfset(as[i * nsb + s]);
       acc[i] = vfma(vfmul(Dv, ai), vcvt(S[i]), acc[i]);
       acc[i] = vfma(vfmul(Mv, ai), vcvt(N), acc[i]);

@@ -166,6 +166,17 @@ inline VI pair_index() {  // 16-bit lanes 2j, 2j+1 <- j, 16 + j
   return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 }
+// the mins of blocks b, b + 1 (at mn, TILE apart) as int16 pairs (mn_b[j], mn_b+1[j]) in lane j
+inline VI min_pair(const int8_t* mn) {
+  return _mm512_permutexvar_epi16(pair_index(),
+                                  _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn))));
+}
+// N + mn_b * psum_b + mn_b+1 * psum_b+1 for one row (ps: its sums of codes of blocks b, b + 1; |psum| <= 32 * 127,
+// an int16): one pair product
+inline VI add_min_pair(VI N, VI pair_of_mins, const int32_t* ps) {
+  const uint32_t pair = (static_cast<uint32_t>(ps[0]) & 0xFFFFu) | (static_cast<uint32_t>(ps[1]) << 16);
+  return _mm512_dpwssd_epi32(N, pair_of_mins, _mm512_set1_epi32(static_cast<int32_t>(pair)));
+}
 inline VI vadd(VI a, VI b) { return _mm512_add_epi32(a, b); }
 inline VI vmul(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
 inline VI vset(int32_t x) { return _mm512_set1_epi32(x); }
@@ -401,13 +412,8 @@ void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float
       for (int64_t bb = 0; bb < nb; bb += 2) {  // nb is even in the K formats
         // the mins: N += mn_b * psum_b for the two blocks
 #ifdef __AVX512VNNI__
-        const VI mn16 = _mm512_permutexvar_epi16(  // int16 pairs (mn_b0[j], mn_b1[j]) in lane j
-            pair_index(), _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + bb * TILE))));
-        for (int i = 0; i < NR; ++i) {
-          const int32_t* ps = x.psum + i * x.nblocks + blk0 + bb;  // |psum| <= 32 * 127: int16
-          const uint32_t pair = (static_cast<uint32_t>(ps[0]) & 0xFFFFu) | (static_cast<uint32_t>(ps[1]) << 16);
-          N[i] = _mm512_dpwssd_epi32(N[i], mn16, _mm512_set1_epi32(static_cast<int32_t>(pair)));
-        }
+        const VI mn16 = min_pair(mn + bb * TILE);
+        for (int i = 0; i < NR; ++i) N[i] = add_min_pair(N[i], mn16, x.psum + i * x.nblocks + blk0 + bb);
 #else
         for (int e = 0; e < 2; ++e) {
           const VI mnv = vi8(mn + (bb + e) * TILE + LANES * h);
@@ -489,17 +495,14 @@ void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, floa
       const VF Dv = vf32(p + 4 * LANES * h), Mv = vf32(p + 64 + 4 * LANES * h);
 #ifdef __AVX512VNNI__
       VI mn16[8];  // per pair of blocks: int16 pairs (mn_b0[j], mn_b1[j]) in lane j
-      for (int64_t bb = 0; bb < nb; bb += 2)  // nb is even in the K formats, at most 16
-        mn16[bb / 2] = _mm512_permutexvar_epi16(
-            pair_index(), _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + bb * TILE))));
+      for (int64_t bb = 0; bb < nb; bb += 2) mn16[bb / 2] = min_pair(mn + bb * TILE);  // nb even, at most 16
 #endif
       for (int i = 0; i < NR; ++i) {
         const int32_t* ps = x.psum + i * x.nblocks + blk0;  // |psum| <= 32 * 127: int16
         VI N = vzero();
         for (int64_t bb = 0; bb < nb; bb += 2) {
 #ifdef __AVX512VNNI__
-          const uint32_t pair = (static_cast<uint32_t>(ps[bb]) & 0xFFFFu) | (static_cast<uint32_t>(ps[bb + 1]) << 16);
-          N = _mm512_dpwssd_epi32(N, mn16[bb / 2], _mm512_set1_epi32(static_cast<int32_t>(pair)));
+          N = add_min_pair(N, mn16[bb / 2], ps + bb);
 #else
           N = vadd(N, vmul(vi8(mn + bb * TILE + LANES * h), vset(ps[bb])));
           N = vadd(N, vmul(vi8(mn + (bb + 1) * TILE + LANES * h), vset(ps[bb + 1])));
