@@ -8,6 +8,9 @@ Faster Inference of Language Models with Dynamic Draft Trees"): the tree branche
                  score(parent) * q(child): the draft's probability of the whole path
     result       the `budget` best-scored nodes of every level (a parent scores at least its children, so the
                  selection is a tree), ordered by level, siblings by q: the proposer's rank order
+    stop         with the item's `stop_below` (auto, greedy; as a chain's), no level is fed whose best path the
+                 draft gives less than that probability: the nodes below it would rarely be accepted, and each
+                 level costs a draft step. The tree keeps the level it has (its siblings are where a tree pays).
 
 The children of a node are its q's top choices, a function of the context and not random draws, so the verifier
 accepts them with the deterministic-sibling rule (verifier_service/tree_contracts.py): exact whatever q is, and
@@ -62,6 +65,11 @@ class DraftTree:
         """The `tree_width` best-scored candidates of `depth`, to be expanded."""
         level = [i for i, c in enumerate(self.candidates) if c.depth == depth]
         return sorted(level, key=lambda i: (-self.candidates[i].score, i))[:self.item.tree_width]
+
+    def sure_enough(self, frontier: list[int]) -> bool:
+        """Whether `frontier` is worth a level: its best path at least the item's `stop_below` (0: always)."""
+        stop = self.item.stop_below
+        return stop <= 0.0 or max((self.candidates[i].score for i in frontier), default=0.0) >= stop
 
     def step_input(self, frontier: list[int]) -> SeqInput:
         """Feed every node fed so far plus `frontier` (its rows last), each after the catch-up and its ancestors."""

@@ -1,6 +1,7 @@
 """DraftWorker: runs the draft model autoregressively for k steps per request, batched across the
 round's requests, and returns the draft tokens with their transformed probabilities q. A greedy chain with
-`stop_below` ends after a draft the model gives less than that probability (1..k drafts).
+`stop_below` ends after a draft the model gives less than that probability (1..k drafts); a greedy tree with it
+feeds no level whose best path the model gives less (1..k levels; draft_tree.py).
 Owner of the draft model's KV pool (draft namespace; its blocks are granted by the KV manager).
 
 Draft cache after a round with k drafts x_1..x_k: the catch-up tokens and x_1..x_{k-1} have KV;
@@ -49,7 +50,7 @@ class DraftWorker:
         probs: dict[str, list[torch.Tensor]] = {item.request_id: [] for item in batch.items}
         trees = {item.request_id: DraftTree(item) for item in batch.items if item.tree_nodes}
         frontiers: dict[str, list[int]] = {}
-        stopped: set[str] = set()  # greedy chains that ended early (item.stop_below)
+        stopped: set[str] = set()  # greedy chains and trees that ended early (item.stop_below)
         copies = [pair for item in batch.items for pair in item.copy_blocks]
         for step in range(max((item.k for item in batch.items), default=0)):
             active, inputs = [], []
@@ -62,6 +63,9 @@ class DraftWorker:
                 else:  # level step + 1 of its tree: the best nodes of level `step` are fed
                     frontiers[item.request_id] = tree.frontier(step)
                     if not frontiers[item.request_id]:
+                        continue
+                    if not tree.sure_enough(frontiers[item.request_id]):
+                        stopped.add(item.request_id)  # its deeper levels would rarely be accepted
                         continue
                     inputs.append(tree.step_input(frontiers[item.request_id]))
                 active.append(item)

@@ -181,6 +181,7 @@ class SpecBench:
                 tally.policy_reasons[reason] = tally.policy_reasons.get(reason, 0) + 1
         tally.add(prompts[0].category if len(prompts) == 1 else None, tokens, wall)
         stats = engine.stats()
+        tally.add_stops(stats)
         split = {"draft": stats["draft_seconds"], "verify": stats["verify_seconds"],
                  "reconcile": stats["reconcile_seconds"]}
         split["plan_other"] = stats["round_seconds"] - sum(split.values())

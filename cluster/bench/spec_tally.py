@@ -21,6 +21,14 @@ class Tally:
     outputs: dict[str, list[int]] = field(default_factory=dict)  # prompt id -> output token ids
     loadavg: list[float] = field(default_factory=list)
     policy_reasons: dict[str, int] = field(default_factory=dict)  # why k was chosen, per request change
+    # greedy draft-model chains and trees that could stop at an unsure draft, and those that did (engine stats)
+    draft_stops: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add_stops(self, stats: dict[str, Any]) -> None:
+        for kind in ("chains", "trees"):
+            cell = self.draft_stops.setdefault(kind, {"may_stop": 0, "stopped": 0})
+            for key in cell:
+                cell[key] += int(stats.get(f"draft_{kind}", {}).get(key, 0))
 
     def add(self, category: str | None, tokens: int, seconds: float) -> None:
         self.output_tokens += tokens
@@ -40,6 +48,8 @@ class Tally:
         }
         if self.policy_reasons:
             out["policy_reasons"] = dict(self.policy_reasons)
+        if any(cell["may_stop"] for cell in self.draft_stops.values()):
+            out["draft_stops"] = {kind: dict(cell) for kind, cell in self.draft_stops.items()}
         if self.acceptance.rounds:
             out["acceptance"] = self.acceptance.to_dict()
             for cat, acc in self.acceptance_by_category.items():

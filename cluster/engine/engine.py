@@ -48,6 +48,7 @@ from cluster.engine.request_state import RequestState, new_request_state
 from cluster.engine.round_plan import (
     RoundPlan,
     draft_slots,
+    drafted_steps,
     invalid_drafts,
     plain,
     plain_proposed,
@@ -313,17 +314,16 @@ class SpecEngine:
             return plain_proposed(plans, "drafter replaced: re-prefilling its cache")
         by_id = {o.request_id: o for o in result.outputs}
         if all(len(p.draft_pending) <= 2 for p in model_plans):  # a catch-up prefill is not a draft step
-            # the steps the drafter ran: a chain that may stop early ran as many as it drafted
-            steps = max(max(1, len(by_id[p.request_id].draft_ids)) if p.draft_stop_below > 0 and p.request_id in by_id
-                        else p.k for p in model_plans)
+            steps = max(drafted_steps(p, by_id.get(p.request_id)) for p in model_plans)  # chains may stop early
             self.cost.observe_draft(steps, result.seconds, tree=any(p.tree_budget for p in model_plans))
         refusal = invalid_drafts(model_plans, by_id, self.vocab_size)
         if refusal is not None:  # never trusted: the drafter is treated as failed, this round decodes plainly
             return self.drafter_failed(plans, InvalidDrafts(refusal), "fallback: drafter returned invalid drafts")
-        for p in model_plans:  # chains that may stop early (draft_stop_below), and those that did
+        for p in model_plans:  # chains and trees that may stop early (draft_stop_below), and those that did
             if p.draft_stop_below > 0:
-                self.totals["draft_chains_may_stop"] += 1
-                self.totals["draft_chains_stopped"] += len(by_id[p.request_id].draft_ids) < p.k
+                kind = "trees" if p.tree_budget else "chains"
+                self.totals[f"draft_{kind}_may_stop"] += 1
+                self.totals[f"draft_{kind}_stopped"] += drafted_steps(p, by_id[p.request_id]) < p.k
         return [with_drafts(p, by_id[p.request_id].draft_ids, by_id[p.request_id].draft_probs,
                             by_id[p.request_id].draft_parents) if p.needs_propose else p for p in plans]
 

@@ -106,9 +106,9 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
         size = _tree_size(state, ctx, k, len(pending), ctx.model_tree_nodes)
         budget = size.nodes if size.nodes > k else 0
         reason = f"{reason}; {size.reason}"
-    # auto's k is the most a greedy chain drafts: it ends after a draft the draft model is unsure of (fixed k, sampled
-    # requests and trees draft as asked)
-    stop_below = ctx.draft_stop_below if (spec.draft == "model" and k > 1 and not budget and spec.k is None
+    # auto's k is the most a greedy chain drafts: it ends after a draft the draft model is unsure of, and a greedy
+    # tree feeds no level whose best path it is unsure of (fixed k and sampled requests draft as asked)
+    stop_below = ctx.draft_stop_below if (spec.draft == "model" and k > 1 and spec.k is None
                                           and sampling.is_greedy) else 0.0
     state.record_k(k, reason)
     return RoundPlan(state=state, k=k, target_pending=pending, drafts=drafts,

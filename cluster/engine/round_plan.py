@@ -153,6 +153,20 @@ def without_draft_grant(plan: RoundPlan) -> RoundPlan:
     return replace(plan, draft_grant=None, predraft=None)
 
 
+def drafted_steps(plan: RoundPlan, out: Any | None) -> int:
+    """The draft steps the drafter ran for `plan` (its ProposeOutput `out`): k, or where a greedy chain or tree may
+    stop early (draft_stop_below), its drafts or its tree's levels (read before the drafts are validated: a
+    malformed tree counts k)."""
+    if plan.draft_stop_below <= 0 or out is None:
+        return plan.k
+    if not plan.tree_budget:
+        return max(1, len(out.draft_ids))
+    try:
+        return max(1, TokenTree(tuple(out.draft_ids), tuple(out.draft_parents or ())).depth())
+    except (ValueError, IndexError, TypeError):
+        return plan.k
+
+
 def invalid_drafts(plans: Sequence[RoundPlan], by_id: Mapping[str, Any], vocab_size: int) -> str | None:
     """Why the drafter's answer cannot be used (None if it can): every planned request answered, with
     exactly k ids (1..k where the chain may stop early), each in [0, vocab_size), and draft probabilities (when

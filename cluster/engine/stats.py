@@ -61,9 +61,10 @@ def engine_stats(identity: Mapping[str, Any], totals: Mapping[str, float], accep
         "kv_seconds": totals.get("kv_seconds", 0.0),  # the round's reserve and commit calls (on its path)
         # of which: waited for the ledger call beside the verify, after the verify answered (held_commit.py)
         "kv_ahead_wait_seconds": totals.get("kv_ahead_wait_seconds", 0.0),
-        # greedy draft-model chains of auto that could end at an unsure draft (draft_stop_below), and those that did
-        "draft_chains": {"may_stop": int(totals.get("draft_chains_may_stop", 0)),
-                         "stopped": int(totals.get("draft_chains_stopped", 0))},
+        # greedy draft-model chains of auto that could end at an unsure draft (draft_stop_below), and those that did;
+        # the same for trees (stopped: fewer levels than k)
+        **{f"draft_{kind}": {"may_stop": int(totals.get(f"draft_{kind}_may_stop", 0)),
+                             "stopped": int(totals.get(f"draft_{kind}_stopped", 0))} for kind in ("chains", "trees")},
         "cost_model": {"draft_token_seconds": cost.draft_token, "draft_tree_level_seconds": cost.draft_tree_level,
                        "verify_seconds_by_tokens": dict(cost.verify_by_tokens)},
         **busy_fractions(totals),

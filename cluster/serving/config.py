@@ -140,7 +140,8 @@ class ClusterConfig(BaseModel):
                                                          "and side-branch acceptance (cluster/engine/tree_policy.py)")
     draft_stop_below: float = Field(0.5, ge=0.0, le=1.0, description="auto, greedy, a draft model's chain: stop drafting "
                                     "after a token the draft gives less than this probability (its later drafts "
-                                    "rarely survive; 0: always draft k)")
+                                    "rarely survive; 0: always draft k); its tree: feed no level whose best path "
+                                    "the draft gives less")
     model_tree_nodes: int = Field(0, ge=0, le=64, description="most nodes of a token tree drafted by the draft model "
                                   "(the likeliest continuations where it is unsure; 0: chains, the default until "
                                   "trees are measured to pay; serial step mode only)")
