@@ -313,9 +313,9 @@ class SpecEngine:
             restart_draft_caches(self)
             return plain_proposed(plans, "drafter replaced: re-prefilling its cache")
         by_id = {o.request_id: o for o in result.outputs}
+        ran = {p.request_id: drafted_steps(p, by_id.get(p.request_id)) for p in model_plans}  # may stop early
         if all(len(p.draft_pending) <= 2 for p in model_plans):  # a catch-up prefill is not a draft step
-            steps = max(drafted_steps(p, by_id.get(p.request_id)) for p in model_plans)  # chains may stop early
-            self.cost.observe_draft(steps, result.seconds, tree=any(p.tree_budget for p in model_plans))
+            self.cost.observe_draft(max(ran.values()), result.seconds, tree=any(p.tree_budget for p in model_plans))
         refusal = invalid_drafts(model_plans, by_id, self.vocab_size)
         if refusal is not None:  # never trusted: the drafter is treated as failed, this round decodes plainly
             return self.drafter_failed(plans, InvalidDrafts(refusal), "fallback: drafter returned invalid drafts")
@@ -323,7 +323,7 @@ class SpecEngine:
             if p.draft_stop_below > 0:
                 kind = "trees" if p.tree_budget else "chains"
                 self.totals[f"draft_{kind}_may_stop"] += 1
-                self.totals[f"draft_{kind}_stopped"] += drafted_steps(p, by_id[p.request_id]) < p.k
+                self.totals[f"draft_{kind}_stopped"] += ran[p.request_id] < p.k
         return [with_drafts(p, by_id[p.request_id].draft_ids, by_id[p.request_id].draft_probs,
                             by_id[p.request_id].draft_parents) if p.needs_propose else p for p in plans]
 

@@ -163,7 +163,7 @@ def drafted_steps(plan: RoundPlan, out: Any | None) -> int:
         return max(1, len(out.draft_ids))
     try:
         return max(1, TokenTree(tuple(out.draft_ids), tuple(out.draft_parents or ())).depth())
-    except (ValueError, IndexError, TypeError):
+    except ValueError:  # TokenTree refuses parents that do not make a tree
         return plan.k
 
 

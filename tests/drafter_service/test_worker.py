@@ -18,6 +18,7 @@ from tests.cluster.engine.engine_helpers import (
     request,
     run,
 )
+from verifier_service.tree_contracts import TokenTree
 
 BLOCK = 4
 PROMPT = [5, 17, 42, 8, 3, 11]
@@ -55,34 +56,31 @@ def propose_tree(k: int, stop_below: float, nodes: int = 12) -> tuple[list[int],
     worker = DraftWorker(FakeRunner(unsure_every_fifth, BLOCK))
     slots = len(PROMPT) + MODEL_TREE_WIDTH * (k - 1)
     item = ProposeItem(request_id="t", input_ids=PROMPT, past_len=0, block_table=list(range(slots // BLOCK + 1)),
-                       slot_mapping=list(range(slots)), k=k, sampling=GREEDY, seed=1, position=len(PROMPT), want_probs=False,
-                       stop_below=stop_below, tree_nodes=nodes, tree_width=MODEL_TREE_WIDTH)
+                       slot_mapping=list(range(slots)), k=k, sampling=GREEDY, seed=1, position=len(PROMPT),
+                       want_probs=False, stop_below=stop_below, tree_nodes=nodes, tree_width=MODEL_TREE_WIDTH)
     (out,) = worker.propose(ProposeBatch([item])).outputs
     assert out.draft_parents is not None
     return out.draft_ids, out.draft_parents
 
 
-def depths(parents: list[int]) -> list[int]:
-    d: list[int] = []
-    for parent in parents:
-        d.append(1 if parent < 0 else d[parent] + 1)
-    return d
+def depths(tokens: list[int], parents: list[int]) -> list[int]:
+    return TokenTree(tuple(tokens), tuple(parents)).depths()
 
 
 def best_path(tokens: list[int], parents: list[int], levels: int) -> list[int]:
     """Each level's first node (the tree's order: by level, siblings by the draft's rank)."""
-    d = depths(parents)
+    d = depths(tokens, parents)
     return [tokens[d.index(level)] for level in range(1, levels + 1)]
 
 
 def test_a_greedy_tree_feeds_no_level_whose_best_path_is_unsure() -> None:
     full_tokens, full_parents = propose_tree(7, 0.0)
-    assert max(depths(full_parents)) == 7
+    assert max(depths(full_tokens, full_parents)) == 7
     # levels 1..4 are sure; level 5's candidates (after 10 tokens) tie at ~0.73 / 0.27: under 0.9 the tree keeps
     # them (its siblings) and feeds them no further
     tokens, parents = propose_tree(7, 0.9)
-    assert max(depths(parents)) == 5
-    assert sum(1 for d in depths(parents) if d == 5) == 2
+    assert max(depths(tokens, parents)) == 5
+    assert sum(1 for d in depths(tokens, parents) if d == 5) == 2
     assert best_path(tokens, parents, 5) == best_path(full_tokens, full_parents, 5)
 
 
