@@ -313,19 +313,27 @@ def run_serve_bench(s: ServeBenchSettings) -> dict[str, Any]:
                 ray.shutdown()
 
 
+def load_inprocess_engine(s: ServeBenchSettings, cpus: Sequence[int] | None) -> Any:
+    """The in-process side's engine, warmed up as the cluster's engine is (ClusterConfig.warm_up: both auto policies
+    start from measured costs, so with speculation on both sides choose k alike), built on `cpus`, the CPUs its
+    rounds run on (run_in_process). Built on the service CPUs instead, among Ray's processes, its warm-up read a
+    SmolLM2 verify of 2 rows at 1.31x one (its rounds: ~1.05x) and its auto decoded plainly in 4 of 6 runs
+    (docs/benchmarks.md "The chunks' own socket, and the q4 default at concurrency 1")."""
+    from cluster.engine.factory import build_local_engine
+    from cluster.serving.config import make_config
+
+    settings = make_config(model=s.model, draft=s.draft, max_batch=1, max_context=s.max_context, kv_blocks=None,
+                           warm_up=True, reservation_windows=s.reservation_windows)
+    with thread_cpus(cpus):
+        return build_local_engine(s.model, s.draft, settings.engine_config(), settings.local_runtime())
+
+
 def _measure(s: ServeBenchSettings, client: SpecServeClient, prompt_ids: list[list[int]],
              env: dict[str, Any], inprocess_cpus: Sequence[int] | None = None) -> dict[str, Any]:
     engine = None
     if s.inprocess and 1 in s.concurrency:
-        from cluster.engine.factory import build_local_engine
-        from cluster.serving.config import make_config
-
-        # warmed up as the cluster's engine is (ClusterConfig.warm_up): both auto policies start from measured
-        # costs, so with speculation on both sides choose k alike and the comparison is of the same decoding
-        settings = make_config(model=s.model, draft=s.draft, max_batch=1, max_context=s.max_context, kv_blocks=None,
-                               warm_up=True, reservation_windows=s.reservation_windows)
         progress("loading the in-process engine")
-        engine = build_local_engine(s.model, s.draft, settings.engine_config(), settings.local_runtime())
+        engine = load_inprocess_engine(s, inprocess_cpus)
     progress("warming up")
     for mode in MODES:
         stream_request(client, prompt_ids[-1], s.mode_fields(mode), WARMUP_TOKENS)

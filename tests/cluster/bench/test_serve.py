@@ -8,6 +8,7 @@ Run inside the loopback-only namespace: scripts/in-netns.sh .venv/bin/python -m 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,22 @@ def test_paired_interval_brackets_the_ratio_and_narrows_with_pairs() -> None:
     assert paired_ratio_interval(cluster[:1], inprocess[:1]) is None
     same = paired_ratio_interval([2.0, 3.0, 4.0], [1.0, 1.5, 2.0])  # every pair at 2x: no spread
     assert same == (2.0, 2.0)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity API here")
+def test_the_in_process_engine_is_built_on_the_cpus_its_rounds_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its warm-up fills the cost model auto decides from: measured on other CPUs than its rounds, the comparison
+    with the cluster is of different decoding (cluster/bench/serve.py load_inprocess_engine)."""
+    from cluster.bench import serve
+    from cluster.engine import factory
+
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    seen: list[set[int]] = []
+    monkeypatch.setattr(factory, "build_local_engine", lambda *args: seen.append(os.sched_getaffinity(0)) or "engine")
+    assert serve.load_inprocess_engine(serve.ServeBenchSettings(), [cpu]) == "engine"
+    assert serve.load_inprocess_engine(serve.ServeBenchSettings(), None) == "engine"
+    assert seen == [{cpu}, before] and os.sched_getaffinity(0) == before  # the caller's mask restored
 
 
 def test_bench_serve_smoke(ray_session: Any, smollm2_dir: Path, tmp_path: Path,
