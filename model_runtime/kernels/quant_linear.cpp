@@ -152,12 +152,14 @@ inline VI vhigh(const uint8_t* plane, uint8_t bit) {  // the 64 bits of a plane 
   std::memcpy(&m, plane, 8);
   return _mm512_maskz_mov_epi8(_cvtu64_mask64(m), vbytes(bit));
 }
+template <int BITS>  // the codes' bits: only the avx2 build's 16-bit sums need them
 inline VI vdot(VI acc, VI w, int32_t quad) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(quad)); }
 inline VI vzero_idiom() {  // a zero the renamer makes (xor with itself), not a copy of a zero register
   VI z;
   __asm__ volatile("vpxord %0, %0, %0" : "=v"(z));
   return z;
 }
+template <int BITS>
 inline VI vdot_at(VI acc, VI w, const int8_t* x) {  // x's 4 bytes broadcast by the dot product's own load
   __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(x)));
   return acc;
@@ -220,22 +222,29 @@ inline VI vhigh(const uint8_t* plane, uint8_t bit) {  // 32 bits (this half's) o
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), vbytes(bit));
 }
 #ifdef __AVXVNNI__
+template <int BITS>
 inline VI vdot(VI acc, VI w, int32_t quad) {  // per int32 lane j: acc + sum_p w[4j+p] * x[p], u8 x s8, exact
   return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(quad));
 }
 #else
+template <int BITS>
 inline VI vdot(VI acc, VI w, int32_t quad) {  // per int32 lane j: acc + sum_p w[4j+p] * x[p]
   const __m256i xq = _mm256_set1_epi32(quad);
+  if constexpr (BITS <= 6) {  // codes below 64: a pair's two u8 x s8 products sum within int16 (2 * 63 * 128 <
+    // 32768), so vpmaddubsw never saturates and the sums are the exact integers, in 3 instructions instead of 8
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), _mm256_set1_epi16(1)));
+  }
   const __m256i w_even = _mm256_and_si256(w, _mm256_set1_epi16(0x00FF)), w_odd = _mm256_srli_epi16(w, 8);
   const __m256i x_even = _mm256_srai_epi16(_mm256_slli_epi16(xq, 8), 8), x_odd = _mm256_srai_epi16(xq, 8);
   return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(w_even, x_even), _mm256_madd_epi16(w_odd, x_odd)));
 }
 #endif
 inline VI vzero_idiom() { return _mm256_setzero_si256(); }
+template <int BITS>
 inline VI vdot_at(VI acc, VI w, const int8_t* x) {
   int32_t quad;
   std::memcpy(&quad, x, 4);
-  return vdot(acc, w, quad);
+  return vdot<BITS>(acc, w, quad);
 }
 inline VI vadd(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI vmul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
@@ -305,7 +314,7 @@ inline void block_chains(const uint8_t* codes, int h, const int8_t* xb, int64_t 
   constexpr int HB = 64 / HALVES;  // bytes of a group vector per half
   for (int i = 0; i < NR; ++i) { c0[i] = vzero_idiom(); c1[i] = vzero_idiom(); }
   auto rows = [&](VI w, int g, VI(&c)[NR]) {
-    for (int i = 0; i < NR; ++i) c[i] = vdot_at(c[i], w, xb + i * ldx + 4 * g);
+    for (int i = 0; i < NR; ++i) c[i] = vdot_at<BITS>(c[i], w, xb + i * ldx + 4 * g);
   };
   if constexpr (BITS == 8) {
     for (int g = 0; g < G; g += 2) {
@@ -344,7 +353,7 @@ inline void block_dots(const uint8_t* codes, int h, const int8_t* xb, int64_t ld
   for (int i = 0; i < NR; ++i) dot[i] = vadd(c0[i], c1[i]);
 }
 
-template <int B>
+template <int BITS, int B>
 inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum over the block of q * x
   constexpr int G = B / 4;
   VI even = vzero(), odd = vzero();  // two chains: the dot product's latency
@@ -352,8 +361,8 @@ inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum 
     int32_t q0, q1;
     std::memcpy(&q0, xr + 4 * g, 4);
     std::memcpy(&q1, xr + 4 * g + 4, 4);
-    even = vdot(even, w[g], q0);
-    odd = vdot(odd, w[g + 1], q1);
+    even = vdot<BITS>(even, w[g], q0);
+    odd = vdot<BITS>(odd, w[g + 1], q1);
   }
   return vadd(even, odd);
 }
@@ -398,7 +407,7 @@ void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float
         VI w[G];
         load_codes<BITS, B>(codes, h, w);
         for (int i = 0; i < NR; ++i) {
-          const VI dot = dot_row<B>(w, x.q + i * x.K + blk0 * B);
+          const VI dot = dot_row<BITS, B>(w, x.q + i * x.K + blk0 * B);
           acc[i] = vfma(vfmul(Dv, ai[i]), vcvt(dot), acc[i]);
           acc[i] = vfma(vfmul(Mv, ai[i]), vcvt(vset(x.psum[i * x.nblocks + blk0])), acc[i]);
         }
@@ -426,7 +435,7 @@ void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float
           VI w[G];
           load_codes<BITS, B>(codes + (bb + e) * CODE_BYTES, h, w);
           const int8_t* xb = x.q + (blk0 + bb + e) * B;
-          for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vmul(dot_row<B>(w, xb + i * x.K), scv));
+          for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vmul(dot_row<BITS, B>(w, xb + i * x.K), scv));
         }
       }
       for (int i = 0; i < NR; ++i) {
