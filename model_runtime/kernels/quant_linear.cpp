@@ -164,6 +164,13 @@ inline VI vdot_at(VI acc, VI w, const int8_t* x) {  // x's 4 bytes broadcast by 
   __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(x)));
   return acc;
 }
+constexpr bool SUM16 = false;  // VNNI sums in 32-bit lanes (vsum16_at / vwiden16: the avx2 build's)
+inline VI vsum16_at(VI acc16, VI w, const int8_t* x) {
+  int32_t quad;
+  std::memcpy(&quad, x, 4);
+  return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(w, _mm512_set1_epi32(quad)));
+}
+inline VI vwiden16(VI acc16) { return _mm512_madd_epi16(acc16, _mm512_set1_epi16(1)); }
 inline VI pair_index() {  // 16-bit lanes 2j, 2j+1 <- j, 16 + j
   return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -246,6 +253,17 @@ inline VI vdot_at(VI acc, VI w, const int8_t* x) {
   std::memcpy(&quad, x, 4);
   return vdot<BITS>(acc, w, quad);
 }
+#ifdef __AVXVNNI__
+constexpr bool SUM16 = false;
+#else
+constexpr bool SUM16 = true;  // a chain's pair products summed in 16-bit lanes where they fit (block_chains)
+#endif
+inline VI vsum16_at(VI acc16, VI w, const int8_t* x) {  // per 16-bit lane j: acc + w[2j] x[2j % 4] + w[2j+1] x[..]
+  int32_t quad;
+  std::memcpy(&quad, x, 4);
+  return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(quad)));
+}
+inline VI vwiden16(VI acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }  // pairs to 32-bit lanes
 inline VI vadd(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI vmul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
 inline VI vset(int32_t x) { return _mm256_set1_epi32(x); }
@@ -308,13 +326,24 @@ inline void load_codes(const uint8_t* codes, int h, VI (&w)[B / 4]) {
 // outer, rows inner: a code vector is decoded once and used by every row as it comes, and each row keeps two
 // independent chains of half the block's groups each, so NR rows give 2 NR dot-product chains in flight. The
 // integer sums are exact: the order does not change a bit.
+// Sixteen-bit chains: true where the build sums a chain in 16-bit lanes (the avx2 build without VNNI: a vpmaddubsw
+// and a 16-bit add a group, widened once at the block's end, where each group costs a vpmaddubsw, a vpmaddwd and a
+// 32-bit add otherwise). Exact while a chain's G / 2 groups cannot pass 32767: each adds at most
+// 2 * (2^BITS - 1) * 127 in a lane (|x| <= 127, codes below 2^BITS; vpmaddubsw saturates only beyond 32767).
+template <int BITS, int B>
+constexpr bool sums16() { return SUM16 && BITS <= 6 && (B / 8) * 2 * ((1 << BITS) - 1) * 127 < 32768; }
+
 template <int BITS, int B, int NR>
 inline void block_chains(const uint8_t* codes, int h, const int8_t* xb, int64_t ldx, VI (&c0)[NR], VI (&c1)[NR]) {
   constexpr int G = B / 4;
   constexpr int HB = 64 / HALVES;  // bytes of a group vector per half
+  static_assert(BITS != 6 || G == 4, "decode6 decodes a block of 16 codes");
   for (int i = 0; i < NR; ++i) { c0[i] = vzero_idiom(); c1[i] = vzero_idiom(); }
   auto rows = [&](VI w, int g, VI(&c)[NR]) {
-    for (int i = 0; i < NR; ++i) c[i] = vdot_at<BITS>(c[i], w, xb + i * ldx + 4 * g);
+    for (int i = 0; i < NR; ++i) {
+      if constexpr (sums16<BITS, B>()) c[i] = vsum16_at(c[i], w, xb + i * ldx + 4 * g);
+      else c[i] = vdot_at<BITS>(c[i], w, xb + i * ldx + 4 * g);
+    }
   };
   if constexpr (BITS == 8) {
     for (int g = 0; g < G; g += 2) {
@@ -343,6 +372,9 @@ inline void block_chains(const uint8_t* codes, int h, const int8_t* xb, int64_t 
       rows(hi, g + G / 2, c1);
     }
   }
+  if constexpr (sums16<BITS, B>()) {
+    for (int i = 0; i < NR; ++i) { c0[i] = vwiden16(c0[i]); c1[i] = vwiden16(c1[i]); }
+  }
 }
 
 // The sum of a block's two chains per row
@@ -357,6 +389,13 @@ template <int BITS, int B>
 inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum over the block of q * x
   constexpr int G = B / 4;
   VI even = vzero(), odd = vzero();  // two chains: the dot product's latency
+  if constexpr (sums16<BITS, B>()) {  // G / 2 groups a chain, as block_chains'
+    for (int g = 0; g < G; g += 2) {
+      even = vsum16_at(even, w[g], xr + 4 * g);
+      odd = vsum16_at(odd, w[g + 1], xr + 4 * g + 4);
+    }
+    return vadd(vwiden16(even), vwiden16(odd));
+  }
   for (int g = 0; g < G; g += 2) {
     int32_t q0, q1;
     std::memcpy(&q0, xr + 4 * g, 4);
