@@ -17,13 +17,20 @@ import torch
 log = logging.getLogger(__name__)
 
 
+FLAGS_OFF = "SPECSERVE_CPU_FLAGS_OFF"  # /proc/cpuinfo flags the kernels' choice treats as absent (a smaller CPU)
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
+    """This CPU's flags (/proc/cpuinfo), less those SPECSERVE_CPU_FLAGS_OFF names (comma-separated): a smaller CPU
+    stood in for, as `SPECSERVE_CPU_KERNEL` caps a path (e.g. `avx_vnni` off with `SPECSERVE_CPU_KERNEL=avx2`: the
+    avx2 build of the quantized kernels, as on a CPU without VNNI, where the avx2vnni build would run). Read once."""
+    off = frozenset(flag.strip() for flag in os.environ.get(FLAGS_OFF, "").split(",") if flag.strip())
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split()) - off
     except OSError:
         pass
     return frozenset()

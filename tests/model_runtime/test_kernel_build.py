@@ -1,4 +1,5 @@
-"""A build lock left by a killed build does not hang every later process (model_runtime/kernel_build.py)."""
+"""A build lock left by a killed build does not hang every later process; the CPU flags a run treats as absent
+(model_runtime/kernel_build.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import os
 import time
 from pathlib import Path
 
-from model_runtime.kernel_build import STALE_LOCK_S, clear_stale_lock
+import pytest
+
+from model_runtime.kernel_build import FLAGS_OFF, STALE_LOCK_S, clear_stale_lock, cpu_flags
 
 
 def test_a_lock_older_than_a_build_is_removed(tmp_path: Path) -> None:
@@ -27,3 +30,37 @@ def test_a_fresh_lock_is_a_build_in_progress_and_stays(tmp_path: Path) -> None:
 
 def test_no_lock_nothing_to_do(tmp_path: Path) -> None:
     assert not clear_stale_lock(tmp_path)
+
+
+def test_flags_named_off_are_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPECSERVE_CPU_FLAGS_OFF stands in for a smaller CPU: the kernels' choice no longer sees those flags."""
+    cpu_flags.cache_clear()
+    monkeypatch.delenv(FLAGS_OFF, raising=False)
+    every = cpu_flags()
+    if not every:
+        pytest.skip("no /proc/cpuinfo flags here")
+    some = sorted(every)[:2]
+    cpu_flags.cache_clear()
+    monkeypatch.setenv(FLAGS_OFF, f" {some[0]},{some[-1]} ,")
+    try:
+        assert cpu_flags() == every - set(some)
+    finally:
+        cpu_flags.cache_clear()  # the next caller reads this process's own environment again
+
+
+def test_with_avx_vnni_off_the_avx2_build_is_the_quantized_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the full suite runs under SPECSERVE_CPU_FLAGS_OFF=avx_vnni SPECSERVE_CPU_KERNEL=avx2 (docs/exactness.md)."""
+    from model_runtime import quant_kernels
+
+    cpu_flags.cache_clear()
+    monkeypatch.delenv(FLAGS_OFF, raising=False)
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    cpu_flags.cache_clear()
+    monkeypatch.setenv(FLAGS_OFF, "avx_vnni")
+    monkeypatch.setenv("SPECSERVE_CPU_KERNEL", "avx2")
+    try:
+        assert not quant_kernels.cpu_has("avx2vnni") and quant_kernels.cpu_has("avx2")
+        assert [isa for isa in quant_kernels.allowed() if quant_kernels.cpu_has(isa)] == ["avx2"]
+    finally:
+        cpu_flags.cache_clear()
