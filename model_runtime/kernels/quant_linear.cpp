@@ -171,6 +171,8 @@ inline VI vsum16_at(VI acc16, VI w, const int8_t* x) {
   return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(w, _mm512_set1_epi32(quad)));
 }
 inline VI vwiden16(VI acc16) { return _mm512_madd_epi16(acc16, _mm512_set1_epi16(1)); }
+inline VI vmadd16(VI a, VI b) { return _mm512_madd_epi16(a, b); }
+inline VI vpair16(VI v) { return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(v, 16)); }
 inline VI pair_index() {  // 16-bit lanes 2j, 2j+1 <- j, 16 + j
   return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -264,6 +266,10 @@ inline VI vsum16_at(VI acc16, VI w, const int8_t* x) {  // per 16-bit lane j: ac
   return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(quad)));
 }
 inline VI vwiden16(VI acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }  // pairs to 32-bit lanes
+inline VI vmadd16(VI a, VI b) { return _mm256_madd_epi16(a, b); }  // per 32-bit lane: a.lo b.lo + a.hi b.hi
+// an int32 lane's value (|v| < 32768) in both its 16-bit halves: vmadd16(chain16, vpair16(scale)) = scale * the
+// lane's pair sum, the widening and the block scale's multiply in one instruction
+inline VI vpair16(VI v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16)); }
 inline VI vadd(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI vmul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
 inline VI vset(int32_t x) { return _mm256_set1_epi32(x); }
@@ -333,7 +339,8 @@ inline void load_codes(const uint8_t* codes, int h, VI (&w)[B / 4]) {
 template <int BITS, int B>
 constexpr bool sums16() { return SUM16 && BITS <= 6 && (B / 8) * 2 * ((1 << BITS) - 1) * 127 < 32768; }
 
-template <int BITS, int B, int NR>
+// WIDEN false: where sums16, the chains are left in 16-bit lanes (the caller widens them, times the block's scale)
+template <int BITS, int B, int NR, bool WIDEN = true>
 inline void block_chains(const uint8_t* codes, int h, const int8_t* xb, int64_t ldx, VI (&c0)[NR], VI (&c1)[NR]) {
   constexpr int G = B / 4;
   constexpr int HB = 64 / HALVES;  // bytes of a group vector per half
@@ -372,7 +379,7 @@ inline void block_chains(const uint8_t* codes, int h, const int8_t* xb, int64_t 
       rows(hi, g + G / 2, c1);
     }
   }
-  if constexpr (sums16<BITS, B>()) {
+  if constexpr (sums16<BITS, B>() && WIDEN) {
     for (int i = 0; i < NR; ++i) { c0[i] = vwiden16(c0[i]); c1[i] = vwiden16(c1[i]); }
   }
 }
@@ -404,6 +411,22 @@ inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum 
     odd = vdot<BITS>(odd, w[g + 1], q1);
   }
   return vadd(even, odd);
+}
+
+// A block's sums for one row times its scale (`scale_pair` = vpair16 of the scale): where sums16, each 16-bit chain
+// widened and scaled in one vpmaddwd; else the 32-bit sums times the scale (the same int32 either way)
+template <int BITS, int B>
+inline VI dot_row_times(const VI (&w)[B / 4], const int8_t* xr, VI scale, VI scale_pair) {
+  if constexpr (sums16<BITS, B>()) {
+    constexpr int G = B / 4;
+    VI even = vzero(), odd = vzero();
+    for (int g = 0; g < G; g += 2) {
+      even = vsum16_at(even, w[g], xr + 4 * g);
+      odd = vsum16_at(odd, w[g + 1], xr + 4 * g + 4);
+    }
+    return vadd(vmadd16(even, scale_pair), vmadd16(odd, scale_pair));
+  }
+  return vmul(dot_row<BITS, B>(w, xr), scale);
 }
 
 // The weight's bytes PREFETCH_AHEAD down this thread's stream of tiles into L2, a block's share of lines at a time
@@ -474,7 +497,8 @@ void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float
           VI w[G];
           load_codes<BITS, B>(codes + (bb + e) * CODE_BYTES, h, w);
           const int8_t* xb = x.q + (blk0 + bb + e) * B;
-          for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vmul(dot_row<BITS, B>(w, xb + i * x.K), scv));
+          const VI scp = sums16<BITS, B>() ? vpair16(scv) : scv;
+          for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], dot_row_times<BITS, B>(w, xb + i * x.K, scv, scp));
         }
       }
       for (int i = 0; i < NR; ++i) {
@@ -535,6 +559,13 @@ void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, floa
           continue;
         }
 #endif
+        if constexpr (sums16<BITS, B>()) {  // the 16-bit chains widened times the scale (vpair16, dot_row_times)
+          VI c0[NR], c1[NR];
+          block_chains<BITS, B, NR, false>(codes + bb * CODE_BYTES, h, x.q + (blk0 + bb) * B, x.K, c0, c1);
+          const VI scp = vpair16(scv);
+          for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vadd(vmadd16(c0[i], scp), vmadd16(c1[i], scp)));
+          continue;
+        }
         VI dot[NR];
         block_dots<BITS, B, NR>(codes + bb * CODE_BYTES, h, x.q + (blk0 + bb) * B, x.K, dot);
         for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vmul(dot[i], scv));
