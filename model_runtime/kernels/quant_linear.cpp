@@ -173,6 +173,14 @@ inline VI vsum16_at(VI acc16, VI w, const int8_t* x) {
 inline VI vwiden16(VI acc16) { return _mm512_madd_epi16(acc16, _mm512_set1_epi16(1)); }
 inline VI vmadd16(VI a, VI b) { return _mm512_madd_epi16(a, b); }
 inline VI vpair16(VI v) { return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(v, 16)); }
+inline VI vsigned8(VI w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
+inline VI vdot_s8_at(VI acc, VI q8, const int8_t* x) {
+  int32_t quad;
+  std::memcpy(&quad, x, 4);
+  const VI xq = _mm512_set1_epi32(quad);
+  const VI xs = _mm512_mask_sub_epi8(xq, _mm512_movepi8_mask(q8), _mm512_setzero_si512(), xq);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(q8), xs), _mm512_set1_epi16(1)));
+}
 inline VI pair_index() {  // 16-bit lanes 2j, 2j+1 <- j, 16 + j
   return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -270,6 +278,16 @@ inline VI vmadd16(VI a, VI b) { return _mm256_madd_epi16(a, b); }  // per 32-bit
 // an int32 lane's value (|v| < 32768) in both its 16-bit halves: vmadd16(chain16, vpair16(scale)) = scale * the
 // lane's pair sum, the widening and the block scale's multiply in one instruction
 inline VI vpair16(VI v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16)); }
+// Q8_0's codes q = q8 + 128 reach 255, too large for vpmaddubsw's 16-bit pair sums; their signed q8 (vsigned8) are
+// not: |q8| <= 128 times x carrying q8's sign (vpsignb; |x| <= 127) sums a pair within 2 * 128 * 127 < 32768.
+// The sums are then of q8 x, and the caller adds 128 times the block's activation sum (signed8)
+inline VI vsigned8(VI w) { return _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))); }
+inline VI vdot_s8_at(VI acc, VI q8, const int8_t* x) {  // per int32 lane j: acc + sum_p q8[4j+p] * x[p]
+  int32_t quad;
+  std::memcpy(&quad, x, 4);
+  const VI xs = _mm256_sign_epi8(_mm256_set1_epi32(quad), q8);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q8), xs), _mm256_set1_epi16(1)));
+}
 inline VI vadd(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI vmul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
 inline VI vset(int32_t x) { return _mm256_set1_epi32(x); }
@@ -338,6 +356,9 @@ inline void load_codes(const uint8_t* codes, int h, VI (&w)[B / 4]) {
 // 2 * (2^BITS - 1) * 127 in a lane (|x| <= 127, codes below 2^BITS; vpmaddubsw saturates only beyond 32767).
 template <int BITS, int B>
 constexpr bool sums16() { return SUM16 && BITS <= 6 && (B / 8) * 2 * ((1 << BITS) - 1) * 127 < 32768; }
+// The same build's 8-bit codes: sums of q8 x (vdot_s8_at), 128 psum short of q x (the callers add it)
+template <int BITS>
+constexpr bool signed8() { return SUM16 && BITS == 8; }
 
 // WIDEN false: where sums16, the chains are left in 16-bit lanes (the caller widens them, times the block's scale)
 template <int BITS, int B, int NR, bool WIDEN = true>
@@ -352,7 +373,16 @@ inline void block_chains(const uint8_t* codes, int h, const int8_t* xb, int64_t 
       else c[i] = vdot_at<BITS>(c[i], w, xb + i * ldx + 4 * g);
     }
   };
-  if constexpr (BITS == 8) {
+  if constexpr (signed8<BITS>()) {
+    auto rows8 = [&](VI w, int g, VI(&c)[NR]) {
+      const VI q8 = vsigned8(w);
+      for (int i = 0; i < NR; ++i) c[i] = vdot_s8_at(c[i], q8, xb + i * ldx + 4 * g);
+    };
+    for (int g = 0; g < G; g += 2) {
+      rows8(vload(codes + g * 64 + HB * h), g, c0);
+      rows8(vload(codes + (g + 1) * 64 + HB * h), g + 1, c1);
+    }
+  } else if constexpr (BITS == 8) {
     for (int g = 0; g < G; g += 2) {
       rows(vload(codes + g * 64 + HB * h), g, c0);
       rows(vload(codes + (g + 1) * 64 + HB * h), g + 1, c1);
@@ -402,6 +432,13 @@ inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum 
       odd = vsum16_at(odd, w[g + 1], xr + 4 * g + 4);
     }
     return vadd(vwiden16(even), vwiden16(odd));
+  }
+  if constexpr (signed8<BITS>()) {
+    for (int g = 0; g < G; g += 2) {
+      even = vdot_s8_at(even, vsigned8(w[g]), xr + 4 * g);
+      odd = vdot_s8_at(odd, vsigned8(w[g + 1]), xr + 4 * g + 4);
+    }
+    return vadd(even, odd);
   }
   for (int g = 0; g < G; g += 2) {
     int32_t q0, q1;
@@ -469,7 +506,8 @@ void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float
         VI w[G];
         load_codes<BITS, B>(codes, h, w);
         for (int i = 0; i < NR; ++i) {
-          const VI dot = dot_row<BITS, B>(w, x.q + i * x.K + blk0 * B);
+          VI dot = dot_row<BITS, B>(w, x.q + i * x.K + blk0 * B);
+          if constexpr (signed8<BITS>()) dot = vadd(dot, vset(128 * x.psum[i * x.nblocks + blk0]));
           acc[i] = vfma(vfmul(Dv, ai[i]), vcvt(dot), acc[i]);
           acc[i] = vfma(vfmul(Mv, ai[i]), vcvt(vset(x.psum[i * x.nblocks + blk0])), acc[i]);
         }
@@ -499,6 +537,9 @@ void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float
           const int8_t* xb = x.q + (blk0 + bb + e) * B;
           const VI scp = sums16<BITS, B>() ? vpair16(scv) : scv;
           for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], dot_row_times<BITS, B>(w, xb + i * x.K, scv, scp));
+          if constexpr (signed8<BITS>()) {  // no 8-bit format has block scales today; kept right if one comes
+            for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vmul(vset(128 * x.psum[i * x.nblocks + blk0 + bb + e]), scv));
+          }
         }
       }
       for (int i = 0; i < NR; ++i) {
@@ -534,6 +575,9 @@ void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, floa
         const VF Dv = vf16(p + 2 * LANES * h), Mv = vf16(p + 32 + 2 * LANES * h);
         VI dot[NR];
         block_dots<BITS, B, NR>(codes, h, x.q + blk0 * B, x.K, dot);
+        if constexpr (signed8<BITS>()) {
+          for (int i = 0; i < NR; ++i) dot[i] = vadd(dot[i], vset(128 * x.psum[i * x.nblocks + blk0]));
+        }
         for (int i = 0; i < NR; ++i) {
           const VF ai = vfset(x.a[i * x.nsb + s]);
           acc[i] = vfma(vfmul(Dv, ai), vcvt(dot[i]), acc[i]);
@@ -568,6 +612,9 @@ void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, floa
         }
         VI dot[NR];
         block_dots<BITS, B, NR>(codes + bb * CODE_BYTES, h, x.q + (blk0 + bb) * B, x.K, dot);
+        if constexpr (signed8<BITS>()) {  // as in tile_row
+          for (int i = 0; i < NR; ++i) dot[i] = vadd(dot[i], vset(128 * x.psum[i * x.nblocks + blk0 + bb]));
+        }
         for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vmul(dot[i], scv));
       }
       // the mins: N = sum_b mn_b * psum_b, then the superblock's two terms into each row's float sum, in order
