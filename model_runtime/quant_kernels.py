@@ -8,8 +8,8 @@
     avx2vnni  -mavx2 -mfma -mf16c -mavxvnni: the same dot products on 256-bit vectors (AVX2 CPUs with AVX-VNNI:
             Intel Alder Lake and later clients)
     avx2    -mavx2 -mfma -mf16c: the same sums through vpmaddubsw's 16-bit pair sums, added in 16-bit lanes through
-            a block where they cannot overflow (codes of 6 bits or fewer), widened once (every other x86-64 CPU of
-            the last decade)
+            a block where they cannot overflow (codes of 6 bits or fewer; Q8_0's on their signed values), widened
+            once (every other x86-64 CPU of the last decade)
 
 All give the same bits (the integer sums are exact and the float steps the same instructions lane for lane), so a
 capped path stands in for a smaller CPU in the tests. `SPECSERVE_CPU_KERNEL` caps the ISA as for the other kernels
