@@ -2,7 +2,7 @@
 // row count at one pass over the weight. model_runtime/quant_kernels.py builds this file per ISA:
 // `-mavx512f -mavx512bw -mavx512vl -mavx512vnni` into specserve_quant_avx512 (integer dot products on VNNI),
 // `-mavx2 -mfma -mf16c -mavxvnni` into specserve_quant_avx2vnni (AVX2 CPUs with AVX-VNNI: the 256-bit dot products)
-// and `-mavx2 -mfma -mf16c` into specserve_quant_avx2 (the same sums through 16-bit multiply-adds).
+// and `-mavx2 -mfma -mf16c` into specserve_quant_avx2 (the same sums through vpmaddubsw: sums16, signed8).
 //
 // Every weight format is one affine code per weight:  w = D * sc_b * q + M * mn_b   where
 //   q      an unsigned code of BITS bits (4: Q4_K, Q4_1, Q4_0; 5: Q5_0; 6: Q6_K; 8: Q8_0),
@@ -152,35 +152,25 @@ inline VI vhigh(const uint8_t* plane, uint8_t bit) {  // the 64 bits of a plane 
   std::memcpy(&m, plane, 8);
   return _mm512_maskz_mov_epi8(_cvtu64_mask64(m), vbytes(bit));
 }
-template <int BITS>  // the codes' bits: only the avx2 build's 16-bit sums need them
 inline VI vdot(VI acc, VI w, int32_t quad) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(quad)); }
 inline VI vzero_idiom() {  // a zero the renamer makes (xor with itself), not a copy of a zero register
   VI z;
   __asm__ volatile("vpxord %0, %0, %0" : "=v"(z));
   return z;
 }
-template <int BITS>
 inline VI vdot_at(VI acc, VI w, const int8_t* x) {  // x's 4 bytes broadcast by the dot product's own load
   __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(x)));
   return acc;
 }
-constexpr bool SUM16 = false;  // VNNI sums in 32-bit lanes (vsum16_at / vwiden16: the avx2 build's)
-inline VI vsum16_at(VI acc16, VI w, const int8_t* x) {
-  int32_t quad;
-  std::memcpy(&quad, x, 4);
-  return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(w, _mm512_set1_epi32(quad)));
-}
-inline VI vwiden16(VI acc16) { return _mm512_madd_epi16(acc16, _mm512_set1_epi16(1)); }
-inline VI vmadd16(VI a, VI b) { return _mm512_madd_epi16(a, b); }
-inline VI vpair16(VI v) { return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(v, 16)); }
-inline VI vsigned8(VI w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
-inline VI vdot_s8_at(VI acc, VI q8, const int8_t* x) {
-  int32_t quad;
-  std::memcpy(&quad, x, 4);
-  const VI xq = _mm512_set1_epi32(quad);
-  const VI xs = _mm512_mask_sub_epi8(xq, _mm512_movepi8_mask(q8), _mm512_setzero_si512(), xq);
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(q8), xs), _mm512_set1_epi16(1)));
-}
+// VNNI sums in 32-bit lanes: the avx2 build's 16-bit sums (sums16, signed8) are off, and their helpers only
+// declared here (the shared templates name them in branches this build discards)
+constexpr bool SUM16 = false;
+VI vsum16_at(VI acc16, VI w, const int8_t* x);
+VI vwiden16(VI acc16);
+VI vmadd16(VI a, VI b);
+VI vpair16(VI v);
+VI vsigned8(VI w);
+VI vdot_s8_at(VI acc, VI q8, const int8_t* x);
 inline VI pair_index() {  // 16-bit lanes 2j, 2j+1 <- j, 16 + j
   return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -239,29 +229,23 @@ inline VI vhigh(const uint8_t* plane, uint8_t bit) {  // 32 bits (this half's) o
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), vbytes(bit));
 }
 #ifdef __AVXVNNI__
-template <int BITS>
 inline VI vdot(VI acc, VI w, int32_t quad) {  // per int32 lane j: acc + sum_p w[4j+p] * x[p], u8 x s8, exact
   return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(quad));
 }
 #else
-template <int BITS>
-inline VI vdot(VI acc, VI w, int32_t quad) {  // per int32 lane j: acc + sum_p w[4j+p] * x[p]
+inline VI vdot(VI acc, VI w, int32_t quad) {  // per int32 lane j: acc + sum_p w[4j+p] * x[p] (any 8-bit codes;
+  // the formats' own codes take vsum16_at or vdot_s8_at in this build)
   const __m256i xq = _mm256_set1_epi32(quad);
-  if constexpr (BITS <= 6) {  // codes below 64: a pair's two u8 x s8 products sum within int16 (2 * 63 * 128 <
-    // 32768), so vpmaddubsw never saturates and the sums are the exact integers, in 3 instructions instead of 8
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), _mm256_set1_epi16(1)));
-  }
   const __m256i w_even = _mm256_and_si256(w, _mm256_set1_epi16(0x00FF)), w_odd = _mm256_srli_epi16(w, 8);
   const __m256i x_even = _mm256_srai_epi16(_mm256_slli_epi16(xq, 8), 8), x_odd = _mm256_srai_epi16(xq, 8);
   return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(w_even, x_even), _mm256_madd_epi16(w_odd, x_odd)));
 }
 #endif
 inline VI vzero_idiom() { return _mm256_setzero_si256(); }
-template <int BITS>
 inline VI vdot_at(VI acc, VI w, const int8_t* x) {
   int32_t quad;
   std::memcpy(&quad, x, 4);
-  return vdot<BITS>(acc, w, quad);
+  return vdot(acc, w, quad);
 }
 #ifdef __AVXVNNI__
 constexpr bool SUM16 = false;
@@ -370,7 +354,7 @@ inline void block_chains(const uint8_t* codes, int h, const int8_t* xb, int64_t 
   auto rows = [&](VI w, int g, VI(&c)[NR]) {
     for (int i = 0; i < NR; ++i) {
       if constexpr (sums16<BITS, B>()) c[i] = vsum16_at(c[i], w, xb + i * ldx + 4 * g);
-      else c[i] = vdot_at<BITS>(c[i], w, xb + i * ldx + 4 * g);
+      else c[i] = vdot_at(c[i], w, xb + i * ldx + 4 * g);
     }
   };
   if constexpr (signed8<BITS>()) {
@@ -422,15 +406,22 @@ inline void block_dots(const uint8_t* codes, int h, const int8_t* xb, int64_t ld
   for (int i = 0; i < NR; ++i) dot[i] = vadd(c0[i], c1[i]);
 }
 
+// One row's two chains of a block in 16-bit lanes (sums16: G / 2 groups a chain, as block_chains')
+template <int B>
+inline void row_chains16(const VI (&w)[B / 4], const int8_t* xr, VI& even, VI& odd) {
+  even = odd = vzero();
+  for (int g = 0; g < B / 4; g += 2) {
+    even = vsum16_at(even, w[g], xr + 4 * g);
+    odd = vsum16_at(odd, w[g + 1], xr + 4 * g + 4);
+  }
+}
+
 template <int BITS, int B>
 inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum over the block of q * x
   constexpr int G = B / 4;
   VI even = vzero(), odd = vzero();  // two chains: the dot product's latency
-  if constexpr (sums16<BITS, B>()) {  // G / 2 groups a chain, as block_chains'
-    for (int g = 0; g < G; g += 2) {
-      even = vsum16_at(even, w[g], xr + 4 * g);
-      odd = vsum16_at(odd, w[g + 1], xr + 4 * g + 4);
-    }
+  if constexpr (sums16<BITS, B>()) {
+    row_chains16<B>(w, xr, even, odd);
     return vadd(vwiden16(even), vwiden16(odd));
   }
   if constexpr (signed8<BITS>()) {
@@ -444,8 +435,8 @@ inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum 
     int32_t q0, q1;
     std::memcpy(&q0, xr + 4 * g, 4);
     std::memcpy(&q1, xr + 4 * g + 4, 4);
-    even = vdot<BITS>(even, w[g], q0);
-    odd = vdot<BITS>(odd, w[g + 1], q1);
+    even = vdot(even, w[g], q0);
+    odd = vdot(odd, w[g + 1], q1);
   }
   return vadd(even, odd);
 }
@@ -455,12 +446,8 @@ inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum 
 template <int BITS, int B>
 inline VI dot_row_times(const VI (&w)[B / 4], const int8_t* xr, VI scale, VI scale_pair) {
   if constexpr (sums16<BITS, B>()) {
-    constexpr int G = B / 4;
-    VI even = vzero(), odd = vzero();
-    for (int g = 0; g < G; g += 2) {
-      even = vsum16_at(even, w[g], xr + 4 * g);
-      odd = vsum16_at(odd, w[g + 1], xr + 4 * g + 4);
-    }
+    VI even, odd;
+    row_chains16<B>(w, xr, even, odd);
     return vadd(vmadd16(even, scale_pair), vmadd16(odd, scale_pair));
   }
   return vmul(dot_row<BITS, B>(w, xr), scale);
@@ -535,7 +522,8 @@ void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float
           VI w[G];
           load_codes<BITS, B>(codes + (bb + e) * CODE_BYTES, h, w);
           const int8_t* xb = x.q + (blk0 + bb + e) * B;
-          const VI scp = sums16<BITS, B>() ? vpair16(scv) : scv;
+          VI scp = scv;  // dot_row_times' scale pair, where it takes one
+          if constexpr (sums16<BITS, B>()) scp = vpair16(scv);
           for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], dot_row_times<BITS, B>(w, xb + i * x.K, scv, scp));
           if constexpr (signed8<BITS>()) {  // no 8-bit format has block scales today; kept right if one comes
             for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vmul(vset(128 * x.psum[i * x.nblocks + blk0 + bb + e]), scv));
