@@ -1,7 +1,7 @@
 """The quantized linears' kernels (kernels/quant_linear.cpp), built once per machine for its ISA:
 
     amx     the avx512 build plus -mavx512vbmi -mamx-tile -mamx-int8: the K formats' (Q4_K, Q6_K) integer sums of
-            a call of 8-9 rows or more on AMX tiles (a verify's rows a tile product per block, a prompt's on
+            a call of 8 rows or more on AMX tiles (a verify's rows a tile product per block, a prompt's on
             planes with the blocks' scales in the codes), each weight decoded once per 16 rows; fewer rows take the
             avx512 kernel in the same build (Intel Sapphire Rapids and later)
     avx512  -mavx512f/bw/vl -mavx512vnni: integer dot products on VNNI (AMD Zen 4/5, Intel Ice Lake and later)
@@ -45,7 +45,7 @@ ISAS = {  # compiler flags and the /proc/cpuinfo flags they need, fastest first
 _MODULES: dict[str, tuple[ModuleType | None, str]] = {}
 # Q4_K, Q6_K: the fewest rows the amx build's tiles take (block tiles), and where its planes take over (prompts);
 # measured on Sapphire Rapids (docs/benchmarks.md, "q4 verify rows on AMX block tiles")
-AMX_MIN_ROWS = (8, 9)
+AMX_MIN_ROWS = (8, 8)
 AMX_PLANE_ROWS = (33, 128)
 
 

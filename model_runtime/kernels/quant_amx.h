@@ -39,7 +39,7 @@ bool amx_enable() { return syscall(SYS_arch_prctl, 0x1023 /*ARCH_REQ_XCOMP_PERM*
 // about what streaming the codes does whatever the rows, the block tiles a multiply-add per row and block, so the
 // block tiles take a verify's rows and the planes prompts. Measured on Sapphire Rapids (docs/benchmarks.md, "q4
 // verify rows on AMX block tiles"); SPECSERVE_Q4_AMX_MIN_ROWS overrides the first pair.
-int64_t g_amx_min_rows[2] = {8, 9};
+int64_t g_amx_min_rows[2] = {8, 8};
 int64_t g_amx_plane_rows[2] = {33, 128};
 
 template <int BITS> struct Digits;
@@ -266,8 +266,11 @@ void tile_blocks(const uint8_t* tile, int64_t nsb, const Quantized& xq, int64_t 
   auto split = [&](int64_t hh) {  // stage hh: superblock hh / STAGES, blocks 4 (hh % STAGES) .. + 3
     const uint8_t* p = tile + (hh / STAGES) * step;
     const int64_t part = hh % STAGES;
-    if (p + PREFETCH_AHEAD < end) prefetch_lines(p + PREFETCH_AHEAD, part * 4 * share, (part + 1) * 4 * share, step);
-    for (int j = 0; j < 4; ++j) split_block<BITS>(p + codes_at + (part * 4 + j) * CODE_BYTES, scr.codes[hh % 2][j]);
+    const uint8_t* pf = p + PREFETCH_AHEAD < end ? p + PREFETCH_AHEAD : nullptr;
+    for (int j = 0; j < 4; ++j) {  // each block's share of the lines before its split, not the stage's at once
+      prefetch_lines(pf, (part * 4 + j) * share, (part * 4 + j + 1) * share, step);
+      split_block<BITS>(p + codes_at + (part * 4 + j) * CODE_BYTES, scr.codes[hh % 2][j]);
+    }
   };
   auto products = [&](int64_t hh, int c) {  // stage hh's products for chunk c (its codes split one stage ago)
     const int8_t* xb = xs + c * CS * K + hh * 4 * B;

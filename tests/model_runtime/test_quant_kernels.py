@@ -97,7 +97,7 @@ def test_q4_is_refused_where_the_kernels_are_turned_off(smollm2_dir: Path, monke
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("kernel", ["blocks", "planes"])
 def test_amx_tiles_give_the_vector_kernels_bits_at_every_row_count(name: str, kernel: str) -> None:
-    """The tiles run from 1 row here (by default only calls of 8-9 rows and more take them): every row count, ragged
+    """The tiles run from 1 row here (by default only calls of 8 rows and more take them): every row count, ragged
     16-row chunks included, gives the avx512 build's bits, on the block tiles (a verify's rows; past 16 rows they
     run 16 at a time) and on the planes (prompts)."""
     amx, vnni = module("amx"), module("avx512")
@@ -119,6 +119,36 @@ def test_amx_tiles_give_the_vector_kernels_bits_at_every_row_count(name: str, ke
     assert amx.amx_plane_rows() == quant_kernels.AMX_PLANE_ROWS
 
 
+@pytest.mark.skipif(not quant_kernels.cpu_has("amx") or not quant_kernels.cpu_has("avx512"),
+                    reason="this CPU has no AMX")
+@pytest.mark.parametrize("kernel", ["blocks", "planes"])
+def test_amx_tiles_at_the_largest_sums(kernel: str) -> None:
+    """The integer sums at their bounds: Q4_K codes all 0 or all 15 and every scale and min at 63, against
+    activations whose codes are all +-127 (constant rows), so each block's sum reaches 32 * 127 * 15 and each
+    superblock's 63 times that. The tiles still give the vector kernel's bits (no sum narrowed or saturated)."""
+    amx, vnni = module("amx"), module("avx512")
+    n, k = 48, 512
+    raw = raw_tensor("Q4_K", n, k, seed=7).reshape(n, k // 256, 144)
+    raw[..., 4:16] = 0xFF  # every 6-bit scale and min 63
+    raw[0::3, :, 16:] = 0x00  # codes 0
+    raw[1::3, :, 16:] = 0xFF  # codes 15
+    raw[2::3, :, 16:] = 0xF0  # low nibbles 0, high 15
+    a = to_affine("Q4_K", raw.reshape(n, -1), n, k)
+    packed = torch.from_numpy(pack(a))
+    x = torch.ones(20, k)
+    x[1::2] = -1.0
+    x[4, : k // 2] = -3.0  # a row whose superblocks differ
+    expected = run(vnni, a, packed, x)
+    amx.set_amx_min_rows(1, 1)
+    amx.set_amx_plane_rows(*((1000, 1000) if kernel == "blocks" else (1, 1)))
+    try:
+        for rows in (1, 2, 8, 16, 17, 20):
+            assert torch.equal(run(amx, a, packed, x[:rows]), expected[:rows]), rows
+    finally:
+        amx.set_amx_min_rows(*quant_kernels.amx_min_rows())
+        amx.set_amx_plane_rows(*quant_kernels.AMX_PLANE_ROWS)
+
+
 def test_amx_min_rows_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSERVE_Q4_AMX_MIN_ROWS", "4, 9")
     assert quant_kernels.amx_min_rows() == (4, 9)
@@ -135,6 +165,6 @@ def test_describe_says_where_the_tiles_take_over(monkeypatch: pytest.MonkeyPatch
     if quant_kernels.active() is None or quant_kernels.active().isa() != "amx":
         pytest.skip(quant_kernels.describe())
     line = quant_kernels.describe()
-    assert "block tiles from 8 / 9 rows, on planes from 33 / 128" in line
+    assert "block tiles from 8 / 8 rows, on planes from 33 / 128" in line
     monkeypatch.setenv("SPECSERVE_Q4_AMX_MIN_ROWS", "4,5")
     assert "block tiles from 4 / 5 rows" in quant_kernels.describe()
