@@ -36,8 +36,8 @@ bool amx_enable() { return syscall(SYS_arch_prctl, 0x1023 /*ARCH_REQ_XCOMP_PERM*
 
 // Which kernel runs a Q4_K / Q6_K call, by its rows (all give the same bits): the vector kernel below
 // g_amx_min_rows, the block tiles (below) from there, the planes from g_amx_plane_rows. Building the planes costs
-// about what streaming the codes does whatever the rows, the block tiles a multiply-add per row and block, so the
-// block tiles take a verify's rows and the planes prompts. Measured on Sapphire Rapids (docs/benchmarks.md, "q4
+// about what streaming the codes does whatever the rows, the block tiles a share of the tile loads and stored sums and
+// a multiply-add per row and block, so the block tiles take a verify's rows and the planes prompts. Measured on Sapphire Rapids (docs/benchmarks.md, "q4
 // verify rows on AMX block tiles"); SPECSERVE_Q4_AMX_MIN_ROWS overrides the first pair.
 int64_t g_amx_min_rows[2] = {8, 8};
 int64_t g_amx_plane_rows[2] = {33, 128};
