@@ -180,7 +180,8 @@ inline void load_codes(const uint8_t* codes, int h, VI (&w)[B / 4]) {
 // 2 * (2^BITS - 1) * 127 in a lane (|x| <= 127, codes below 2^BITS; vpmaddubsw saturates only beyond 32767).
 template <int BITS, int B>
 constexpr bool sums16() { return SUM16 && BITS <= 6 && (B / 8) * 2 * ((1 << BITS) - 1) * 127 < 32768; }
-// The same build's 8-bit codes: sums of q8 x (vdot_s8_at), 128 psum short of q x (the callers add it)
+// The same build's 8-bit codes: sums of q8 x (vdot_s8_at), 128 psum short of q x (block_dots and dot_row add it
+// from the block's activation sum, so every caller gets q x)
 template <int BITS>
 constexpr bool signed8() { return SUM16 && BITS == 8; }
 
@@ -238,12 +239,16 @@ inline void block_chains(const uint8_t* codes, int h, const int8_t* xb, int64_t 
   }
 }
 
-// The sum of a block's two chains per row
+// The sum of a block's two chains per row (ps: row i's activation sum of the block at ps[i * lds])
 template <int BITS, int B, int NR>
-inline void block_dots(const uint8_t* codes, int h, const int8_t* xb, int64_t ldx, VI (&dot)[NR]) {
+inline void block_dots(const uint8_t* codes, int h, const int8_t* xb, int64_t ldx, const int32_t* ps, int64_t lds,
+                       VI (&dot)[NR]) {
   VI c0[NR], c1[NR];
   block_chains<BITS, B, NR>(codes, h, xb, ldx, c0, c1);
   for (int i = 0; i < NR; ++i) dot[i] = vadd(c0[i], c1[i]);
+  if constexpr (signed8<BITS>()) {
+    for (int i = 0; i < NR; ++i) dot[i] = vadd(dot[i], vset(128 * ps[i * lds]));
+  }
 }
 
 // One row's two chains of a block in 16-bit lanes (sums16: G / 2 groups a chain, as block_chains')
@@ -256,8 +261,8 @@ inline void row_chains16(const VI (&w)[B / 4], const int8_t* xr, VI& even, VI& o
   }
 }
 
-template <int BITS, int B>
-inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum over the block of q * x
+template <int BITS, int B>  // per output: sum over the block of q * x (psum: the row's activation sum of the block)
+inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr, int32_t psum) {
   constexpr int G = B / 4;
   VI even = vzero(), odd = vzero();  // two chains: the dot product's latency
   if constexpr (sums16<BITS, B>()) {
@@ -269,7 +274,7 @@ inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum 
       even = vdot_s8_at(even, vsigned8(w[g]), xr + 4 * g);
       odd = vdot_s8_at(odd, vsigned8(w[g + 1]), xr + 4 * g + 4);
     }
-    return vadd(even, odd);
+    return vadd(vadd(even, odd), vset(128 * psum));
   }
   for (int g = 0; g < G; g += 2) {
     int32_t q0, q1;
@@ -284,13 +289,13 @@ inline VI dot_row(const VI (&w)[B / 4], const int8_t* xr) {  // per output: sum 
 // A block's sums for one row times its scale (`scale_pair` = vpair16 of the scale): where sums16, each 16-bit chain
 // widened and scaled in one vpmaddwd; else the 32-bit sums times the scale (the same int32 either way)
 template <int BITS, int B>
-inline VI dot_row_times(const VI (&w)[B / 4], const int8_t* xr, VI scale, VI scale_pair) {
+inline VI dot_row_times(const VI (&w)[B / 4], const int8_t* xr, int32_t psum, VI scale, VI scale_pair) {
   if constexpr (sums16<BITS, B>()) {
     VI even, odd;
     row_chains16<B>(w, xr, even, odd);
     return vadd(vmadd16(even, scale_pair), vmadd16(odd, scale_pair));
   }
-  return vmul(dot_row<BITS, B>(w, xr), scale);
+  return vmul(dot_row<BITS, B>(w, xr, psum), scale);
 }
 
 // The weight's bytes PREFETCH_AHEAD down this thread's stream of tiles into L2, a block's share of lines at a time
@@ -333,8 +338,7 @@ void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float
         VI w[G];
         load_codes<BITS, B>(codes, h, w);
         for (int i = 0; i < NR; ++i) {
-          VI dot = dot_row<BITS, B>(w, x.q + i * x.K + blk0 * B);
-          if constexpr (signed8<BITS>()) dot = vadd(dot, vset(128 * x.psum[i * x.nblocks + blk0]));
+          const VI dot = dot_row<BITS, B>(w, x.q + i * x.K + blk0 * B, x.psum[i * x.nblocks + blk0]);
           acc[i] = vfma(vfmul(Dv, ai[i]), vcvt(dot), acc[i]);
           acc[i] = vfma(vfmul(Mv, ai[i]), vcvt(vset(x.psum[i * x.nblocks + blk0])), acc[i]);
         }
@@ -364,10 +368,8 @@ void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float
           const int8_t* xb = x.q + (blk0 + bb + e) * B;
           VI scp = scv;  // dot_row_times' scale pair, where it takes one
           if constexpr (sums16<BITS, B>()) scp = vpair16(scv);
-          for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], dot_row_times<BITS, B>(w, xb + i * x.K, scv, scp));
-          if constexpr (signed8<BITS>()) {  // no 8-bit format has block scales today; kept right if one comes
-            for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vmul(vset(128 * x.psum[i * x.nblocks + blk0 + bb + e]), scv));
-          }
+          for (int i = 0; i < NR; ++i)
+            S[i] = vadd(S[i], dot_row_times<BITS, B>(w, xb + i * x.K, x.psum[i * x.nblocks + blk0 + bb + e], scv, scp));
         }
       }
       for (int i = 0; i < NR; ++i) {
@@ -402,10 +404,7 @@ void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, floa
         prefetch_lines(pf, 0, share, step);
         const VF Dv = vf16(p + 2 * LANES * h), Mv = vf16(p + 32 + 2 * LANES * h);
         VI dot[NR];
-        block_dots<BITS, B, NR>(codes, h, x.q + blk0 * B, x.K, dot);
-        if constexpr (signed8<BITS>()) {
-          for (int i = 0; i < NR; ++i) dot[i] = vadd(dot[i], vset(128 * x.psum[i * x.nblocks + blk0]));
-        }
+        block_dots<BITS, B, NR>(codes, h, x.q + blk0 * B, x.K, x.psum + blk0, x.nblocks, dot);
         for (int i = 0; i < NR; ++i) {
           const VF ai = vfset(x.a[i * x.nsb + s]);
           acc[i] = vfma(vfmul(Dv, ai), vcvt(dot[i]), acc[i]);
@@ -439,10 +438,8 @@ void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, floa
           continue;
         }
         VI dot[NR];
-        block_dots<BITS, B, NR>(codes + bb * CODE_BYTES, h, x.q + (blk0 + bb) * B, x.K, dot);
-        if constexpr (signed8<BITS>()) {  // as in tile_row
-          for (int i = 0; i < NR; ++i) dot[i] = vadd(dot[i], vset(128 * x.psum[i * x.nblocks + blk0 + bb]));
-        }
+        block_dots<BITS, B, NR>(codes + bb * CODE_BYTES, h, x.q + (blk0 + bb) * B, x.K, x.psum + blk0 + bb, x.nblocks,
+                                dot);
         for (int i = 0; i < NR; ++i) S[i] = vadd(S[i], vmul(dot[i], scv));
       }
       // the mins: N = sum_b mn_b * psum_b, then the superblock's two terms into each row's float sum, in order
