@@ -21,7 +21,12 @@ import torch
 from drafter_service.draft_tree import DraftTree
 from model_runtime.batch import SeqInput
 from specserve_types.round_messages import ProposeBatch, ProposeItem, ProposeOutput, ProposeResult
-from verifier_service.sampling import penalized_logits_for_positions, sample_token, transform_logits
+from verifier_service.sampling import (
+    argmax_rows,
+    penalized_logits_for_positions,
+    sample_token,
+    transform_logits,
+)
 from verifier_service.worker import ForwardRunner
 
 log = logging.getLogger("specserve.drafter")
@@ -89,7 +94,7 @@ class DraftWorker:
                 q = transform_logits(logits, item.sampling)[0] if item.want_probs or not greedy else None
                 if greedy:  # transform_logits' one-hot sits at the argmax: the token without building it
                     row = logits[0].float()
-                    token = int(row.argmax())
+                    token = int(argmax_rows(row))
                     if item.stop_below > 0 and float(torch.exp(row[token] - row.logsumexp(-1))) < item.stop_below:
                         stopped.add(item.request_id)  # its next drafts would rarely survive
                 else:

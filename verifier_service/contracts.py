@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve_types.api import EXACT_RULES
-from verifier_service.sampling import request_uniforms, sample_with_uniforms
+from verifier_service.sampling import argmax_rows, request_uniforms, sample_with_uniforms
 
 # Medusa's defaults (posterior_threshold=0.09, posterior_alpha=0.3 in medusa/model/utils.py).
 POSTERIOR_THRESHOLD = 0.09
@@ -162,7 +162,7 @@ def block_accept(
 def greedy_accept(x: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept while x_i == argmax p_i; next = argmax p_{n+1} (ties -> lowest id). x [B,k]; p [B,k+1,V] logits or probs."""
     B, k = x.shape
-    target = p.argmax(-1)  # [B, k+1]
+    target = argmax_rows(p)  # [B, k+1]
     accepted_len = (x == target[:, :k]).long().cumprod(-1).sum(-1)
     return accepted_len, target[torch.arange(B, device=x.device), accepted_len]
 
@@ -220,8 +220,12 @@ def verify_exact(
 
 def verify_greedy(draft_tokens: Sequence[int], p: torch.Tensor) -> Verdict:
     """Greedy contract for one request. p [k+1,V]: logits (preferred: what plain greedy decoding argmaxes) or probs."""
-    accepted_len, next_token = greedy_accept(_drafts(draft_tokens, p), p.unsqueeze(0))
-    return _verdict(draft_tokens, accepted_len, next_token, "greedy")
+    assert p.dim() == 2 and p.shape[0] == len(draft_tokens) + 1, "p needs k+1 rows for k drafts"
+    # greedy_accept for one request, a row at a time: the rows after the first rejection are never read
+    k, n = len(draft_tokens), 0
+    while (target := int(argmax_rows(p[n]))) == (draft_tokens[n] if n < k else -1):
+        n += 1
+    return Verdict(n, target, [*draft_tokens[:n], target], "greedy", bonus=n == k, proposed=k)
 
 
 def verify_typical(

@@ -52,7 +52,7 @@ from typing import Literal
 import torch
 
 from verifier_service.contracts import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
-from verifier_service.sampling import request_generator, request_uniforms, sample_with_uniforms
+from verifier_service.sampling import argmax_rows, request_generator, request_uniforms, sample_with_uniforms
 
 SiblingKind = Literal["deterministic", "sampled"]
 
@@ -145,8 +145,8 @@ def tree_greedy(tree: TokenTree, p: torch.Tensor) -> TreeVerdict:
     p [N+1, V] logits or probs."""
     _check(tree, p, None)
     node, path = -1, []
-    while True:
-        target = int(p[node + 1].argmax())
+    while True:  # only the rows on the path: most of a tree's rows are never read
+        target = int(argmax_rows(p[node + 1]))
         child = next((c for c in tree.children(node) if tree.tokens[c] == target), None)
         if child is None:
             return _verdict(tree, path, target, "greedy")

@@ -16,6 +16,7 @@ from specserve_types.api import SamplingParams
 from verifier_service.sampling import (
     Stream,
     apply_penalties,
+    argmax_rows,
     penalized_logits_for_positions,
     request_generator,
     request_uniforms,
@@ -180,6 +181,20 @@ def test_temperature_zero_is_a_one_hot_at_the_lowest_argmax() -> None:
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, -1.0, 5.0, 5.0]])
     probs = transform_logits(logits, SamplingParams(temperature=0.0, top_k=1, top_p=0.5))
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 49152, 151936])
+def test_argmax_rows_is_torch_argmax_with_ties_nan_and_infinities(vocab: int, dtype: torch.dtype) -> None:
+    """The greedy token (argmax_rows, through torch.max) is torch.argmax's on every row: the first maximum where
+    values tie (few distinct values: ties everywhere), a NaN counted as the maximum, rows all -inf, strided rows."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-2, 3, (6, vocab), generator=gen).to(dtype)
+    x[1] = float("-inf")
+    x[2, vocab // 2] = float("nan")
+    x[3, -1] = float("inf")
+    for rows in (x, x[1:], x[::2], x[4]):
+        assert torch.equal(argmax_rows(rows), rows.argmax(-1))
 
 
 # ---------------------------------------------------------------------------------------------- sampling and seeds
