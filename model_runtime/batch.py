@@ -68,7 +68,7 @@ class ForwardBatch:
         positions: list[int] = []
         slots: list[int] = []
         offsets: list[int] = []
-        attention: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        attention: list[tuple[int, torch.Tensor, torch.Tensor | int]] = []
         rows: list[int] = []
         counts: list[int] = []
         for seq in seqs:
@@ -79,9 +79,11 @@ class ForwardBatch:
             table = torch.tensor(seq.block_table[:needed_blocks], dtype=torch.long)
             past_slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:seq.past_len]
             kv_slots = torch.cat([past_slots, torch.tensor(seq.slot_mapping, dtype=torch.long)])
-            new_mask = seq.attn_mask if seq.attn_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
-            past_mask = torch.ones(n, seq.past_len, dtype=torch.bool)
-            attention.append((len(tokens), kv_slots, torch.cat([past_mask, new_mask.to(torch.bool)], dim=1)))
+            if seq.attn_mask is None:  # causal: the plan from the row count alone
+                attention.append((len(tokens), kv_slots, n))
+            else:
+                past_mask = torch.ones(n, seq.past_len, dtype=torch.bool)
+                attention.append((len(tokens), kv_slots, torch.cat([past_mask, seq.attn_mask.to(torch.bool)], dim=1)))
             wanted = {"all": n, "last": 1, "none": 0}.get(seq.logits, seq.logits)  # type: ignore[call-overload]
             rows.extend(range(len(tokens) + n - wanted, len(tokens) + n))
             counts.append(wanted)

@@ -10,7 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from model_runtime import cpu_kernels
-from model_runtime.attention import TILE, WidthGroup, paged_attention, plan_attention
+from model_runtime.attention import (
+    TILE,
+    WidthGroup,
+    _group,
+    _lone_group,
+    _seq_rows_by_width,
+    paged_attention,
+    plan_attention,
+)
 
 HEADS, KV_HEADS, D = 12, 2, 64
 
@@ -134,3 +142,44 @@ def test_plan_groups_rows_by_padded_key_width() -> None:
     two = plan_attention([(0, torch.arange(10), causal_mask(9, 1)), (1, torch.arange(20, 33), causal_mask(10, 3))])
     (g,) = two
     assert g.rows.tolist() == [[0, 0, 0], [1, 2, 3]] and g.real.tolist() == [True, False, False, True, True, True]
+
+
+def assert_same_group(a: WidthGroup, b: WidthGroup) -> None:
+    assert (a.width, a.all_real, a.whole) == (b.width, b.all_real, b.whole)
+    for name in ("slots", "rows", "hidden", "real", "real_rows"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("seqs", [[(0, 1)], [(TILE - 1, 1)], [(TILE - 2, 5)], [(130, 9)], [(9, 1), (10, 3)],
+                                  [(TILE - 2, 5), (0, 2), (200, 17)], [(3 * TILE, 1)] * 4])
+def test_a_causal_chain_planned_from_its_row_count_is_its_masks_plan(seqs: list[tuple[int, int]]) -> None:
+    """model_runtime/batch.py plans a causal sequence from its row count: the plan equals its mask's, tensor for
+    tensor, alone and among other sequences (rows crossing a width boundary, several groups, padding)."""
+    g = torch.Generator().manual_seed(len(seqs))
+    by_mask, by_count, offset = [], [], 0
+    for past, n in seqs:
+        slots = torch.randperm(4096, generator=g)[:past + n]
+        by_mask.append((offset, slots, causal_mask(past, n)))
+        by_count.append((offset, slots, n))
+        offset += n
+    planned, expected = plan_attention(by_count), plan_attention(by_mask)
+    assert len(planned) == len(expected)
+    for a, b in zip(planned, expected, strict=True):
+        assert_same_group(a, b)
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_one_sequence_s_rows_of_a_width_are_grouped_as_the_padded_groups_are(offset: int) -> None:
+    """A width with one sequence takes `_lone_group` (no padding): the tensors `_group` builds, for a causal mask
+    and a tree's (rows that do not see every row before them), `whole` only where its rows are the forward's."""
+    g = torch.Generator().manual_seed(offset)
+    tree = torch.ones(6, 6, dtype=torch.bool).tril()
+    tree[3, 1:3] = False  # row 3 hangs off row 0
+    tree[5, 3:5] = False
+    for mask in (causal_mask(TILE - 3, 6), torch.cat([torch.ones(6, TILE - 3, dtype=torch.bool), tree], dim=1)):
+        slots = torch.randperm(4096, generator=g)[:mask.shape[1]]
+        for total in (offset + 6, offset + 9):
+            for width, s, rows, visible in _seq_rows_by_width(offset, slots, mask):
+                assert_same_group(_lone_group(width, (s, rows, visible), total),
+                                  _group(width, [(s, rows, visible)], total))
