@@ -114,9 +114,8 @@ def penalized_logits_for_positions(
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax over its last dimension, the token plain greedy decoding takes: the first maximum (ties ->
     the lowest token id; a NaN counts as the maximum), the same index `torch.argmax` gives. Through
-    `torch.max(dim)`, which returns that index too: on CPU torch's argmax kernel takes 75 us for a row of 49152
-    logits and 226 us for 151936, `max` 27 and 76 us (torch 2.13, one thread, Xeon-AMX), and greedy rounds and
-    draft steps take one per scored row (docs/benchmarks.md, "The greedy token: argmax rows")."""
+    `torch.max(dim)`, which returns that index too at about a third of the CPU argmax kernel's cost; greedy rounds
+    and draft steps take one per row they read (docs/benchmarks.md, "The greedy token: argmax rows")."""
     return logits.max(-1).indices
 
 
