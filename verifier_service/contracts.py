@@ -15,7 +15,8 @@ Glossary:
 
 Each core works on a batch of B rounds of equal k (`*_accept`); the per-request functions
 (`verify_*`) draw the request's seeded uniforms and call the core with B = 1, so tests exercise the
-same code with large B. Positions and streams of the uniforms: see `verifier_service.sampling`.
+same code with large B (greedy: the core and `verify_greedy` both walk each request's rows with
+`greedy_walk`, which needs no tensors of its own). Positions and streams of the uniforms: see `verifier_service.sampling`.
 """
 
 from __future__ import annotations
@@ -160,11 +161,20 @@ def block_accept(
 
 
 def greedy_accept(x: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept while x_i == argmax p_i; next = argmax p_{n+1} (ties -> lowest id). x [B,k]; p [B,k+1,V] logits or probs."""
-    B, k = x.shape
-    target = argmax_rows(p)  # [B, k+1]
-    accepted_len = (x == target[:, :k]).long().cumprod(-1).sum(-1)
-    return accepted_len, target[torch.arange(B, device=x.device), accepted_len]
+    """Accept while x_i == argmax p_i; next = argmax p_{n+1} (ties -> lowest id). x [B,k]; p [B,k+1,V] logits or probs.
+    Each request through `greedy_walk`, as `verify_greedy` takes it."""
+    walks = [greedy_walk(drafts, p[b]) for b, drafts in enumerate(x.tolist())]
+    return (torch.tensor([n for n, _ in walks], device=x.device),
+            torch.tensor([token for _, token in walks], device=x.device))
+
+
+def greedy_walk(draft_tokens: Sequence[int], p: torch.Tensor) -> tuple[int, int]:
+    """One request's greedy rule: (accepted_len, next token). p [k+1,V]; its rows are read one at a time, up to the
+    first rejection (the rows after it are never read)."""
+    k, n = len(draft_tokens), 0
+    while (target := int(argmax_rows(p[n]))) == (draft_tokens[n] if n < k else -1):
+        n += 1
+    return n, target
 
 
 def typical_accept(
@@ -221,11 +231,9 @@ def verify_exact(
 def verify_greedy(draft_tokens: Sequence[int], p: torch.Tensor) -> Verdict:
     """Greedy contract for one request. p [k+1,V]: logits (preferred: what plain greedy decoding argmaxes) or probs."""
     assert p.dim() == 2 and p.shape[0] == len(draft_tokens) + 1, "p needs k+1 rows for k drafts"
-    # greedy_accept for one request, a row at a time: the rows after the first rejection are never read
-    k, n = len(draft_tokens), 0
-    while (target := int(argmax_rows(p[n]))) == (draft_tokens[n] if n < k else -1):
-        n += 1
-    return Verdict(n, target, [*draft_tokens[:n], target], "greedy", bonus=n == k, proposed=k)
+    n, token = greedy_walk(draft_tokens, p)
+    return Verdict(n, token, [*draft_tokens[:n], token], "greedy", bonus=n == len(draft_tokens),
+                   proposed=len(draft_tokens))
 
 
 def verify_typical(
