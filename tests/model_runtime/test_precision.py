@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from model_runtime import precision
+from model_runtime import cpu_kernels, precision
 from model_runtime.local_alloc import LocalAllocator, LocalSequence
 from model_runtime.model import CausalLM
 from model_runtime.precision import draft_dtype, target_dtype
@@ -124,18 +124,24 @@ def test_smollm2_bf16_against_transformers_bf16(smollm2_dir: Path) -> None:
     measured 0.127), and ours about as far from float32 as transformers' own bf16 is: the same precision,
     differently rounded (our attention runs in fp32). Which of the two lands nearer varies with the kernels' exact
     roundings, which these 18 rows amplify (one row carries 1.24 of ours): measured mean 0.206 vs 0.216 on the AMX
-    path; on an AMD EPYC 0.251 (avx512 path) and 0.198 (torch path) vs 0.187. So within 1.5x, not below 1.0x."""
+    path; on an AMD EPYC 0.251 (avx512 path) and 0.198 (torch path) vs 0.187. So within 1.5x, not below 1.0x.
+    Where the libraries round more coarsely (oneDNN and MKL capped at AVX2: transformers' bf16 0.279 from float32),
+    two bf16 models may differ by as much as one of them from float32: ours on the torch path there 0.219 from
+    transformers, 0.159 from float32. So the bound is 0.2 or transformers' own distance, whichever is larger."""
     ours = incremental_logits(CausalLM.load(smollm2_dir, dtype=torch.bfloat16))
     theirs, fp32 = hf_logits(smollm2_dir, torch.bfloat16), hf_logits(smollm2_dir, torch.float32)
-    assert (ours - theirs).abs().mean().item() < 0.2
-    assert (ours - fp32).abs().mean().item() <= 1.5 * (theirs - fp32).abs().mean().item()
+    theirs_error = (theirs - fp32).abs().mean().item()
+    assert (ours - theirs).abs().mean().item() < max(0.2, theirs_error)
+    assert (ours - fp32).abs().mean().item() <= 1.5 * theirs_error
     assert (ours.argmax(-1) == fp32.argmax(-1)).float().mean().item() >= 0.9
 
 
 @needs_bf16
 def test_smollm2_bf16_rows_do_not_depend_on_their_call(smollm2_dir: Path) -> None:
     """Bitwise: a prefill of 18 tokens = 3 tokens then 15 one-token decodes; three sequences in one forward
-    = each alone."""
+    = each alone. Not on the torch path (SPECSERVE_CPU_KERNEL=torch), which promises a bound, not these bits."""
+    if not cpu_kernels.for_dtype(torch.bfloat16).exact:
+        pytest.skip("SPECSERVE_CPU_KERNEL=torch: the libraries' rows depend on the call (docs/exactness.md)")
     model = CausalLM.load(smollm2_dir, dtype=torch.bfloat16)
     ids = PROMPT + [t for s in STEPS for t in s]
     alloc, kv = LocalAllocator(64, 4), model.allocate_kv(64, 4)
