@@ -94,7 +94,7 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
     drafts: list[int] = []
     parents: tuple[int, ...] | None = None
     if spec.draft == "ngram" and k > 0:
-        drafts = propose_ngram(state.token_ids, k)
+        drafts = propose_ngram(state.token_array(), k)
         k = len(drafts)
         if k == 0:
             reason = "n-gram: no match"
@@ -123,7 +123,7 @@ def _lookup(state: RequestState, ctx: PlanContext, k_cap: int) -> list[int]:
     spec = state.request.spec
     if not ctx.lookup or spec.draft != "model" or spec.k is not None or k_cap == 0:
         return []
-    return propose_ngram(state.token_ids, k_cap, min_n=LOOKUP_N)
+    return propose_ngram(state.token_array(), k_cap, min_n=LOOKUP_N)
 
 
 def _auto_k(state: RequestState, ctx: PlanContext, k_cap: int, catch_up: int, lookup: bool = False,
@@ -175,7 +175,7 @@ def _suffix_drafts(state: RequestState, ctx: PlanContext, k: int, catch_up: int,
     proposal = ctx.suffix.propose(state.request_id, state.token_ids, max(size.nodes, 4 * k), levels=k,
                                   own_only=seeded)
     if proposal is None:  # nothing above the trie's min score: the n-gram drafter's latest match, if any
-        chain = propose_ngram(state.token_ids, k)
+        chain = propose_ngram(state.token_array(), k)
         return chain, None, f"{reason}; suffix: no match, n-gram" if chain else "suffix: no match"
     if size.nodes == k or len(proposal.tree) <= k:
         chain = proposal.chain(k)

@@ -16,8 +16,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.prompt_group import PromptGroup
+from drafter_service.ngram import TokenHistory
 from specserve_types.api import FinishReason, GenerationRequest, InvalidRequestError
 
 
@@ -42,7 +45,7 @@ class TextTracker:
     the first `read` output tokens, ending on a whole character, and each update decodes only the tokens after it
     with a few before them as context, keeping the part past the context's own decode. Where that part cannot be
     read off (a decoder that rewrites text across the boundary), it decodes the whole output as before. So a token
-    costs a decode of a few tokens, not of the output so far (docs/benchmarks.md, "Detokenizing").
+    costs a decode of a few tokens, not of the output so far (docs/benchmarks.md, "A long output's Python").
     """
 
     tokenizer: Any
@@ -126,6 +129,7 @@ class RequestState:
     group: int = 0  # overlap group (0 or 1)
     rounds_at_zero: int = 0  # consecutive rounds auto chose plain decoding (it re-probes after probe_every)
     prompt_group: PromptGroup | None = None  # n completions of one prompt, until forked (prompt_group.py)
+    history: TokenHistory = field(default_factory=TokenHistory)  # token_ids as an array, for n-gram lookups
 
     @property
     def request_id(self) -> str:
@@ -134,6 +138,10 @@ class RequestState:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len:]
+
+    def token_array(self) -> np.ndarray:
+        """token_ids as an array (a view until the next call; only ids added since the last call are copied)."""
+        return self.history.view(self.token_ids)
 
     @property
     def num_output(self) -> int:
