@@ -36,9 +36,9 @@ PROMPTS = ["Tell me a long story about a dragon.", "Explain how CPUs work, in de
 INCREMENTAL = TextTracker._decoded
 
 
-def whole_decode(self: TextTracker, output: list[int]) -> str:
+def whole_decode(self: TextTracker, token_ids: list[int]) -> str:
     """The tracker as it was until 2026-12-06: the whole output decoded every token."""
-    return self.tokenizer.decode(output, skip_special_tokens=True)
+    return self.tokenizer.decode(token_ids[self.prompt_len:], skip_special_tokens=True)
 
 
 def torch_ngram(history: Any, k: int, max_n: int = 3, min_n: int = 1) -> list[int]:

@@ -60,7 +60,7 @@ class TextTracker:
         """Given the full sequence, return (new text delta, stop string hit)."""
         if self.tokenizer is None:
             return "", False
-        self.text = self._decoded(token_ids[self.prompt_len:])
+        self.text = self._decoded(token_ids)
         for s in self.stop:
             idx = self.text.find(s, max(0, self.emitted_chars - len(s) + 1))
             if idx != -1:
@@ -81,18 +81,18 @@ class TextTracker:
         self.emitted_chars = safe
         return delta, False
 
-    def _decoded(self, output: list[int]) -> str:
-        """The decode of the whole output, from `stable` and the tokens after it."""
-        decode = self.tokenizer.decode
-        start = max(0, self.read - DECODE_CONTEXT)
-        context = decode(output[start:self.read], skip_special_tokens=True)
-        tail = decode(output[start:], skip_special_tokens=True)
+    def _decoded(self, token_ids: list[int]) -> str:
+        """The decode of the whole output (token_ids past the prompt), from `stable` and the tokens after it."""
+        decode, first = self.tokenizer.decode, self.prompt_len + self.read
+        start = max(self.prompt_len, first - DECODE_CONTEXT)
+        context = decode(token_ids[start:first], skip_special_tokens=True)
+        tail = decode(token_ids[start:], skip_special_tokens=True)
         if tail.startswith(context) and not context.endswith("\ufffd"):
             text = self.stable + tail[len(context):]
         else:
-            text = decode(output, skip_special_tokens=True)
+            text = decode(token_ids[self.prompt_len:], skip_special_tokens=True)
         if not text.endswith("\ufffd"):  # a whole character: the next decode starts after it
-            self.stable, self.read = text, len(output)
+            self.stable, self.read = text, len(token_ids) - self.prompt_len
         return text
 
     def flush(self) -> str:
