@@ -346,6 +346,27 @@ inline float softmax_numerators(float* sq, int64_t nk) {
   return 1.0f / hsum(sum);
 }
 
+// NH heads' sums of p_i v_i over keys a..e-1 of a chunk, D16C vectors a head: sq the first head's scores (the next
+// head's `stride` further), acc the first head's float32 sums (carried from chunk to chunk, the next head's d
+// further), vrow(i) key i's V row. Each head's sums are the same chain of multiply-adds in key order as alone.
+template <int64_t NH, int64_t D16C, class Rows>
+inline void pv_heads(const float* sq, int64_t stride, float* acc_out, int64_t a, int64_t e, Rows vrow) {
+  vf acc[NH][D16C];
+  for (int64_t g = 0; g < NH; ++g)
+    for (int64_t c = 0; c < D16C; ++c) acc[g][c] = load(acc_out + (g * D16C + c) * L);
+  for (int64_t i = a; i < e; ++i) {
+    const float* row = vrow(i);
+    vf v[D16C];
+    for (int64_t c = 0; c < D16C; ++c) v[c] = load(row + L * c);
+    for (int64_t g = 0; g < NH; ++g) {
+      const float pi = sq[g * stride + i];
+      for (int64_t c = 0; c < D16C; ++c) acc[g][c] = pi * v[c] + acc[g][c];
+    }
+  }
+  for (int64_t g = 0; g < NH; ++g)
+    for (int64_t c = 0; c < D16C; ++c) store_n(acc_out + (g * D16C + c) * L, acc[g][c], L);
+}
+
 // One work item of paged_attention_group: sequence s, kv head h, its rows r0..r1 (D16 = head_dim / 16 known at
 // compile time for 64 and 128, so the query and the sums stay in registers)
 template <typename T, int D16C>
@@ -360,14 +381,20 @@ void attention_item(const T* qp, const T* kp, const T* vp, T* op, const int64_t*
   static thread_local std::vector<float> qbuf_, scores_, accs_, chunk_, inv_;
   static thread_local std::vector<int64_t> keys_, starts_, at_;
   std::vector<int64_t>& keys = keys_;
-  keys.clear();
+  if (static_cast<int64_t>(keys.size()) < nr * W) keys.resize(nr * W);
   std::vector<int64_t>& starts_v = starts_;
   starts_v.assign(nr + 1, 0);
   int64_t* starts = starts_v.data();
+  int64_t* listed = keys.data();
+  int64_t count = 0;
   for (int64_t ri = 0; ri < nr; ++ri) {  // each row's visible positions, in order (compacted: index i of its keys)
     const bool* hid = hid_p + (s * n + r0 + ri) * W;
-    if (real_p[s * n + r0 + ri]) for (int64_t j = 0; j < W; ++j) if (!hid[j]) keys.push_back(j);
-    starts[ri + 1] = static_cast<int64_t>(keys.size());
+    if (real_p[s * n + r0 + ri])
+      for (int64_t j = 0; j < W; ++j) {  // written always, kept where visible
+        listed[count] = j;
+        count += !hid[j];
+      }
+    starts[ri + 1] = count;
   }
   auto grown = [](std::vector<float>& v, int64_t size) {
     if (static_cast<int64_t>(v.size()) < size) v.resize(size);
@@ -387,14 +414,21 @@ void attention_item(const T* qp, const T* kp, const T* vp, T* op, const int64_t*
       for (int64_t c = 0; c < D16; ++c)
         store_n(&qbuf[(ri * G + g) * d + L * c], load(qp + row_p[s * n + r0 + ri] * q_stride + (h * G + g) * d + L * c) * sc, L);
   // rows of positions p0..p0+CHUNK-1 of K or V: float32 rows straight from the pool; bf16 widened (exact) into `chunk`
+  const int64_t* seq_slots = slot_p + s * W;
+  const int64_t slot_stride = KVH * d, head_at = h * d;
   auto rows_of = [&](const T* base, int64_t p0, int64_t p1) -> const float* {
     if constexpr (std::is_same_v<T, float>) {
       (void)p1;
       return nullptr;  // read in place (row_at)
     } else {
-      for (int64_t j = p0; j < p1; ++j)
-        for (int64_t c = 0; c < D16; ++c)
-          store_n(chunk + (j - p0) * d + L * c, load(base + (slot_p[s * W + j] * KVH + h) * d + L * c), L);
+      // the pointers and strides in locals: the stores below may alias what a lambda's captures point to
+      const int64_t* sl = seq_slots;
+      const int64_t stride = slot_stride, at0 = head_at, dd = d, nd = D16;
+      float* dst = chunk;
+      for (int64_t j = p0; j < p1; ++j, dst += dd) {
+        const T* src = base + sl[j] * stride + at0;
+        for (int64_t c = 0; c < nd; ++c) store_n(dst + L * c, load(src + L * c), L);
+      }
       return chunk;
     }
   };
@@ -448,12 +482,32 @@ void attention_item(const T* qp, const T* kp, const T* vp, T* op, const int64_t*
       for (int64_t c = 0; c < D16; ++c) store_n(&accs[qi * d + L * c], vf{}, L);
     }
   }
-  // sum_i p_i v_i, keys in order (chunk by chunk, each (row, head) carrying its sums across chunks)
+  // sum_i p_i v_i, keys in order (chunk by chunk, each (row, head) carrying its sums across chunks). Where d is
+  // known (64, 128) a row's heads go through each key together, up to 16 / D16 at once: each head's sums are its
+  // own chain of multiply-adds in key order, as one head alone, but the heads' chains interleave (one head's four
+  // chains of 64 lanes waited on their multiply-adds' latency) and each V row is loaded once for them
   each_chunk(vp, [&](int64_t ri, int64_t a, int64_t e, int64_t p0, const float* widened) {
-    for (int64_t g = 0; g < G; ++g) {
+    int64_t g = 0;
+    if constexpr (D16C > 0) {
+      constexpr int64_t HB = 16 / D16C;  // 4 heads of d = 64, 2 of d = 128: 16 vectors of sums
+      auto heads = [&](auto nh) {
+        constexpr int64_t NH = decltype(nh)::value;
+        pv_heads<NH, D16C>(&scores[(ri * G + g) * W16 - starts[ri]], W16, &accs[(ri * G + g) * d], a, e,
+                           [&](int64_t i) { return row_at(vp, widened, p0, key[i]); });
+        g += NH;
+      };
+      while (g < G) {
+        const int64_t left = G - g;
+        if (left >= HB) heads(std::integral_constant<int64_t, HB>{});
+        else if (left == 3) heads(std::integral_constant<int64_t, 3>{});
+        else if (left == 2) heads(std::integral_constant<int64_t, 2>{});
+        else heads(std::integral_constant<int64_t, 1>{});
+      }
+    }
+    for (; g < G; ++g) {
       const int64_t qi = ri * G + g;
       const float* sq = &scores[qi * W16 - starts[ri]];
-      vf acc[D16C > 0 ? D16C : 16];
+      vf acc[16];
       for (int64_t c = 0; c < D16; ++c) acc[c] = load(&accs[qi * d + L * c]);
       for (int64_t i = a; i < e; ++i) {
         const float* vrow = row_at(vp, widened, p0, key[i]);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <algorithm>
 #include <vector>
+#include <type_traits>
 
 #include "ops.h"
 #include "simd.h"
@@ -91,6 +92,50 @@ inline __m512 sum_lanes16(const __m512* acc) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
+// NH heads' sums of p_i v_i over keys a..e-1 (indices into `keys`), D16C vectors a head: sg the first head's scores
+// (indexed by key index; the next head's `stride` further), ab the first head's float32 sums (the next head's d
+// further), vf the widened V rows. Each head's sums are the same chain of multiply-adds in key order as alone; the
+// heads' chains interleave, and each V row is loaded once for them.
+template <int64_t NH, int64_t D16C>
+inline void pv_heads(const float* sg, int64_t stride, float* ab, int64_t a, int64_t e, const int64_t* keys,
+                     const float* vf) {
+  constexpr int64_t d = 16 * D16C;
+  __m512 acc[NH][D16C];
+  for (int64_t g = 0; g < NH; ++g)
+    for (int64_t c = 0; c < D16C; ++c) acc[g][c] = _mm512_loadu_ps(ab + g * d + 16 * c);
+  for (int64_t i = a; i < e; ++i) {
+    const float* vrow = vf + keys[i] * d;
+    __m512 v[D16C];
+    for (int64_t c = 0; c < D16C; ++c) v[c] = _mm512_loadu_ps(vrow + 16 * c);
+    for (int64_t g = 0; g < NH; ++g) {
+      const __m512 pi = _mm512_set1_ps(sg[g * stride + i]);
+      for (int64_t c = 0; c < D16C; ++c) acc[g][c] = _mm512_fmadd_ps(pi, v[c], acc[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < NH; ++g)
+    for (int64_t c = 0; c < D16C; ++c) _mm512_storeu_ps(ab + g * d + 16 * c, acc[g][c]);
+}
+
+// row ri's heads g0.. of a work item through pv_heads, up to 16 / D16C at once (16 vectors of sums)
+template <int64_t D16C>
+inline void pv_row(const float* scores, int64_t W16, float* accs, int64_t ri, int64_t G, int64_t start, int64_t a,
+                   int64_t e, const int64_t* keys, const float* vf) {
+  constexpr int64_t HB = 16 / D16C, d = 16 * D16C;
+  int64_t g = 0;
+  auto heads = [&](auto nh) {
+    constexpr int64_t NH = decltype(nh)::value;
+    pv_heads<NH, D16C>(scores + (ri * G + g) * W16 - start, W16, accs + (ri * G + g) * d, a, e, keys, vf);
+    g += NH;
+  };
+  while (g < G) {
+    const int64_t left = G - g;
+    if (left >= HB) heads(std::integral_constant<int64_t, HB>{});
+    else if (left == 3) heads(std::integral_constant<int64_t, 3>{});
+    else if (left == 2) heads(std::integral_constant<int64_t, 2>{});
+    else heads(std::integral_constant<int64_t, 1>{});
+  }
+}
+
 }  // namespace
 
 // Attention of one width group (model_runtime/attention.py's WidthGroup) over the paged KV pool, bf16 in and out,
@@ -215,6 +260,8 @@ void paged_attention_group(torch::Tensor q, torch::Tensor k_flat, torch::Tensor 
         }
       }
       each_chunk([&](int64_t ri, int64_t a, int64_t e) {  // sum_i p_i v_i, keys in order, the sums kept in float32
+        if (D16 == 4) return pv_row<4>(scores.data(), W16, accs.data(), ri, G, starts[ri], a, e, keys.data(), vf.data());
+        if (D16 == 8) return pv_row<8>(scores.data(), W16, accs.data(), ri, G, starts[ri], a, e, keys.data(), vf.data());
         for (int64_t g = 0; g < G; ++g) {
           const float* sg = scores.data() + (ri * G + g) * W16 - starts[ri];
           float* ab = &accs[(ri * G + g) * d];
