@@ -587,7 +587,8 @@ void attention_item_by_row(const T* qp, const T* kp, const T* vp, T* op, const i
 // How it runs (the same bits as one (row, head) at a time, 3-7x faster): a work item is (sequence, kv head, up to 16
 // rows); its keys go by in chunks of 32 positions, each chunk's K rows (then V rows) used by every query of the
 // item while in L1 (float32 rows read in place, bf16 widened once per chunk), sixteen keys' scores reduced together
-// by hsum's own tree (hsum16), and each (row, head) carries its sums of p_j v_j from chunk to chunk in key order.
+// by hsum's own tree (hsum16), and each (row, head) carries its sums of p_j v_j from chunk to chunk in key order
+// (a row's heads through each V row together where d is 64 or 128: pv_heads).
 // The avx2 build keeps the earlier item, one (row, head) at a time over all its keys (attention_item_by_row): with
 // 16 ymm registers the chunked one spilled and ran 0.8-0.9x its speed at 8 rows (1.8x at one row of 2048 keys).
 void paged_attention_group(torch::Tensor q, torch::Tensor k_flat, torch::Tensor v_flat, torch::Tensor slots,
