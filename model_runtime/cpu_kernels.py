@@ -62,7 +62,7 @@ def _load_portable(isa: str) -> tuple[ModuleType | None, str]:
         return None, f"off: this CPU lacks {isa} ({', '.join(ISA_FLAGS[isa][1])})"
     return build_extension(isa, f"specserve_{isa}", [PORTABLE],
                            ["-O3", "-ffp-contract=fast", *ISA_FLAGS[isa][0], "-fopenmp"], isa, isa,
-                           (KERNELS / "portable_ops.h",))
+                           (KERNELS / "portable_ops.h", KERNELS / "head_blocks.h"))
 
 
 def portable(isa: str) -> ModuleType | None:

@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "head_blocks.h"
 #include "portable_ops.h"
 
 namespace {
@@ -487,24 +488,14 @@ void attention_item(const T* qp, const T* kp, const T* vp, T* op, const int64_t*
   // own chain of multiply-adds in key order, as one head alone, but the heads' chains interleave (one head's four
   // chains of 64 lanes waited on their multiply-adds' latency) and each V row is loaded once for them
   each_chunk(vp, [&](int64_t ri, int64_t a, int64_t e, int64_t p0, const float* widened) {
-    int64_t g = 0;
-    if constexpr (D16C > 0) {
-      constexpr int64_t HB = 16 / D16C;  // 4 heads of d = 64, 2 of d = 128: 16 vectors of sums
-      auto heads = [&](auto nh) {
-        constexpr int64_t NH = decltype(nh)::value;
-        pv_heads<NH, D16C>(&scores[(ri * G + g) * W16 - starts[ri]], W16, &accs[(ri * G + g) * d], a, e,
-                           [&](int64_t i) { return row_at(vp, widened, p0, key[i]); });
-        g += NH;
-      };
-      while (g < G) {
-        const int64_t left = G - g;
-        if (left >= HB) heads(std::integral_constant<int64_t, HB>{});
-        else if (left == 3) heads(std::integral_constant<int64_t, 3>{});
-        else if (left == 2) heads(std::integral_constant<int64_t, 2>{});
-        else heads(std::integral_constant<int64_t, 1>{});
-      }
+    if constexpr (D16C > 0) {  // 4 heads of d = 64, 2 of d = 128 a block: 16 vectors of sums
+      head_blocks<16 / D16C>(G, [&](auto nh, int64_t g) {
+        pv_heads<decltype(nh)::value, D16C>(&scores[(ri * G + g) * W16 - starts[ri]], W16, &accs[(ri * G + g) * d],
+                                            a, e, [&](int64_t i) { return row_at(vp, widened, p0, key[i]); });
+      });
+      return;
     }
-    for (; g < G; ++g) {
+    for (int64_t g = 0; g < G; ++g) {
       const int64_t qi = ri * G + g;
       const float* sq = &scores[qi * W16 - starts[ri]];
       vf acc[16];

@@ -6,8 +6,8 @@
 #include <cmath>
 #include <algorithm>
 #include <vector>
-#include <type_traits>
 
+#include "head_blocks.h"
 #include "ops.h"
 #include "simd.h"
 
@@ -114,26 +114,6 @@ inline void pv_heads(const float* sg, int64_t stride, float* ab, int64_t a, int6
   }
   for (int64_t g = 0; g < NH; ++g)
     for (int64_t c = 0; c < D16C; ++c) _mm512_storeu_ps(ab + g * d + 16 * c, acc[g][c]);
-}
-
-// row ri's heads g0.. of a work item through pv_heads, up to 16 / D16C at once (16 vectors of sums)
-template <int64_t D16C>
-inline void pv_row(const float* scores, int64_t W16, float* accs, int64_t ri, int64_t G, int64_t start, int64_t a,
-                   int64_t e, const int64_t* keys, const float* vf) {
-  constexpr int64_t HB = 16 / D16C, d = 16 * D16C;
-  int64_t g = 0;
-  auto heads = [&](auto nh) {
-    constexpr int64_t NH = decltype(nh)::value;
-    pv_heads<NH, D16C>(scores + (ri * G + g) * W16 - start, W16, accs + (ri * G + g) * d, a, e, keys, vf);
-    g += NH;
-  };
-  while (g < G) {
-    const int64_t left = G - g;
-    if (left >= HB) heads(std::integral_constant<int64_t, HB>{});
-    else if (left == 3) heads(std::integral_constant<int64_t, 3>{});
-    else if (left == 2) heads(std::integral_constant<int64_t, 2>{});
-    else heads(std::integral_constant<int64_t, 1>{});
-  }
 }
 
 }  // namespace
@@ -260,8 +240,15 @@ void paged_attention_group(torch::Tensor q, torch::Tensor k_flat, torch::Tensor 
         }
       }
       each_chunk([&](int64_t ri, int64_t a, int64_t e) {  // sum_i p_i v_i, keys in order, the sums kept in float32
-        if (D16 == 4) return pv_row<4>(scores.data(), W16, accs.data(), ri, G, starts[ri], a, e, keys.data(), vf.data());
-        if (D16 == 8) return pv_row<8>(scores.data(), W16, accs.data(), ri, G, starts[ri], a, e, keys.data(), vf.data());
+        auto heads = [&](auto d16) {  // 4 heads of d = 64, 2 of d = 128 a block: 16 vectors of sums
+          constexpr int64_t D16C = decltype(d16)::value;
+          head_blocks<16 / D16C>(G, [&](auto nh, int64_t g) {
+            pv_heads<decltype(nh)::value, D16C>(scores.data() + (ri * G + g) * W16 - starts[ri], W16,
+                                                accs.data() + (ri * G + g) * d, a, e, keys.data(), vf.data());
+          });
+        };
+        if (D16 == 4) return heads(std::integral_constant<int64_t, 4>{});
+        if (D16 == 8) return heads(std::integral_constant<int64_t, 8>{});
         for (int64_t g = 0; g < G; ++g) {
           const float* sg = scores.data() + (ri * G + g) * W16 - starts[ri];
           float* ab = &accs[(ri * G + g) * d];
