@@ -36,6 +36,7 @@ from cluster.engine.accept import RoundOutcome, accept_round
 from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.admission import admit_draft, admit_target, running
 from cluster.engine.backends import DrafterBackend, VerifierBackend
+from cluster.engine.catch_up import observe_propose
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
 from cluster.engine.give_back import abort_now, check_commits, preempt, recover_verifier, restart_draft_caches
 from cluster.engine.held_commit import Ahead, HeldCommitKV
@@ -314,8 +315,7 @@ class SpecEngine:
             return plain_proposed(plans, "drafter replaced: re-prefilling its cache")
         by_id = {o.request_id: o for o in result.outputs}
         ran = {p.request_id: drafted_steps(p, by_id.get(p.request_id)) for p in model_plans}  # may stop early
-        if all(len(p.draft_pending) <= 2 for p in model_plans):  # a catch-up prefill is not a draft step
-            self.cost.observe_draft(max(ran.values()), result.seconds, tree=any(p.tree_budget for p in model_plans))
+        observe_propose(self.cost, model_plans, max(ran.values()), result.seconds)
         refusal = invalid_drafts(model_plans, by_id, self.vocab_size)
         if refusal is not None:  # never trusted: the drafter is treated as failed, this round decodes plainly
             return self.drafter_failed(plans, InvalidDrafts(refusal), "fallback: drafter returned invalid drafts")

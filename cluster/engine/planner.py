@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.engine.acceptance_stats import AcceptanceStats
+from cluster.engine.catch_up import price_catch_up
 from cluster.engine.request_state import RequestState
 from cluster.engine.round_plan import RoundPlan
 from cluster.engine.spec_policy import (
@@ -79,12 +80,15 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
         k, reason = k_cap, "fixed k"
     else:
         decision = _auto_k(state, ctx, k_cap, len(pending))
+        veto = _catch_up_veto(state, ctx, decision, k_cap)
+        if veto is not None:
+            decision = veto
         if lookup:
             chosen = _auto_k(state, ctx, len(lookup), len(pending), lookup=True)
             # in a batch the draft model's steps are the batch's: a request that looks up saves them only if every
             # other one does, so there the lookup must beat the model's chain as if its drafting were free
-            rival = decision if ctx.batch == 1 else _auto_k(state, ctx, k_cap, len(pending), free_draft=True)
-            looked_up = lookup_wins(chosen, rival) or not ctx.drafter_usable
+            rival = decision if ctx.batch == 1 or veto else _auto_k(state, ctx, k_cap, len(pending), free_draft=True)
+            looked_up = lookup_wins(chosen, rival) or (not ctx.drafter_usable and veto is None)
             decision = chosen if looked_up else decision
         k, reason = decision.k, decision.reason
     state.rounds_at_zero = state.rounds_at_zero + 1 if k == 0 else 0
@@ -126,6 +130,37 @@ def _lookup(state: RequestState, ctx: PlanContext, k_cap: int) -> list[int]:
     return propose_ngram(state.token_array(), k_cap, min_n=LOOKUP_N)
 
 
+def _catch_up_veto(state: RequestState, ctx: PlanContext, decision: AutoDecision, k_cap: int) -> AutoDecision | None:
+    """Plain decoding instead of the draft model's round where the tokens its cache lacks cost more to feed it than
+    drafting saves over the rest of the request (catch_up.py); None: the decision stands. Measured costs only: a
+    seeded sampled request's k reads its own history and nominal costs."""
+    sampling = state.request.sampling
+    if state.request.spec.draft != "model" or decision.k == 0 or not ctx.drafter_usable or (
+            sampling.seed is not None and not sampling.is_greedy):
+        return None
+    tokens = len(state.token_ids) - state.draft_cached
+    price = price_catch_up(_auto_inputs(state, ctx, k_cap, 1), tokens)
+    if price is None or price.pays:
+        return None
+    return AutoDecision(0, f"draft catch-up: {tokens} tokens cost {price.extra * 1e3:.0f} ms, drafting saves "
+                           f"{max(price.saved, price.budget) * 1e3:.0f} ms")
+
+
+def _auto_inputs(state: RequestState, ctx: PlanContext, k_cap: int, catch_up: int, lookup: bool = False,
+                 free_draft: bool = False) -> AutoInputs:
+    """What auto's k for one request reads from the measured costs (not a seeded sampled request's: its own)."""
+    spec, sampling = state.request.spec, state.request.sampling
+    own = state.lookup_acceptance if lookup else state.acceptance
+    model_draft = spec.draft == "model" and not lookup
+    # a lookup's acceptance is the request's own, shrunk towards the prior: it is high where a request copies its
+    # prompt or itself (edits, summaries) and low elsewhere, so other requests' say little about it
+    return AutoInputs(
+        own, AcceptanceStats() if lookup else ctx.engine_acceptance, ctx.cost, k_cap, catch_up,
+        state.rounds_at_zero, ctx.probe_every, ctx.free_fraction, ctx.pressure_free_fraction,
+        draft_cost_per_token=ctx.cost.draft_token if model_draft and not free_draft else 0.0, batch=ctx.batch,
+        tokens_left=sampling.max_tokens - state.num_output)
+
+
 def _auto_k(state: RequestState, ctx: PlanContext, k_cap: int, catch_up: int, lookup: bool = False,
             free_draft: bool = False) -> AutoDecision:
     """Auto's k for one request: from its drafter's acceptance, or (`lookup`) from its n-gram lookups' at no draft
@@ -138,13 +173,7 @@ def _auto_k(state: RequestState, ctx: PlanContext, k_cap: int, catch_up: int, lo
     if sampling.seed is not None and not sampling.is_greedy:
         return choose_k_seeded(SeededInputs.of(own, k_cap, state.rounds_at_zero, ctx.probe_every,
                                                model_draft=model_draft, costs=ctx.nominal, tokens_left=tokens_left))
-    # a lookup's acceptance is the request's own, shrunk towards the prior: it is high where a request copies its
-    # prompt or itself (edits, summaries) and low elsewhere, so other requests' say little about it
-    return choose_k(AutoInputs(
-        own, AcceptanceStats() if lookup else ctx.engine_acceptance, ctx.cost, k_cap, catch_up,
-        state.rounds_at_zero, ctx.probe_every, ctx.free_fraction, ctx.pressure_free_fraction,
-        draft_cost_per_token=ctx.cost.draft_token if model_draft and not free_draft else 0.0, batch=ctx.batch,
-        tokens_left=tokens_left))
+    return choose_k(_auto_inputs(state, ctx, k_cap, catch_up, lookup, free_draft))
 
 
 def _tree_size(state: RequestState, ctx: PlanContext, k: int, catch_up: int, limit: int) -> TreeDecision:

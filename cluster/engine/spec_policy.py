@@ -106,6 +106,9 @@ class CostModel:
     alpha: float = 0.2
     draft_token: float | None = None  # one draft step for one batch
     draft_tree_level: float | None = None  # one level of a draft model's token tree, for one batch
+    # what each token of a draft cache's catch-up beyond the usual two adds to a propose call (a prompt's prefill in
+    # the draft cache, the tokens of plain or lookup rounds): priced by catch_up.py before a request pays it
+    draft_catch_up_row: float | None = None
     verify_by_tokens: dict[int, float] = field(default_factory=dict)  # rows scored by the batch -> verify time
     verify_samples: dict[int, int] = field(default_factory=dict)  # rows -> samples behind verify_by_tokens[rows]
     # during the engine's warm-up (cluster/engine/warmup.py): every sample kept, the estimate their median (a few
@@ -123,6 +126,12 @@ class CostModel:
             self.draft_tree_level = self._blend("draft tree", self.draft_tree_level, seconds / steps)
         elif steps > 0:
             self.draft_token = self._blend("draft", self.draft_token, seconds / steps)
+
+    def observe_draft_catch_up(self, rows: int, seconds: float) -> None:
+        """A propose call whose catch-up held `rows` tokens beyond the usual two, and the seconds they added to it
+        (the call's time less its steps at the measured step cost)."""
+        if rows > 0:
+            self.draft_catch_up_row = self._blend("draft catch-up", self.draft_catch_up_row, max(0.0, seconds) / rows)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         bucket = min(rows, MAX_ROWS)
@@ -243,7 +252,7 @@ class AutoInputs:
 
 def choose_k(inputs: AutoInputs) -> AutoDecision:
     """k* = argmax E[Y](k) / t_cycle(k) over the measured costs (module docstring)."""
-    own, engine, cost, k_max, catch_up = inputs.own, inputs.engine, inputs.cost, inputs.k_max, inputs.catch_up
+    own, cost, k_max, catch_up = inputs.own, inputs.cost, inputs.k_max, inputs.catch_up
     rounds_at_zero, probe_every, batch = inputs.rounds_at_zero, inputs.probe_every, inputs.batch
     free_fraction, pressure_free_fraction = inputs.free_fraction, inputs.pressure_free_fraction
     draft_cost_per_token = inputs.draft_cost_per_token
@@ -255,16 +264,12 @@ def choose_k(inputs: AutoInputs) -> AutoDecision:
     bucket = min(batch * catch_up, MAX_ROWS)
     if draft_cost_per_token is None or (bucket < MAX_ROWS and not any(b > bucket for b in cost.verify_by_tokens)):
         return AutoDecision(min(2, cap), "warm-up: measuring draft and verify cost")
-    survival = blended_survival(own, engine, k_max)
     # at a prompt's round (catch_up > 1) drafts look cheap next to the prefill, so the round drafts at nearly any
     # acceptance: that is the request's look at its own acceptance. Pricing them at the steady rate instead (kept
     # out, docs/benchmarks.md "A prompt's round and the last probe") kept a code prompt after a prose one from ever
-    # drafting: the engine-wide rate said no, and the request never measured its own
-    rates = []
-    for k in range(0, cap + 1):
-        t_verify = cost.verify_time(batch * (catch_up + k))
-        assert t_verify is not None
-        rates.append((1.0 + sum(survival[:k])) / (k * draft_cost_per_token + t_verify))
+    # drafting: the engine-wide rate said no, and the request never measured its own (what the look costs in the
+    # draft cache's catch-up is priced apart: catch_up.py)
+    rates = expected_rates(inputs, cap, catch_up)
     # PLAIN_MARGIN keeps speculating while plain decoding is not clearly faster; a request that speculated and fell
     # back learns nothing more while plain, so it speculates again at its probe or where a k is faster outright, not
     # on the verify times' jitter inside the margin (a cold prose request flipped back twice that way)
@@ -274,6 +279,19 @@ def choose_k(inputs: AutoInputs) -> AutoDecision:
         return _plain_or_probe(rates, rounds_at_zero, probe_every, "", inputs.tokens_left)
     reason = "memory pressure: k capped at 1" if cap < k_max and best_k == cap else "cost model"
     return AutoDecision(best_k, reason, rates[best_k])
+
+
+def expected_rates(inputs: AutoInputs, cap: int, catch_up: int) -> list[float]:
+    """Expected tokens per second at k = 0..cap for a round whose target catches up `catch_up` tokens:
+    E[Y](k) / (k * draft step + verify of batch * (catch_up + k) rows). Needs a measured verify time."""
+    survival = blended_survival(inputs.own, inputs.engine, inputs.k_max)
+    draft = inputs.draft_cost_per_token or 0.0
+    rates = []
+    for k in range(0, cap + 1):
+        t_verify = inputs.cost.verify_time(inputs.batch * (catch_up + k))
+        assert t_verify is not None
+        rates.append((1.0 + sum(survival[:k])) / (k * draft + t_verify))
+    return rates
 
 
 def _best_k(rates: list[float], leave_plain: float = PREFER_SMALLER) -> int:

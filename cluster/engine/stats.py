@@ -66,6 +66,7 @@ def engine_stats(identity: Mapping[str, Any], totals: Mapping[str, float], accep
         **{f"draft_{kind}": {"may_stop": int(totals.get(f"draft_{kind}_may_stop", 0)),
                              "stopped": int(totals.get(f"draft_{kind}_stopped", 0))} for kind in ("chains", "trees")},
         "cost_model": {"draft_token_seconds": cost.draft_token, "draft_tree_level_seconds": cost.draft_tree_level,
+                       "draft_catch_up_row_seconds": cost.draft_catch_up_row,
                        "verify_seconds_by_tokens": dict(cost.verify_by_tokens)},
         **busy_fractions(totals),
         "overlap": dict(overlap),
