@@ -18,7 +18,9 @@ The budget keeps the prompt's round a look at the request's own acceptance where
 .choose_k: the engine-wide rate must not keep a request from ever measuring its own): on AMX a 100-token prompt's
 draft prefill is ~1% of a 64-token request. A vetoed round drafts from the request's n-gram lookup if it has one,
 or decodes plainly. Measured costs only: seeded sampled requests and fixed k never read it (their k depends on
-their own history and the command).
+their own history and the command). Before a request's first model round its draft cache's prefix hits are not
+known (the draft namespace admits it after the plan: admission.py), so its catch-up is then counted from its first
+token: a prompt whose prefix another request left in the draft cache may be priced dearer than it will cost.
 """
 
 from __future__ import annotations
