@@ -32,6 +32,9 @@ from cluster.engine.round_plan import RoundPlan
 from cluster.engine.spec_policy import AutoInputs, CostModel, expected_rates
 
 USUAL_CATCH_UP = 2  # tokens every model-drafted round feeds: the last round's bonus token (and its last draft)
+# the fewest tokens beyond the usual that time the catch-up: a few tokens add less to a call than its steps' own jitter
+# (on AMX 3 tokens add ~1.3 ms to two ~22 ms steps), so their share per token would be mostly noise
+TIMED_CATCH_UP = 8
 LOOK_BUDGET = 0.05  # of a request's remaining plain decoding, what its draft catch-up may cost without paying back
 
 
@@ -64,12 +67,13 @@ def price_catch_up(inputs: AutoInputs, tokens: int) -> CatchUpPrice | None:
 
 def observe_propose(cost: CostModel, plans: Sequence[RoundPlan], steps: int, seconds: float) -> None:
     """A propose call's time into the cost model: a draft step where every plan's catch-up is the usual one, else
-    what its tokens beyond the usual added (the call less its steps at the measured step cost)."""
+    what its tokens beyond the usual added (the call less its steps at the measured step cost), where they are
+    enough to time (TIMED_CATCH_UP)."""
     tree = any(p.tree_budget for p in plans)
     extra = sum(max(0, len(p.draft_pending) - USUAL_CATCH_UP) for p in plans)
     if extra == 0:
         cost.observe_draft(steps, seconds, tree=tree)
         return
     step = cost.draft_tree_level if tree and cost.draft_tree_level is not None else cost.draft_token
-    if step is not None:
+    if step is not None and extra >= TIMED_CATCH_UP:
         cost.observe_draft_catch_up(extra, seconds - steps * step)

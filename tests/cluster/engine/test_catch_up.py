@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from cluster.engine.acceptance_stats import AcceptanceStats
-from cluster.engine.catch_up import LOOK_BUDGET, USUAL_CATCH_UP, observe_propose, price_catch_up
+from cluster.engine.catch_up import (
+    LOOK_BUDGET,
+    TIMED_CATCH_UP,
+    USUAL_CATCH_UP,
+    observe_propose,
+    price_catch_up,
+)
 from cluster.engine.planner import PlanContext, plan_request
 from cluster.engine.request_state import new_request_state
 from cluster.engine.round_plan import RoundPlan
@@ -82,6 +88,10 @@ def test_a_propose_call_times_a_draft_step_or_its_catch_up() -> None:
     # in a batch the catch-ups add up; a call faster than its steps counts as free, never negative
     observe_propose(cost, [plan_of(40, 0), plan_of(12, 2)], steps=1, seconds=0.001)
     assert cost.draft_catch_up_row == pytest.approx(0.8 * 0.005)
+    # a few tokens beyond the usual are not timed (their share is within the steps' jitter), nor a draft step
+    before = (cost.draft_catch_up_row, cost.draft_token)
+    observe_propose(cost, [plan_of(40, 40 - USUAL_CATCH_UP - TIMED_CATCH_UP + 1)], steps=2, seconds=1.0)
+    assert (cost.draft_catch_up_row, cost.draft_token) == before
 
 
 def context(cost: CostModel, lookup: bool = False) -> PlanContext:
