@@ -26,7 +26,7 @@ token: a prompt whose prefix another request left in the draft cache may be pric
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from cluster.engine.round_plan import RoundPlan
 from cluster.engine.spec_policy import AutoInputs, CostModel, expected_rates
@@ -58,7 +58,7 @@ def price_catch_up(inputs: AutoInputs, tokens: int) -> CatchUpPrice | None:
         return None
     if inputs.cost.verify_time(inputs.batch) is None or inputs.draft_cost_per_token is None:
         return None
-    rates = expected_rates(replace(inputs, catch_up=1), inputs.k_max, 1)
+    rates = expected_rates(inputs, inputs.k_max, 1)
     left = inputs.tokens_left
     best = max(rates[1:])
     saved = left * (1 / rates[0] - 1 / best) if best > rates[0] else 0.0

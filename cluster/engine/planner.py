@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.engine.acceptance_stats import AcceptanceStats
-from cluster.engine.catch_up import price_catch_up
+from cluster.engine.catch_up import USUAL_CATCH_UP, price_catch_up
 from cluster.engine.request_state import RequestState
 from cluster.engine.round_plan import RoundPlan
 from cluster.engine.spec_policy import (
@@ -88,7 +88,7 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
             # in a batch the draft model's steps are the batch's: a request that looks up saves them only if every
             # other one does, so there the lookup must beat the model's chain as if its drafting were free
             rival = decision if ctx.batch == 1 or veto else _auto_k(state, ctx, k_cap, len(pending), free_draft=True)
-            looked_up = lookup_wins(chosen, rival) or (not ctx.drafter_usable and veto is None)
+            looked_up = lookup_wins(chosen, rival) or not ctx.drafter_usable
             decision = chosen if looked_up else decision
         k, reason = decision.k, decision.reason
     state.rounds_at_zero = state.rounds_at_zero + 1 if k == 0 else 0
@@ -135,10 +135,10 @@ def _catch_up_veto(state: RequestState, ctx: PlanContext, decision: AutoDecision
     drafting saves over the rest of the request (catch_up.py); None: the decision stands. Measured costs only: a
     seeded sampled request's k reads its own history and nominal costs."""
     sampling = state.request.sampling
-    if state.request.spec.draft != "model" or decision.k == 0 or not ctx.drafter_usable or (
-            sampling.seed is not None and not sampling.is_greedy):
-        return None
     tokens = len(state.token_ids) - state.draft_cached
+    if tokens <= USUAL_CATCH_UP or state.request.spec.draft != "model" or decision.k == 0 or not ctx.drafter_usable \
+            or (sampling.seed is not None and not sampling.is_greedy):
+        return None  # most rounds: the usual catch-up, nothing to price
     price = price_catch_up(_auto_inputs(state, ctx, k_cap, 1), tokens)
     if price is None or price.pays:
         return None
