@@ -8,8 +8,8 @@
 // codes unsigned) with no place for a scale per block of 16 or 32. So the per-block multiplier goes into the weight's
 // codes, one digit at a time: with sc' = sc + OFF written in base 2^DS (digits c_d, OFF = 128 where sc is signed),
 //     S = sum_b sc_b (q . x)_b = sum_d 2^(DS d) sum_k x_k (q_k c_d(b(k))) - OFF sum_k x_k q_k
-// where every q * c_d fits a byte (Q4_K: 15 * 7, base 8, two digits of its 6-bit scales, q * digit read from a
-// 128-byte table by vpermi2b at index q | digit << 4; Q6_K: 63 * 3, base 4, four digits of sc + 128 by lane masks, q
+// where every q * c_d fits a byte (Q4_K: 15 * 7, base 8, two digits of its 6-bit scales, two codes' products at
+// once by a 16-bit multiply, which carries nothing into the next byte as q * c_d < 256; Q6_K: 63 * 3, base 4, four digits of sc + 128 by lane masks, q
 // and 2q added where a digit's bit is set, and the plain codes for the offset). Each plane of a superblock is built
 // once in L1 from the codes and each
 // plane's sum over the superblock accumulates in a tile of up to 16 rows: a weight's bytes are decoded once whatever
@@ -46,19 +46,8 @@ template <int BITS> struct Digits;
 template <> struct Digits<4> { static constexpr int DS = 3, ND = 2, OFF = 0; };    // Q4_K: sc in [0, 63]
 template <> struct Digits<6> { static constexpr int DS = 2, ND = 4, OFF = 128; };  // Q6_K: sc in [-128, 127]
 
-// Q4_K's products q * d (q < 16, d < 8) at index q | d << 4: the 128-byte table of permutex2var, halves 0 and 1
-inline __m512i q4_table(int half) {
-  alignas(64) static const auto table = [] {
-    struct { uint8_t b[128]; } t{};
-    for (int i = 0; i < 128; ++i) t.b[i] = static_cast<uint8_t>((i & 15) * (i >> 4));
-    return t;
-  }();
-  return _mm512_load_si512(table.b + 64 * half);
-}
-
-inline __m512i spread_low_byte(__m512i v) {  // each int32 lane's low byte into its 4 bytes
-  const __m512i pattern = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
-  return _mm512_shuffle_epi8(v, pattern);
+inline __m512i pair16(__m512i v) {  // each int32 lane's low 16 bits into both halves (v < 2^16)
+  return _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
 }
 
 // the plane sums of one 64-code chunk for a tile of rows: P products, the B operand alternating between tiles 6, 7
@@ -91,7 +80,7 @@ inline void store_sums(int32_t* c) {
 
 // a superblock's planes (sb = 256): [chunk of 64 codes][plane][16 x 64 bytes], from its metadata and codes at p
 template <int BITS, int B>
-inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes, __m512i tab0, __m512i tab1,
+inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes,
                          const uint8_t* pf, int64_t step) {
   using D = Digits<BITS>;
   constexpr int G = B / 4, P = D::ND + (D::OFF ? 1 : 0);
@@ -103,19 +92,17 @@ inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes, __m512i 
     prefetch_lines(pf, bb * share, (bb + 1) * share, step);
     const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + bb * TILE)));
     uint8_t* dst = planes + (bb * B / 64) * P * 1024 + (bb * B % 64) / 4 * 64;
-    if constexpr (BITS == 4) {  // Q4_K: q * digit from a 128-byte table at index q | digit << 4 (bit 7 clear)
-      const __m512i dig[2] = {  // per output j, bytes 4j..4j+3: (sc & 7) << 4 and (sc >> 3) << 4
-          spread_low_byte(_mm512_slli_epi32(_mm512_and_si512(scv, _mm512_set1_epi32(7)), 4)),
-          spread_low_byte(_mm512_slli_epi32(_mm512_srli_epi32(scv, 3), 4))};
+    if constexpr (BITS == 4) {  // Q4_K: q * digit by a 16-bit multiply of two codes at once (q d < 128: no carry)
+      const __m512i dig[2] = {  // per output j, each 16-bit half of bytes 4j..4j+3: sc & 7, then sc >> 3
+          pair16(_mm512_and_si512(scv, _mm512_set1_epi32(7))), pair16(_mm512_srli_epi32(scv, 3))};
       const uint8_t* src = codes + bb * CODE_BYTES;
       const __m512i low4 = _mm512_set1_epi8(0x0F);
       for (int g = 0; g < G / 2; ++g) {  // a vector of nibbles: group g low, group g + G / 2 high
-        const __m512i v = _mm512_loadu_si512(src + g * 64), hi = _mm512_srli_epi16(v, 4);
+        const __m512i v = _mm512_loadu_si512(src + g * 64);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         for (int d = 0; d < 2; ++d) {
-          _mm512_store_si512(dst + d * 1024 + g * 64,
-                             _mm512_permutex2var_epi8(tab0, _mm512_ternarylogic_epi32(v, low4, dig[d], 0xEA), tab1));
-          _mm512_store_si512(dst + d * 1024 + (g + G / 2) * 64,
-                             _mm512_permutex2var_epi8(tab0, _mm512_ternarylogic_epi32(hi, low4, dig[d], 0xEA), tab1));
+          _mm512_store_si512(dst + d * 1024 + g * 64, _mm512_mullo_epi16(lo, dig[d]));
+          _mm512_store_si512(dst + d * 1024 + (g + G / 2) * 64, _mm512_mullo_epi16(hi, dig[d]));
         }
       }
     } else {  // digit d's bits as lane masks: q, 2q, 4q, ... added where the bit is set
@@ -154,7 +141,6 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
   const int8_t* xs = xq.q.data_ptr<int8_t>();
   const float* as = xq.a.data_ptr<float>();
   const int32_t* ps = xq.psum.data_ptr<int32_t>();
-  const __m512i tab0 = q4_table(0), tab1 = q4_table(1);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     configure_tiles(rows);
     alignas(64) uint8_t planes[2][4 * P * 1024];
@@ -165,7 +151,7 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tile = w + t * tile_bytes;
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
-      build_planes<BITS, B>(tile, nb, planes[0], tab0, tab1, ahead(tile), step);
+      build_planes<BITS, B>(tile, nb, planes[0], ahead(tile), step);
       for (int64_t s = 0; s < nsb; ++s) {
         const uint8_t* p = tile + s * step;
         const int8_t* mn = reinterpret_cast<const int8_t*>(p + 128) + nb * TILE;
@@ -179,7 +165,7 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
           for (int64_t c = 0; c < chunks; ++c)
             chunk_products<P>(xs + r0 * K + s * sb + c * 64, K, planes[s % 2] + c * P * 1024);
           if (r0 == 0 && s + 1 < nsb)
-            build_planes<BITS, B>(p + step, nb, planes[(s + 1) % 2], tab0, tab1, ahead(p + step), step);
+            build_planes<BITS, B>(p + step, nb, planes[(s + 1) % 2], ahead(p + step), step);
           store_sums<P>(sums);
           for (int64_t i = 0; i < std::min<int64_t>(16, M - r0); ++i) {
             VI S = _mm512_load_si512(sums + i * 16);
