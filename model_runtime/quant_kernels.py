@@ -46,7 +46,7 @@ _MODULES: dict[str, tuple[ModuleType | None, str]] = {}
 # Q4_K, Q6_K: the fewest rows the amx build's tiles take (block tiles), and where its planes take over (prompts);
 # measured on Sapphire Rapids (docs/benchmarks.md, "q4 verify rows on AMX block tiles")
 AMX_MIN_ROWS = (8, 8)
-AMX_PLANE_ROWS = (33, 128)
+AMX_PLANE_ROWS = (33, 28)
 
 
 def cpu_has(isa: str) -> bool:

@@ -4,18 +4,18 @@
 #pragma once
 // ---- AMX (the `amx` build: the avx512 build plus -mavx512vbmi -mamx-tile -mamx-int8): the K formats' sums on tiles --
 //
-// A tile product sums 64 codes of each row against 64 of each output (TDPBSUD: x's int8 codes signed, the weight's
-// codes unsigned) with no place for a scale per block of 16 or 32. So the per-block multiplier goes into the weight's
-// codes, one digit at a time: with sc' = sc + OFF written in base 2^DS (digits c_d, OFF = 128 where sc is signed),
-//     S = sum_b sc_b (q . x)_b = sum_d 2^(DS d) sum_k x_k (q_k c_d(b(k))) - OFF sum_k x_k q_k
-// where every q * c_d fits a byte (Q4_K: 15 * 7, base 8, two digits of its 6-bit scales, two codes' products at
-// once by a 16-bit multiply, which carries nothing into the next byte as q * c_d < 256; Q6_K: 63 * 3, base 4, four digits of sc + 128 by lane masks, q
-// and 2q added where a digit's bit is set, and the plain codes for the offset). Each plane of a superblock is built
-// once in L1 from the codes and each
-// plane's sum over the superblock accumulates in a tile of up to 16 rows: a weight's bytes are decoded once whatever
-// the row count. S is the same int32 the vector kernel sums (exact integers in either order), N the same
-// dot products, and the float steps the same instructions, so these tiles give the avx512 build's bits row for row:
-// the row count decides which kernel runs a call (g_amx_min_rows, g_amx_plane_rows), and no row can tell.
+// A tile product sums 64 codes of each row against 64 of each output (TDPBSUD / TDPBSSD: x's int8 codes signed,
+// the weight's bytes unsigned / signed) with no place for a scale per block of 16 or 32. So the per-block multiplier
+// goes into the weight's codes, one digit at a time: with sc = sum_d base^d c_d,
+//     S = sum_b sc_b (q . x)_b = sum_d base^d sum_k x_k (q_k c_d(b(k)))
+// where every q * c_d fits a byte (Q4_K: 15 * 7, two base-8 digits of its 6-bit scales; Q6_K: (q - 32) * c_d in
+// [-96, 93], three balanced base-7 digits of its signed 8-bit scales, 32 N added back: Digits below), two codes'
+// products at once by a 16-bit multiply, which carries nothing into the next byte. Each plane of a superblock is
+// built once in L1 from the codes and each plane's sum over the superblock accumulates in a tile of up to 16 rows: a
+// weight's bytes are decoded once whatever the row count. S is the same int32 the vector kernel sums (exact integers
+// in either order), N the same dot products, and the float steps the same instructions, so these tiles give the
+// avx512 build's bits row for row: the row count decides which kernel runs a call (g_amx_min_rows,
+// g_amx_plane_rows), and no row can tell.
 
 struct alignas(64) TileConfig {
   uint8_t palette_id; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16];
@@ -23,7 +23,7 @@ struct alignas(64) TileConfig {
 
 inline void load_config(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory"); }
 
-// tiles 0..4: the planes' int32 sums (rows x 16), 5: the rows' codes (rows x 64), 6 and 7: a plane (16 x 64)
+// tiles 0..2: the planes' int32 sums (rows x 16), 5: the rows' codes (rows x 64), 6 and 7: a plane (16 x 64)
 void configure_tiles(int rows) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
@@ -40,33 +40,37 @@ bool amx_enable() { return syscall(SYS_arch_prctl, 0x1023 /*ARCH_REQ_XCOMP_PERM*
 // a multiply-add per row and block, so the block tiles take a verify's rows and the planes prompts. Measured on Sapphire Rapids (docs/benchmarks.md, "q4
 // verify rows on AMX block tiles"); SPECSERVE_Q4_AMX_MIN_ROWS overrides the first pair.
 int64_t g_amx_min_rows[2] = {8, 8};
-int64_t g_amx_plane_rows[2] = {33, 128};
+int64_t g_amx_plane_rows[2] = {33, 28};
 
+// Q4_K: sc in [0, 63] as two base-8 digits c_d, unsigned planes q * c_d (<= 105; TDPBSUD), S = P_0 + 8 P_1.
+// Q6_K: sc in [-128, 127] as three balanced base-7 digits c_d in [-3, 3] (sc + 171 in base 7, each digit less 3),
+// signed planes (q - 32) * c_d (in [-96, 93]; TDPBSSD): sum_d 7^d P_d = sum_b sc_b ((q - 32) . x)_b = S - 32 N,
+// as Q6_K's mn is its sc (N = sum_b sc_b psum_b), so S = P_0 + 7 P_1 + 49 P_2 + 32 N.
 template <int BITS> struct Digits;
-template <> struct Digits<4> { static constexpr int DS = 3, ND = 2, OFF = 0; };    // Q4_K: sc in [0, 63]
-template <> struct Digits<6> { static constexpr int DS = 2, ND = 4, OFF = 128; };  // Q6_K: sc in [-128, 127]
+template <> struct Digits<4> { static constexpr int ND = 2; };
+template <> struct Digits<6> { static constexpr int ND = 3; };
 
 inline __m512i pair16(__m512i v) {  // each int32 lane's low 16 bits into both halves (v < 2^16)
   return _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
 }
 
-// the plane sums of one 64-code chunk for a tile of rows: P products, the B operand alternating between tiles 6, 7
-template <int P>
+inline __m512i spread_low_byte(__m512i v) {  // each int32 lane's low byte into its 4 bytes
+  const __m512i pattern = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+  return _mm512_shuffle_epi8(v, pattern);
+}
+
+// the plane sums of one 64-code chunk for a tile of rows: a product per plane, the B operand alternating between
+// tiles 6 and 7 (Q4_K's planes unsigned, Q6_K's signed)
+template <int BITS>
 inline void chunk_products(const int8_t* a, int64_t lda, const uint8_t* planes) {
   _tile_loadd(5, a, lda);
   _tile_loadd(6, planes, 64);
-  _tile_dpbsud(0, 5, 6);
+  if constexpr (BITS == 4) _tile_dpbsud(0, 5, 6); else _tile_dpbssd(0, 5, 6);
   _tile_loadd(7, planes + 1024, 64);
-  _tile_dpbsud(1, 5, 7);
-  if constexpr (P > 2) {
+  if constexpr (BITS == 4) _tile_dpbsud(1, 5, 7); else _tile_dpbssd(1, 5, 7);
+  if constexpr (BITS == 6) {
     _tile_loadd(6, planes + 2048, 64);
-    _tile_dpbsud(2, 5, 6);
-    _tile_loadd(7, planes + 3072, 64);
-    _tile_dpbsud(3, 5, 7);
-  }
-  if constexpr (P > 4) {
-    _tile_loadd(6, planes + 4096, 64);
-    _tile_dpbsud(4, 5, 6);
+    _tile_dpbssd(2, 5, 6);
   }
 }
 
@@ -74,16 +78,17 @@ template <int P>
 inline void store_sums(int32_t* c) {
   _tile_stored(0, c, 64);
   _tile_stored(1, c + 256, 64);
-  if constexpr (P > 2) { _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64); }
-  if constexpr (P > 4) _tile_stored(4, c + 1024, 64);
+  if constexpr (P > 2) _tile_stored(2, c + 512, 64);
+}
+
+inline __m512i div7(__m512i t) {  // t / 7 for 0 <= t < 2^15 in each int32 lane: (t * 9363) >> 16 (exact here)
+  return _mm512_mulhi_epu16(t, _mm512_set1_epi32(9363));
 }
 
 // a superblock's planes (sb = 256): [chunk of 64 codes][plane][16 x 64 bytes], from its metadata and codes at p
 template <int BITS, int B>
-inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes,
-                         const uint8_t* pf, int64_t step) {
-  using D = Digits<BITS>;
-  constexpr int G = B / 4, P = D::ND + (D::OFF ? 1 : 0);
+inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes, const uint8_t* pf, int64_t step) {
+  constexpr int G = B / 4, P = Digits<BITS>::ND;
   constexpr int64_t CODE_BYTES = B * TILE * BITS / 8;
   const uint8_t* codes = p + meta_bytes(nb);
   const int8_t* sc = reinterpret_cast<const int8_t*>(p + 128);
@@ -92,7 +97,7 @@ inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes,
     prefetch_lines(pf, bb * share, (bb + 1) * share, step);
     const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + bb * TILE)));
     uint8_t* dst = planes + (bb * B / 64) * P * 1024 + (bb * B % 64) / 4 * 64;
-    if constexpr (BITS == 4) {  // Q4_K: q * digit by a 16-bit multiply of two codes at once (q d < 128: no carry)
+    if constexpr (BITS == 4) {  // q * digit by a 16-bit multiply of two codes at once (q c < 256: no carry)
       const __m512i dig[2] = {  // per output j, each 16-bit half of bytes 4j..4j+3: sc & 7, then sc >> 3
           pair16(_mm512_and_si512(scv, _mm512_set1_epi32(7))), pair16(_mm512_srli_epi32(scv, 3))};
       const uint8_t* src = codes + bb * CODE_BYTES;
@@ -105,22 +110,28 @@ inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes,
           _mm512_store_si512(dst + d * 1024 + (g + G / 2) * 64, _mm512_mullo_epi16(hi, dig[d]));
         }
       }
-    } else {  // digit d's bits as lane masks: q, 2q, 4q, ... added where the bit is set
-      const __m512i sc_off = _mm512_add_epi32(scv, _mm512_set1_epi32(D::OFF));
-      __mmask16 bit[D::ND * D::DS];
-      for (int i = 0; i < D::ND * D::DS; ++i) bit[i] = _mm512_test_epi32_mask(sc_off, _mm512_set1_epi32(1 << i));
+    } else {  // (q - 32) * c: q |c| by a 16-bit multiply (<= 189: no carry), less 32 |c|, negated where c < 0
+      const __m512i t = _mm512_add_epi32(scv, _mm512_set1_epi32(171));  // in [43, 298]
+      const __m512i t1 = div7(t), e2 = div7(t1);
+      const __m512i e[3] = {_mm512_sub_epi32(t, _mm512_sub_epi32(_mm512_slli_epi32(t1, 3), t1)),
+                            _mm512_sub_epi32(t1, _mm512_sub_epi32(_mm512_slli_epi32(e2, 3), e2)), e2};
+      __m512i mul[3], off[3];
+      __mmask64 neg[3];
+      for (int d = 0; d < 3; ++d) {
+        const __m512i c = _mm512_sub_epi32(e[d], _mm512_set1_epi32(3));
+        const __m512i mag = _mm512_abs_epi32(c);
+        mul[d] = pair16(mag);
+        off[d] = spread_low_byte(_mm512_slli_epi32(mag, 5));
+        neg[d] = _mm512_movepi8_mask(_mm512_srai_epi32(c, 31));  // every byte of a lane where c < 0
+      }
       VI q[G];
       load_codes<BITS, B>(codes + bb * CODE_BYTES, 0, q);
       for (int g = 0; g < G; ++g) {
-        VI mult[D::DS];  // bytes below 128
-        mult[0] = q[g];
-        for (int e = 1; e < D::DS; ++e) mult[e] = _mm512_add_epi8(mult[e - 1], mult[e - 1]);
-        for (int d = 0; d < D::ND; ++d) {  // q * digit d: no byte carries into the next (<= 189)
-          VI v = _mm512_maskz_mov_epi32(bit[d * D::DS], mult[0]);
-          for (int e = 1; e < D::DS; ++e) v = _mm512_mask_add_epi32(v, bit[d * D::DS + e], v, mult[e]);
-          _mm512_store_si512(dst + d * 1024 + g * 64, v);
+        for (int d = 0; d < 3; ++d) {
+          const __m512i u = _mm512_mullo_epi16(q[g], mul[d]);
+          const __m512i w = _mm512_mask_sub_epi8(_mm512_sub_epi8(u, off[d]), neg[d], off[d], u);
+          _mm512_store_si512(dst + d * 1024 + g * 64, w);
         }
-        if constexpr (D::OFF != 0) _mm512_store_si512(dst + D::ND * 1024 + g * 64, q[g]);
       }
     }
   }
@@ -133,8 +144,7 @@ inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes,
 template <int BITS, int B>
 void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int64_t sb, const Quantized& xq,
                int64_t M, float* out, int64_t ldo) {
-  using D = Digits<BITS>;
-  constexpr int P = D::ND + (D::OFF ? 1 : 0);
+  constexpr int P = Digits<BITS>::ND;
   const int64_t K = xq.q.size(1), nb = sb / B, step = superblock_bytes(BITS, sb, B);
   const int64_t chunks = sb / 64, tile_bytes = nsb * step, nblocks = K / B;
   const int rows = static_cast<int>(std::min<int64_t>(16, M));
@@ -160,22 +170,26 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
         const VF Dv = vf32(p), Mv = vf32(p + 64);
         for (int64_t r0 = 0; r0 < M; r0 += 16) {
           _tile_zero(0); _tile_zero(1);
-          if constexpr (P > 2) { _tile_zero(2); _tile_zero(3); }
-          if constexpr (P > 4) _tile_zero(4);
+          if constexpr (P > 2) _tile_zero(2);
           for (int64_t c = 0; c < chunks; ++c)
-            chunk_products<P>(xs + r0 * K + s * sb + c * 64, K, planes[s % 2] + c * P * 1024);
+            chunk_products<BITS>(xs + r0 * K + s * sb + c * 64, K, planes[s % 2] + c * P * 1024);
           if (r0 == 0 && s + 1 < nsb)
             build_planes<BITS, B>(p + step, nb, planes[(s + 1) % 2], ahead(p + step), step);
           store_sums<P>(sums);
           for (int64_t i = 0; i < std::min<int64_t>(16, M - r0); ++i) {
-            VI S = _mm512_load_si512(sums + i * 16);
-            for (int d = 1; d < D::ND; ++d)
-              S = _mm512_add_epi32(S, _mm512_slli_epi32(_mm512_load_si512(sums + d * 256 + i * 16), D::DS * d));
-            if constexpr (D::OFF != 0)
-              S = _mm512_sub_epi32(S, _mm512_slli_epi32(_mm512_load_si512(sums + D::ND * 256 + i * 16), 7));
             VI N = vzero();
             const int32_t* pr = ps + (r0 + i) * nblocks + s * nb;
             for (int64_t bb = 0; bb < nb; bb += 2) N = add_min_pair(N, mn16[bb / 2], pr + bb);
+            const VI P0 = _mm512_load_si512(sums + i * 16), P1 = _mm512_load_si512(sums + 256 + i * 16);
+            VI S;
+            if constexpr (BITS == 4) {  // P_0 + 8 P_1
+              S = _mm512_add_epi32(P0, _mm512_slli_epi32(P1, 3));
+            } else {  // P_0 + 7 P_1 + 49 P_2 + 32 N
+              const VI P2 = _mm512_load_si512(sums + 512 + i * 16);
+              S = _mm512_add_epi32(P0, _mm512_sub_epi32(_mm512_slli_epi32(P1, 3), P1));
+              S = _mm512_add_epi32(S, _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(P2, 6), _mm512_slli_epi32(P2, 4)), P2));
+              S = _mm512_add_epi32(S, _mm512_slli_epi32(N, 5));
+            }
             const VF ai = vfset(as[(r0 + i) * nsb + s]);
             acc[r0 + i] = vfma(vfmul(Dv, ai), vcvt(S), acc[r0 + i]);
             acc[r0 + i] = vfma(vfmul(Mv, ai), vcvt(N), acc[r0 + i]);

@@ -149,6 +149,37 @@ def test_amx_tiles_at_the_largest_sums(kernel: str) -> None:
         amx.set_amx_plane_rows(*quant_kernels.AMX_PLANE_ROWS)
 
 
+@pytest.mark.skipif(not quant_kernels.cpu_has("amx") or not quant_kernels.cpu_has("avx512"),
+                    reason="this CPU has no AMX")
+@pytest.mark.parametrize("kernel", ["blocks", "planes"])
+def test_amx_q6_k_tiles_at_every_scale_and_the_largest_sums(kernel: str) -> None:
+    """Q6_K's planes take each signed 8-bit scale as three balanced base-7 digits and the codes less 32: every scale
+    from -128 to 127 (each of the 256 values in some block), codes all 0, all 63 or mixed, against activations whose
+    codes are all +-127, still give the vector kernel's bits (no digit wrong, no sum narrowed or saturated)."""
+    amx, vnni = module("amx"), module("avx512")
+    n, k = 48, 1024
+    raw = raw_tensor("Q6_K", n, k, seed=9).reshape(n, k // 256, 210)
+    scales = np.arange(n * (k // 256) * 16) % 256  # every int8 value, in some block of some output
+    raw[..., 192:208] = scales.reshape(n, k // 256, 16).astype(np.uint8)
+    raw[0::4, :, :192] = 0x00  # codes 0
+    raw[1::4, :, :192] = 0xFF  # codes 63
+    a = to_affine("Q6_K", raw.reshape(n, -1), n, k)
+    packed = torch.from_numpy(pack(a))
+    x = torch.ones(20, k)
+    x[1::2] = -1.0
+    x[4, : k // 2] = -3.0
+    x[6] = torch.randn(k, generator=torch.Generator().manual_seed(4))
+    expected = run(vnni, a, packed, x)
+    amx.set_amx_min_rows(1, 1)
+    amx.set_amx_plane_rows(*((1000, 1000) if kernel == "blocks" else (1, 1)))
+    try:
+        for rows in (1, 2, 8, 16, 17, 20):
+            assert torch.equal(run(amx, a, packed, x[:rows]), expected[:rows]), rows
+    finally:
+        amx.set_amx_min_rows(*quant_kernels.amx_min_rows())
+        amx.set_amx_plane_rows(*quant_kernels.AMX_PLANE_ROWS)
+
+
 def test_amx_min_rows_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSERVE_Q4_AMX_MIN_ROWS", "4, 9")
     assert quant_kernels.amx_min_rows() == (4, 9)
@@ -165,6 +196,6 @@ def test_describe_says_where_the_tiles_take_over(monkeypatch: pytest.MonkeyPatch
     if quant_kernels.active() is None or quant_kernels.active().isa() != "amx":
         pytest.skip(quant_kernels.describe())
     line = quant_kernels.describe()
-    assert "block tiles from 8 / 8 rows, on planes from 33 / 128" in line
+    assert "block tiles from 8 / 8 rows, on planes from 33 / 28" in line
     monkeypatch.setenv("SPECSERVE_Q4_AMX_MIN_ROWS", "4,5")
     assert "block tiles from 4 / 5 rows" in quant_kernels.describe()
