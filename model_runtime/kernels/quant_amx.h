@@ -137,8 +137,11 @@ inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes, const ui
   }
 }
 
-// Per output tile, superblock by superblock; the tile products of superblock s run while the planes of s + 1 are
-// built (two plane buffers), then their sums are stored and scaled into each row's float accumulator. The planes'
+// Per output tile, superblock by superblock, 16 rows at a time: the tile products of one step (a superblock's
+// planes against 16 rows) are issued, then (at a superblock's first step) the planes of the next superblock are built
+// (two plane buffers) and the sums the last step stored are scaled into their rows' float accumulators, and only then
+// this step's sums are stored (two sum buffers): no vector load waits on a tile just stored and the tile unit works
+// while the vectors scale (at 128 rows the scaling behind each store had taken ~45% of a Q4_K pass). The planes'
 // builder prefetches the codes PREFETCH_AHEAD down the stream as the vector kernel does (12-16 rows of Q4_K ~18%
 // faster, docs/benchmarks.md "q4 decode: the weight stream prefetched").
 template <int BITS, int B>
@@ -150,24 +153,49 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
   const int rows = static_cast<int>(std::min<int64_t>(16, M));
   const int8_t* xs = xq.q.data_ptr<int8_t>();
   const float* as = xq.a.data_ptr<float>();
-  const int32_t* ps = xq.psum.data_ptr<int32_t>();
+  const int16_t* ps = xq.psum16.data_ptr<int16_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     configure_tiles(rows);
     alignas(64) uint8_t planes[2][4 * P * 1024];
-    alignas(64) int32_t sums[P * 256];
+    alignas(64) int32_t sums[2][P * 256];
     std::vector<__m512> acc(M);
     const uint8_t* end = w + t1 * tile_bytes;
     auto ahead = [&](const uint8_t* at) { return at + PREFETCH_AHEAD < end ? at + PREFETCH_AHEAD : nullptr; };
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tile = w + t * tile_bytes;
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
-      build_planes<BITS, B>(tile, nb, planes[0], ahead(tile), step);
-      for (int64_t s = 0; s < nsb; ++s) {
+      // the sums of step (s, r0), stored in sums[buf], into rows r0.. of acc
+      auto scale = [&](int64_t s, int64_t r0, int buf) {
         const uint8_t* p = tile + s * step;
         const int8_t* mn = reinterpret_cast<const int8_t*>(p + 128) + nb * TILE;
         VI mn16[8];  // per pair of blocks: int16 pairs (mn_b0[j], mn_b1[j]) in lane j, as the vector kernel
         for (int64_t bb = 0; bb < nb; bb += 2) mn16[bb / 2] = min_pair(mn + bb * TILE);
         const VF Dv = vf32(p), Mv = vf32(p + 64);
+        const int32_t* sm = sums[buf];
+        for (int64_t i = 0; i < std::min<int64_t>(16, M - r0); ++i) {
+          VI N = vzero();
+          const int16_t* pr = ps + (r0 + i) * nblocks + s * nb;
+          for (int64_t bb = 0; bb < nb; bb += 2) N = add_min_pair(N, mn16[bb / 2], pr + bb);
+          const VI P0 = _mm512_load_si512(sm + i * 16), P1 = _mm512_load_si512(sm + 256 + i * 16);
+          VI S;
+          if constexpr (BITS == 4) {  // P_0 + 8 P_1
+            S = _mm512_add_epi32(P0, _mm512_slli_epi32(P1, 3));
+          } else {  // P_0 + 7 P_1 + 49 P_2 + 32 N
+            const VI P2 = _mm512_load_si512(sm + 512 + i * 16);
+            S = _mm512_add_epi32(P0, _mm512_sub_epi32(_mm512_slli_epi32(P1, 3), P1));
+            S = _mm512_add_epi32(S, _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(P2, 6), _mm512_slli_epi32(P2, 4)), P2));
+            S = _mm512_add_epi32(S, _mm512_slli_epi32(N, 5));
+          }
+          const VF ai = vfset(as[(r0 + i) * nsb + s]);
+          acc[r0 + i] = vfma(vfmul(Dv, ai), vcvt(S), acc[r0 + i]);
+          acc[r0 + i] = vfma(vfmul(Mv, ai), vcvt(N), acc[r0 + i]);
+        }
+      };
+      build_planes<BITS, B>(tile, nb, planes[0], ahead(tile), step);
+      int64_t last_s = -1, last_r0 = 0;  // the step whose sums wait in sums[buf ^ 1]
+      int buf = 0;
+      for (int64_t s = 0; s < nsb; ++s) {
+        const uint8_t* p = tile + s * step;
         for (int64_t r0 = 0; r0 < M; r0 += 16) {
           _tile_zero(0); _tile_zero(1);
           if constexpr (P > 2) _tile_zero(2);
@@ -175,27 +203,12 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
             chunk_products<BITS>(xs + r0 * K + s * sb + c * 64, K, planes[s % 2] + c * P * 1024);
           if (r0 == 0 && s + 1 < nsb)
             build_planes<BITS, B>(p + step, nb, planes[(s + 1) % 2], ahead(p + step), step);
-          store_sums<P>(sums);
-          for (int64_t i = 0; i < std::min<int64_t>(16, M - r0); ++i) {
-            VI N = vzero();
-            const int32_t* pr = ps + (r0 + i) * nblocks + s * nb;
-            for (int64_t bb = 0; bb < nb; bb += 2) N = add_min_pair(N, mn16[bb / 2], pr + bb);
-            const VI P0 = _mm512_load_si512(sums + i * 16), P1 = _mm512_load_si512(sums + 256 + i * 16);
-            VI S;
-            if constexpr (BITS == 4) {  // P_0 + 8 P_1
-              S = _mm512_add_epi32(P0, _mm512_slli_epi32(P1, 3));
-            } else {  // P_0 + 7 P_1 + 49 P_2 + 32 N
-              const VI P2 = _mm512_load_si512(sums + 512 + i * 16);
-              S = _mm512_add_epi32(P0, _mm512_sub_epi32(_mm512_slli_epi32(P1, 3), P1));
-              S = _mm512_add_epi32(S, _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(P2, 6), _mm512_slli_epi32(P2, 4)), P2));
-              S = _mm512_add_epi32(S, _mm512_slli_epi32(N, 5));
-            }
-            const VF ai = vfset(as[(r0 + i) * nsb + s]);
-            acc[r0 + i] = vfma(vfmul(Dv, ai), vcvt(S), acc[r0 + i]);
-            acc[r0 + i] = vfma(vfmul(Mv, ai), vcvt(N), acc[r0 + i]);
-          }
+          if (last_s >= 0) scale(last_s, last_r0, buf ^ 1);
+          store_sums<P>(sums[buf]);
+          last_s = s; last_r0 = r0; buf ^= 1;
         }
       }
+      scale(last_s, last_r0, buf ^ 1);
       const int64_t cols = std::min<int64_t>(TILE, n_out - t * TILE);
       for (int64_t i = 0; i < M; ++i) vstore(out + i * ldo + t * TILE, acc[i], cols);
     }
@@ -261,7 +274,7 @@ void tile_blocks(const uint8_t* tile, int64_t nsb, const Quantized& xq, int64_t 
   const int64_t codes_at = meta_bytes(nb), share = lines_per_block(step, nb);
   const int8_t* xs = xq.q.data_ptr<int8_t>() + r0 * K;
   const float* as = xq.a.data_ptr<float>() + r0 * nsb;
-  const int32_t* ps = xq.psum.data_ptr<int32_t>() + r0 * nblocks;
+  const int16_t* ps = xq.psum16.data_ptr<int16_t>() + r0 * nblocks;
   const int64_t stages = STAGES * nsb;
   auto split = [&](int64_t hh) {  // stage hh: superblock hh / STAGES, blocks 4 (hh % STAGES) .. + 3
     const uint8_t* p = tile + (hh / STAGES) * step;
@@ -306,7 +319,7 @@ void tile_blocks(const uint8_t* tile, int64_t nsb, const Quantized& xq, int64_t 
     for (int64_t bb = 0; bb < nb; bb += 2) mn16[bb / 2] = min_pair(mn + bb * TILE);
     const VF Dv = vf32(p), Mv = vf32(p + 64);
     for (int i = LO; i < HI; ++i) {
-      const int32_t* pr = ps + i * nblocks + s * nb;
+      const int16_t* pr = ps + i * nblocks + s * nb;
       VI N = vzero();
       for (int64_t bb = 0; bb < nb; bb += 2) N = add_min_pair(N, mn16[bb / 2], pr + bb);
       const VF ai = vfset(as[i * nsb + s]);

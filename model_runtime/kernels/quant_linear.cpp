@@ -64,6 +64,7 @@ struct Quantized {
   torch::Tensor q;     // int8 [M, K]
   torch::Tensor a;     // float [M, K / sb]
   torch::Tensor psum;  // int32 [M, K / b]
+  torch::Tensor psum16;  // int16 [M, K / b]: the same sums (|.| <= 32 * 127), two blocks' read as one int32
 };
 
 // The same instructions in both builds (AVX2 + FMA, 8 lanes): a row's codes and scales do not depend on the build.
@@ -84,11 +85,13 @@ Quantized quantize_rows(const torch::Tensor& x, int64_t sb, int64_t b, int64_t r
   const int64_t M = x.size(0), K = x.size(1);
   Quantized r{rows > M ? torch::zeros({rows, K}, torch::kInt8) : torch::empty({M, K}, torch::kInt8),
               rows > M ? torch::zeros({rows, K / sb}, torch::kFloat) : torch::empty({M, K / sb}, torch::kFloat),
-              rows > M ? torch::zeros({rows, K / b}, torch::kInt) : torch::empty({M, K / b}, torch::kInt)};
+              rows > M ? torch::zeros({rows, K / b}, torch::kInt) : torch::empty({M, K / b}, torch::kInt),
+              rows > M ? torch::zeros({rows, K / b}, torch::kShort) : torch::empty({M, K / b}, torch::kShort)};
   const float* xs = x.data_ptr<float>();
   int8_t* qs = r.q.data_ptr<int8_t>();
   float* as = r.a.data_ptr<float>();
   int32_t* ps = r.psum.data_ptr<int32_t>();
+  int16_t* ps16 = r.psum16.data_ptr<int16_t>();
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t m = 0; m < M; ++m) {
     // first every superblock's max |x| (independent chains: no superblock waits for the one before), then the codes
@@ -121,6 +124,7 @@ Quantized quantize_rows(const torch::Tensor& x, int64_t sb, int64_t b, int64_t r
           _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + i), _mm_packs_epi16(w0, w1));  // codes i..i+15 in order
         }
         pr[j] = hsum8(sum);
+        ps16[m * (K / b) + s * (sb / b) + j] = static_cast<int16_t>(pr[j]);
       }
     }
   }
@@ -131,6 +135,7 @@ struct Rows {  // NR rows' quantized activations, from row r0
   const int8_t* q;
   const float* a;
   const int32_t* psum;
+  const int16_t* psum16;
   int64_t K, nsb, nblocks;
 };
 
@@ -353,7 +358,7 @@ void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float
         // the mins: N += mn_b * psum_b for the two blocks
 #ifdef __AVX512VNNI__
         const VI mn16 = min_pair(mn + bb * TILE);
-        for (int i = 0; i < NR; ++i) N[i] = add_min_pair(N[i], mn16, x.psum + i * x.nblocks + blk0 + bb);
+        for (int i = 0; i < NR; ++i) N[i] = add_min_pair(N[i], mn16, x.psum16 + i * x.nblocks + blk0 + bb);
 #else
         for (int e = 0; e < 2; ++e) {
           const VI mnv = vi8(mn + (bb + e) * TILE + LANES * h);
@@ -453,7 +458,7 @@ void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, floa
         VI N = vzero();
         for (int64_t bb = 0; bb < nb; bb += 2) {
 #ifdef __AVX512VNNI__
-          N = add_min_pair(N, mn16[bb / 2], ps + bb);
+          N = add_min_pair(N, mn16[bb / 2], x.psum16 + i * x.nblocks + blk0 + bb);
 #else
           N = vadd(N, vmul(vi8(mn + bb * TILE + LANES * h), vset(ps[bb])));
           N = vadd(N, vmul(vi8(mn + (bb + 1) * TILE + LANES * h), vset(ps[bb + 1])));
@@ -479,7 +484,8 @@ void run_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
       const int64_t cols = std::min<int64_t>(TILE, n_out - t * TILE);
       for (int64_t r = 0; r < M; r += ROW_BLOCK) {
         const Rows x{xq.q.data_ptr<int8_t>() + r * K, xq.a.data_ptr<float>() + r * nsb,
-                     xq.psum.data_ptr<int32_t>() + r * (K / B), K, nsb, K / B};
+                     xq.psum.data_ptr<int32_t>() + r * (K / B), xq.psum16.data_ptr<int16_t>() + r * (K / B), K, nsb,
+                     K / B};
         float* o = out + r * ldo + t * TILE;
         // the first row block streams the weight (later ones find the tile in cache): it prefetches ahead
         const uint8_t* ahead = r == 0 && tile + PREFETCH_AHEAD < w + t1 * tile_bytes ? tile + PREFETCH_AHEAD : nullptr;

@@ -48,11 +48,12 @@ inline VI min_pair(const int8_t* mn) {
   return _mm512_permutexvar_epi16(pair_index(),
                                   _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn))));
 }
-// N + mn_b * psum_b + mn_b+1 * psum_b+1 for one row (ps: its sums of codes of blocks b, b + 1; |psum| <= 32 * 127,
-// an int16): one pair product
-inline VI add_min_pair(VI N, VI pair_of_mins, const int32_t* ps) {
-  const uint32_t pair = (static_cast<uint32_t>(ps[0]) & 0xFFFFu) | (static_cast<uint32_t>(ps[1]) << 16);
-  return _mm512_dpwssd_epi32(N, pair_of_mins, _mm512_set1_epi32(static_cast<int32_t>(pair)));
+// N + mn_b * psum_b + mn_b+1 * psum_b+1 for one row (ps: its int16 sums of codes of blocks b, b + 1, |psum| <= 32 *
+// 127): one pair product, the pair broadcast from memory as one int32
+inline VI add_min_pair(VI N, VI pair_of_mins, const int16_t* ps) {
+  int32_t pair;
+  std::memcpy(&pair, ps, sizeof(pair));
+  return _mm512_dpwssd_epi32(N, pair_of_mins, _mm512_set1_epi32(pair));
 }
 inline VI vadd(VI a, VI b) { return _mm512_add_epi32(a, b); }
 inline VI vmul(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
