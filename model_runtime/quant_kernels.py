@@ -43,8 +43,9 @@ ISAS = {  # compiler flags and the /proc/cpuinfo flags they need, fastest first
     "avx2": (["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
 }
 _MODULES: dict[str, tuple[ModuleType | None, str]] = {}
-# Q4_K, Q6_K: the fewest rows the amx build's tiles take (block tiles), and where its planes take over (prompts);
-# measured on Sapphire Rapids (docs/benchmarks.md, "q4 verify rows on AMX block tiles")
+# Q4_K, Q6_K: the fewest rows the amx build's tiles take (block tiles), and where its planes take over (prompts, wide
+# batches); measured on Sapphire Rapids (docs/benchmarks.md, "q4 verify rows on AMX block tiles", "The planes made
+# cheaper")
 AMX_MIN_ROWS = (8, 8)
 AMX_PLANE_ROWS = (33, 28)
 

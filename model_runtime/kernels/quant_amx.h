@@ -23,7 +23,7 @@ struct alignas(64) TileConfig {
 
 inline void load_config(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory"); }
 
-// tiles 0..2: the planes' int32 sums (rows x 16), 5: the rows' codes (rows x 64), 6 and 7: a plane (16 x 64)
+// tiles 0, 1 (Q6_K: 0..2): the planes' int32 sums (rows x 16), 5: the rows' codes (rows x 64), 6 and 7: a plane
 void configure_tiles(int rows) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
@@ -36,9 +36,10 @@ bool amx_enable() { return syscall(SYS_arch_prctl, 0x1023 /*ARCH_REQ_XCOMP_PERM*
 
 // Which kernel runs a Q4_K / Q6_K call, by its rows (all give the same bits): the vector kernel below
 // g_amx_min_rows, the block tiles (below) from there, the planes from g_amx_plane_rows. Building the planes costs
-// about what streaming the codes does whatever the rows, the block tiles a share of the tile loads and stored sums and
-// a multiply-add per row and block, so the block tiles take a verify's rows and the planes prompts. Measured on Sapphire Rapids (docs/benchmarks.md, "q4
-// verify rows on AMX block tiles"); SPECSERVE_Q4_AMX_MIN_ROWS overrides the first pair.
+// 30-50% more than streaming the codes whatever the rows, the block tiles a share of the tile loads and stored sums
+// and a multiply-add per row and block, so the block tiles take a verify's rows and the planes prompts and wide
+// batches. Measured on Sapphire Rapids (docs/benchmarks.md, "q4 verify rows on AMX block tiles" and "The planes made
+// cheaper"); SPECSERVE_Q4_AMX_MIN_ROWS overrides the first pair.
 int64_t g_amx_min_rows[2] = {8, 8};
 int64_t g_amx_plane_rows[2] = {33, 28};
 
@@ -81,7 +82,7 @@ inline void store_sums(int32_t* c) {
   if constexpr (P > 2) _tile_stored(2, c + 512, 64);
 }
 
-inline __m512i div7(__m512i t) {  // t / 7 for 0 <= t < 2^15 in each int32 lane: (t * 9363) >> 16 (exact here)
+inline __m512i div7(__m512i t) {  // floor(t / 7) for 0 <= t < 13110 in each int32 lane: (t * 9363) >> 16
   return _mm512_mulhi_epu16(t, _mm512_set1_epi32(9363));
 }
 
