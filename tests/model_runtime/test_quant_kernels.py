@@ -92,6 +92,21 @@ def test_q4_is_refused_where_the_kernels_are_turned_off(smollm2_dir: Path, monke
         CausalLM.load(smollm2_dir, dtype=Q4)
 
 
+def assert_tiles_give_the_vector_kernels_bits(a: Affine, x: torch.Tensor, kernel: str, row_counts: tuple[int, ...]) -> None:
+    """The amx build's block tiles or planes, forced from one row, give the avx512 build's bits at each row count."""
+    amx, vnni = module("amx"), module("avx512")
+    packed = torch.from_numpy(pack(a))
+    expected = run(vnni, a, packed, x)
+    amx.set_amx_min_rows(1, 1)
+    amx.set_amx_plane_rows(*((1000, 1000) if kernel == "blocks" else (1, 1)))
+    try:
+        for rows in row_counts:
+            assert torch.equal(run(amx, a, packed, x[:rows]), expected[:rows]), rows
+    finally:
+        amx.set_amx_min_rows(*quant_kernels.amx_min_rows())
+        amx.set_amx_plane_rows(*quant_kernels.AMX_PLANE_ROWS)
+
+
 @pytest.mark.skipif(not quant_kernels.cpu_has("amx") or not quant_kernels.cpu_has("avx512"),
                     reason="this CPU has no AMX")
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
@@ -100,21 +115,12 @@ def test_amx_tiles_give_the_vector_kernels_bits_at_every_row_count(name: str, ke
     """The tiles run from 1 row here (by default only calls of 8 rows and more take them): every row count, ragged
     16-row chunks included, gives the avx512 build's bits, on the block tiles (a verify's rows; past 16 rows they
     run 16 at a time) and on the planes (prompts)."""
-    amx, vnni = module("amx"), module("avx512")
     n, k = 40, 1024
     a = to_affine(name, raw_tensor(name, n, k, seed=5), n, k)
-    packed = torch.from_numpy(pack(a))
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(2)) * 2
     x[7] = 0
-    expected = run(vnni, a, packed, x)
-    amx.set_amx_min_rows(1, 1)
-    amx.set_amx_plane_rows(*((1000, 1000) if kernel == "blocks" else (1, 1)))
-    try:
-        for rows in (1, 2, 3, 8, 9, 15, 16, 17, 31, 32, 33, 50, 64, 70):
-            assert torch.equal(run(amx, a, packed, x[:rows]), expected[:rows]), rows
-    finally:
-        amx.set_amx_min_rows(*quant_kernels.amx_min_rows())
-        amx.set_amx_plane_rows(*quant_kernels.AMX_PLANE_ROWS)
+    assert_tiles_give_the_vector_kernels_bits(a, x, kernel, (1, 2, 3, 8, 9, 15, 16, 17, 31, 32, 33, 50, 64, 70))
+    amx = module("amx")
     assert amx.amx_min_rows() == quant_kernels.AMX_MIN_ROWS
     assert amx.amx_plane_rows() == quant_kernels.AMX_PLANE_ROWS
 
@@ -126,7 +132,6 @@ def test_amx_tiles_at_the_largest_sums(kernel: str) -> None:
     """The integer sums at their bounds: Q4_K codes all 0 or all 15 and every scale and min at 63, against
     activations whose codes are all +-127 (constant rows), so each block's sum reaches 32 * 127 * 15 and each
     superblock's 63 times that. The tiles still give the vector kernel's bits (no sum narrowed or saturated)."""
-    amx, vnni = module("amx"), module("avx512")
     n, k = 48, 512
     raw = raw_tensor("Q4_K", n, k, seed=7).reshape(n, k // 256, 144)
     raw[..., 4:16] = 0xFF  # every 6-bit scale and min 63
@@ -134,19 +139,10 @@ def test_amx_tiles_at_the_largest_sums(kernel: str) -> None:
     raw[1::3, :, 16:] = 0xFF  # codes 15
     raw[2::3, :, 16:] = 0xF0  # low nibbles 0, high 15
     a = to_affine("Q4_K", raw.reshape(n, -1), n, k)
-    packed = torch.from_numpy(pack(a))
     x = torch.ones(20, k)
     x[1::2] = -1.0
     x[4, : k // 2] = -3.0  # a row whose superblocks differ
-    expected = run(vnni, a, packed, x)
-    amx.set_amx_min_rows(1, 1)
-    amx.set_amx_plane_rows(*((1000, 1000) if kernel == "blocks" else (1, 1)))
-    try:
-        for rows in (1, 2, 8, 16, 17, 20):
-            assert torch.equal(run(amx, a, packed, x[:rows]), expected[:rows]), rows
-    finally:
-        amx.set_amx_min_rows(*quant_kernels.amx_min_rows())
-        amx.set_amx_plane_rows(*quant_kernels.AMX_PLANE_ROWS)
+    assert_tiles_give_the_vector_kernels_bits(a, x, kernel, (1, 2, 8, 16, 17, 20))
 
 
 @pytest.mark.skipif(not quant_kernels.cpu_has("amx") or not quant_kernels.cpu_has("avx512"),
@@ -156,7 +152,6 @@ def test_amx_q6_k_tiles_at_every_scale_and_the_largest_sums(kernel: str) -> None
     """Q6_K's planes take each signed 8-bit scale as three balanced base-7 digits and the codes less 32: every scale
     from -128 to 127 (each of the 256 values in some block), codes all 0, all 63 or mixed, against activations whose
     codes are all +-127, still give the vector kernel's bits (no digit wrong, no sum narrowed or saturated)."""
-    amx, vnni = module("amx"), module("avx512")
     n, k = 48, 1024
     raw = raw_tensor("Q6_K", n, k, seed=9).reshape(n, k // 256, 210)
     scales = np.arange(n * (k // 256) * 16) % 256  # every int8 value, in some block of some output
@@ -164,20 +159,11 @@ def test_amx_q6_k_tiles_at_every_scale_and_the_largest_sums(kernel: str) -> None
     raw[0::4, :, :192] = 0x00  # codes 0
     raw[1::4, :, :192] = 0xFF  # codes 63
     a = to_affine("Q6_K", raw.reshape(n, -1), n, k)
-    packed = torch.from_numpy(pack(a))
     x = torch.ones(20, k)
     x[1::2] = -1.0
     x[4, : k // 2] = -3.0
     x[6] = torch.randn(k, generator=torch.Generator().manual_seed(4))
-    expected = run(vnni, a, packed, x)
-    amx.set_amx_min_rows(1, 1)
-    amx.set_amx_plane_rows(*((1000, 1000) if kernel == "blocks" else (1, 1)))
-    try:
-        for rows in (1, 2, 8, 16, 17, 20):
-            assert torch.equal(run(amx, a, packed, x[:rows]), expected[:rows]), rows
-    finally:
-        amx.set_amx_min_rows(*quant_kernels.amx_min_rows())
-        amx.set_amx_plane_rows(*quant_kernels.AMX_PLANE_ROWS)
+    assert_tiles_give_the_vector_kernels_bits(a, x, kernel, (1, 2, 8, 16, 17, 20))
 
 
 def test_amx_min_rows_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
