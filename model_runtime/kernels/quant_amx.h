@@ -142,7 +142,7 @@ inline void build_planes(const uint8_t* p, int64_t nb, uint8_t* planes, const ui
 // planes against 16 rows) are issued, then (at a superblock's first step) the planes of the next superblock are built
 // (two plane buffers) and the sums the last step stored are scaled into their rows' float accumulators, and only then
 // this step's sums are stored (two sum buffers): no vector load waits on a tile just stored and the tile unit works
-// while the vectors scale (at 128 rows the scaling behind each store had taken ~45% of a Q4_K pass). The planes'
+// while the vectors scale (the scaling is ~40% of a 128-row Q4_K pass; this order took ~5% off it). The planes'
 // builder prefetches the codes PREFETCH_AHEAD down the stream as the vector kernel does (12-16 rows of Q4_K ~18%
 // faster, docs/benchmarks.md "q4 decode: the weight stream prefetched").
 template <int BITS, int B>

@@ -454,11 +454,15 @@ void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, floa
       for (int64_t bb = 0; bb < nb; bb += 2) mn16[bb / 2] = min_pair(mn + bb * TILE);  // nb even, at most 16
 #endif
       for (int i = 0; i < NR; ++i) {
-        const int32_t* ps = x.psum + i * x.nblocks + blk0;  // |psum| <= 32 * 127: int16
+#ifdef __AVX512VNNI__
+        const int16_t* ps = x.psum16 + i * x.nblocks + blk0;  // |psum| <= 32 * 127: int16
+#else
+        const int32_t* ps = x.psum + i * x.nblocks + blk0;
+#endif
         VI N = vzero();
         for (int64_t bb = 0; bb < nb; bb += 2) {
 #ifdef __AVX512VNNI__
-          N = add_min_pair(N, mn16[bb / 2], x.psum16 + i * x.nblocks + blk0 + bb);
+          N = add_min_pair(N, mn16[bb / 2], ps + bb);
 #else
           N = vadd(N, vmul(vi8(mn + bb * TILE + LANES * h), vset(ps[bb])));
           N = vadd(N, vmul(vi8(mn + (bb + 1) * TILE + LANES * h), vset(ps[bb + 1])));
