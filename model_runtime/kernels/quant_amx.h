@@ -154,7 +154,7 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
   const int rows = static_cast<int>(std::min<int64_t>(16, M));
   const int8_t* xs = xq.q.data_ptr<int8_t>();
   const float* as = xq.a.data_ptr<float>();
-  const int16_t* ps = xq.psum16.data_ptr<int16_t>();
+  const int16_t* ps = xq.psum.data_ptr<int16_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     configure_tiles(rows);
     alignas(64) uint8_t planes[2][4 * P * 1024];
@@ -184,7 +184,8 @@ void amx_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
           } else {  // P_0 + 7 P_1 + 49 P_2 + 32 N
             const VI P2 = _mm512_load_si512(sm + 512 + i * 16);
             S = _mm512_add_epi32(P0, _mm512_sub_epi32(_mm512_slli_epi32(P1, 3), P1));
-            S = _mm512_add_epi32(S, _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(P2, 6), _mm512_slli_epi32(P2, 4)), P2));
+            const VI P2x49 = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(P2, 6), _mm512_slli_epi32(P2, 4)), P2);
+            S = _mm512_add_epi32(S, P2x49);
             S = _mm512_add_epi32(S, _mm512_slli_epi32(N, 5));
           }
           const VF ai = vfset(as[(r0 + i) * nsb + s]);
@@ -275,7 +276,7 @@ void tile_blocks(const uint8_t* tile, int64_t nsb, const Quantized& xq, int64_t 
   const int64_t codes_at = meta_bytes(nb), share = lines_per_block(step, nb);
   const int8_t* xs = xq.q.data_ptr<int8_t>() + r0 * K;
   const float* as = xq.a.data_ptr<float>() + r0 * nsb;
-  const int16_t* ps = xq.psum16.data_ptr<int16_t>() + r0 * nblocks;
+  const int16_t* ps = xq.psum.data_ptr<int16_t>() + r0 * nblocks;
   const int64_t stages = STAGES * nsb;
   auto split = [&](int64_t hh) {  // stage hh: superblock hh / STAGES, blocks 4 (hh % STAGES) .. + 3
     const uint8_t* p = tile + (hh / STAGES) * step;

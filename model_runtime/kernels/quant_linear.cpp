@@ -63,16 +63,15 @@ inline int64_t superblock_bytes(int64_t bits, int64_t sb, int64_t b) {
 struct Quantized {
   torch::Tensor q;     // int8 [M, K]
   torch::Tensor a;     // float [M, K / sb]
-  torch::Tensor psum;  // int32 [M, K / b]
-  torch::Tensor psum16;  // int16 [M, K / b]: the same sums (|.| <= 32 * 127), two blocks' read as one int32
+  torch::Tensor psum;  // int16 [M, K / b] (|.| <= 32 * 127): two blocks' sums read as one int32 (add_min_pair)
 };
 
 // The same instructions in both builds (AVX2 + FMA, 8 lanes): a row's codes and scales do not depend on the build.
 // max |x| is exact in any order; x * (127 / max) rounds to nearest even (cvtps's default mode, as nearbyint); the
-// codes (|.| <= 127) narrow to bytes exactly and each block's sum of them is an exact int32. Vectorized end to end,
-// every superblock's max first (independent chains): the scalar narrowing and sums with one max chain per
-// superblock took ~40 us of an 8-row call at K = 8960 (the 1.5B's down projection) on one thread before the tiles'
-// parallel loop, this ~10 us.
+// codes (|.| <= 127) narrow to bytes exactly and each block's sum of them is exact in an int16 (|.| <= 32 * 127).
+// Vectorized end to end, every superblock's max first (independent chains): the scalar narrowing and sums with one
+// max chain per superblock took ~40 us of an 8-row call at K = 8960 (the 1.5B's down projection) on one thread before
+// the tiles' parallel loop, this ~10 us.
 // codes, scales and sums: M rows, and zero rows up to `rows` (the tiles read whole chunks of rows)
 inline int32_t hsum8(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -85,13 +84,11 @@ Quantized quantize_rows(const torch::Tensor& x, int64_t sb, int64_t b, int64_t r
   const int64_t M = x.size(0), K = x.size(1);
   Quantized r{rows > M ? torch::zeros({rows, K}, torch::kInt8) : torch::empty({M, K}, torch::kInt8),
               rows > M ? torch::zeros({rows, K / sb}, torch::kFloat) : torch::empty({M, K / sb}, torch::kFloat),
-              rows > M ? torch::zeros({rows, K / b}, torch::kInt) : torch::empty({M, K / b}, torch::kInt),
               rows > M ? torch::zeros({rows, K / b}, torch::kShort) : torch::empty({M, K / b}, torch::kShort)};
   const float* xs = x.data_ptr<float>();
   int8_t* qs = r.q.data_ptr<int8_t>();
   float* as = r.a.data_ptr<float>();
-  int32_t* ps = r.psum.data_ptr<int32_t>();
-  int16_t* ps16 = r.psum16.data_ptr<int16_t>();
+  int16_t* ps = r.psum.data_ptr<int16_t>();
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t m = 0; m < M; ++m) {
     // first every superblock's max |x| (independent chains: no superblock waits for the one before), then the codes
@@ -109,7 +106,7 @@ Quantized quantize_rows(const torch::Tensor& x, int64_t sb, int64_t b, int64_t r
     for (int64_t s = 0; s < K / sb; ++s) {
       const float* xr = xs + m * K + s * sb;
       int8_t* qr = qs + m * K + s * sb;
-      int32_t* pr = ps + m * (K / b) + s * (sb / b);
+      int16_t* pr = ps + m * (K / b) + s * (sb / b);
       const float amax = as[m * (K / sb) + s];
       as[m * (K / sb) + s] = amax / 127.0f;
       const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
@@ -123,8 +120,7 @@ Quantized quantize_rows(const torch::Tensor& x, int64_t sb, int64_t b, int64_t r
           const __m128i w1 = _mm_packs_epi32(_mm256_castsi256_si128(c1), _mm256_extracti128_si256(c1, 1));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + i), _mm_packs_epi16(w0, w1));  // codes i..i+15 in order
         }
-        pr[j] = hsum8(sum);
-        ps16[m * (K / b) + s * (sb / b) + j] = static_cast<int16_t>(pr[j]);
+        pr[j] = static_cast<int16_t>(hsum8(sum));
       }
     }
   }
@@ -134,8 +130,7 @@ Quantized quantize_rows(const torch::Tensor& x, int64_t sb, int64_t b, int64_t r
 struct Rows {  // NR rows' quantized activations, from row r0
   const int8_t* q;
   const float* a;
-  const int32_t* psum;
-  const int16_t* psum16;
+  const int16_t* psum;
   int64_t K, nsb, nblocks;
 };
 
@@ -246,7 +241,7 @@ inline void block_chains(const uint8_t* codes, int h, const int8_t* xb, int64_t 
 
 // The sum of a block's two chains per row (ps: row i's activation sum of the block at ps[i * lds])
 template <int BITS, int B, int NR>
-inline void block_dots(const uint8_t* codes, int h, const int8_t* xb, int64_t ldx, const int32_t* ps, int64_t lds,
+inline void block_dots(const uint8_t* codes, int h, const int8_t* xb, int64_t ldx, const int16_t* ps, int64_t lds,
                        VI (&dot)[NR]) {
   VI c0[NR], c1[NR];
   block_chains<BITS, B, NR>(codes, h, xb, ldx, c0, c1);
@@ -358,7 +353,7 @@ void tile_row(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, float
         // the mins: N += mn_b * psum_b for the two blocks
 #ifdef __AVX512VNNI__
         const VI mn16 = min_pair(mn + bb * TILE);
-        for (int i = 0; i < NR; ++i) N[i] = add_min_pair(N[i], mn16, x.psum16 + i * x.nblocks + blk0 + bb);
+        for (int i = 0; i < NR; ++i) N[i] = add_min_pair(N[i], mn16, x.psum + i * x.nblocks + blk0 + bb);
 #else
         for (int e = 0; e < 2; ++e) {
           const VI mnv = vi8(mn + (bb + e) * TILE + LANES * h);
@@ -454,11 +449,7 @@ void tile_rows(const uint8_t* tile, int64_t nsb, int64_t sb, const Rows& x, floa
       for (int64_t bb = 0; bb < nb; bb += 2) mn16[bb / 2] = min_pair(mn + bb * TILE);  // nb even, at most 16
 #endif
       for (int i = 0; i < NR; ++i) {
-#ifdef __AVX512VNNI__
-        const int16_t* ps = x.psum16 + i * x.nblocks + blk0;  // |psum| <= 32 * 127: int16
-#else
-        const int32_t* ps = x.psum + i * x.nblocks + blk0;
-#endif
+        const int16_t* ps = x.psum + i * x.nblocks + blk0;
         VI N = vzero();
         for (int64_t bb = 0; bb < nb; bb += 2) {
 #ifdef __AVX512VNNI__
@@ -488,8 +479,7 @@ void run_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, int6
       const int64_t cols = std::min<int64_t>(TILE, n_out - t * TILE);
       for (int64_t r = 0; r < M; r += ROW_BLOCK) {
         const Rows x{xq.q.data_ptr<int8_t>() + r * K, xq.a.data_ptr<float>() + r * nsb,
-                     xq.psum.data_ptr<int32_t>() + r * (K / B), xq.psum16.data_ptr<int16_t>() + r * (K / B), K, nsb,
-                     K / B};
+                     xq.psum.data_ptr<int16_t>() + r * (K / B), K, nsb, K / B};
         float* o = out + r * ldo + t * TILE;
         // the first row block streams the weight (later ones find the tile in cache): it prefetches ahead
         const uint8_t* ahead = r == 0 && tile + PREFETCH_AHEAD < w + t1 * tile_bytes ? tile + PREFETCH_AHEAD : nullptr;

@@ -15,6 +15,8 @@ from model_runtime.quant_pack import pack
 from tests.model_runtime.test_quant_formats import raw_tensor
 
 BUILDS = [isa for isa in quant_kernels.ISAS if quant_kernels.cpu_has(isa)]
+NEEDS_AMX = pytest.mark.skipif(not quant_kernels.cpu_has("amx") or not quant_kernels.cpu_has("avx512"),
+                               reason="this CPU has no AMX")
 
 
 def module(isa: str):  # noqa: ANN201
@@ -107,8 +109,7 @@ def assert_tiles_give_the_vector_kernels_bits(a: Affine, x: torch.Tensor, kernel
         amx.set_amx_plane_rows(*quant_kernels.AMX_PLANE_ROWS)
 
 
-@pytest.mark.skipif(not quant_kernels.cpu_has("amx") or not quant_kernels.cpu_has("avx512"),
-                    reason="this CPU has no AMX")
+@NEEDS_AMX
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("kernel", ["blocks", "planes"])
 def test_amx_tiles_give_the_vector_kernels_bits_at_every_row_count(name: str, kernel: str) -> None:
@@ -125,8 +126,7 @@ def test_amx_tiles_give_the_vector_kernels_bits_at_every_row_count(name: str, ke
     assert amx.amx_plane_rows() == quant_kernels.AMX_PLANE_ROWS
 
 
-@pytest.mark.skipif(not quant_kernels.cpu_has("amx") or not quant_kernels.cpu_has("avx512"),
-                    reason="this CPU has no AMX")
+@NEEDS_AMX
 @pytest.mark.parametrize("kernel", ["blocks", "planes"])
 def test_amx_tiles_at_the_largest_sums(kernel: str) -> None:
     """The integer sums at their bounds: Q4_K codes all 0 or all 15 and every scale and min at 63, against
@@ -145,8 +145,7 @@ def test_amx_tiles_at_the_largest_sums(kernel: str) -> None:
     assert_tiles_give_the_vector_kernels_bits(a, x, kernel, (1, 2, 8, 16, 17, 20))
 
 
-@pytest.mark.skipif(not quant_kernels.cpu_has("amx") or not quant_kernels.cpu_has("avx512"),
-                    reason="this CPU has no AMX")
+@NEEDS_AMX
 @pytest.mark.parametrize("kernel", ["blocks", "planes"])
 def test_amx_q6_k_tiles_at_every_scale_and_the_largest_sums(kernel: str) -> None:
     """Q6_K's planes take each signed 8-bit scale as three balanced base-7 digits and the codes less 32: every scale
