@@ -1,6 +1,6 @@
 """The quantized linears' kernels (kernels/quant_linear.cpp), built once per machine for its ISA:
 
-    amx     the avx512 build plus -mavx512vbmi -mamx-tile -mamx-int8: the K formats' (Q4_K, Q6_K) integer sums of
+    amx     the avx512 build plus -mamx-tile -mamx-int8: the K formats' (Q4_K, Q6_K) integer sums of
             a call of 8 rows or more on AMX tiles (a verify's rows a tile product per block, a prompt's on
             planes with the blocks' scales in the codes), each weight decoded once per 16 rows; fewer rows take the
             avx512 kernel in the same build (Intel Sapphire Rapids and later)
@@ -34,9 +34,8 @@ SOURCES = [KERNELS / "quant_linear.cpp", KERNELS / "q4_layers.cpp"]  # the linea
 HEADERS = (KERNELS / "quant_ops.h", KERNELS / "quant_simd.h", KERNELS / "quant_amx.h", KERNELS / "portable_ops.h",
            KERNELS / "layer_loop.h")
 ISAS = {  # compiler flags and the /proc/cpuinfo flags they need, fastest first
-    "amx": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mfma", "-mamx-tile",
-             "-mamx-int8"],
-            ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "fma", "amx_tile", "amx_int8")),
+    "amx": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mamx-tile", "-mamx-int8"],
+            ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "amx_tile", "amx_int8")),
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"],
                ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")),
     "avx2vnni": (["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], ("avx2", "fma", "f16c", "avx_vnni")),

@@ -2,7 +2,7 @@
 // namespace after the vector kernels, whose helpers (Quantized, VI / VF operations, decode6, prefetch_lines) they
 // use. Not a standalone header.
 #pragma once
-// ---- AMX (the `amx` build: the avx512 build plus -mavx512vbmi -mamx-tile -mamx-int8): the K formats' sums on tiles --
+// ---- AMX (the `amx` build: the avx512 build plus -mamx-tile -mamx-int8): the K formats' sums on tiles -------------
 //
 // A tile product sums 64 codes of each row against 64 of each output (TDPBSUD / TDPBSSD: x's int8 codes signed,
 // the weight's bytes unsigned / signed) with no place for a scale per block of 16 or 32. So the per-block multiplier
