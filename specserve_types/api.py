@@ -35,6 +35,11 @@ MAX_TOKENS_LIMIT = 8192
 MIN_TEMPERATURE = 1e-3  # below it, logits / temperature overflows float32: 0 (greedy) or at least this
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)  # the same overflow, the other way round
 MAX_K = 8
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: added to the raw logits; -100 bans a token, 100 all but forces it
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (OpenAI allows 300; vLLM no bound)
+CONSTRAINT_KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar")
+MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema, regex, grammar or the choices' JSON: larger is refused (docs/api.md)
+MAX_CHOICES = 256
 
 
 class SpecServeError(Exception):
@@ -88,6 +93,32 @@ def check_identifier(field_name: str, value: str) -> None:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """What the output must match, compiled by the grammar engine (cluster/engine/constraint.py, llguidance):
+
+      json     `value` is a JSON Schema (JSON text); "{}" is any JSON value, '{"type": "object"}' any object
+               (OpenAI's json_object)
+      regex    `value` is a regular expression the whole output matches (llguidance's regex syntax)
+      choice   `value` is a JSON list of strings: the output is exactly one of them
+      grammar  `value` is a grammar in llguidance's Lark syntax (a `start` rule; `%json {...}` embeds a schema)
+
+    Frozen and hashable: the compiled grammar is cached per constraint. `field` names the request field it came
+    from (for the errors a bad one gets)."""
+
+    kind: str
+    value: str
+    field: str = "constraint"
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequestError(self.field, f"unknown constraint kind {self.kind!r}; known: "
+                                                  f"{', '.join(CONSTRAINT_KINDS)}")
+        check_text(self.field, self.value)
+        if len(self.value) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError(self.field, f"longer than {MAX_CONSTRAINT_CHARS} characters")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """The request's sampling transform, applied identically to target (p) and draft (q) logits."""
 
@@ -102,6 +133,9 @@ class SamplingParams:
     max_tokens: int = 64
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # OpenAI's logit_bias: (token id, bias) pairs added to the raw logits before penalties (ids sorted, unique;
+    # ids outside the vocabulary are refused at submit, where the vocabulary is known)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -129,10 +163,26 @@ class SamplingParams:
             raise InvalidRequestError("stop", "stop strings must be non-empty")
         for stop in self.stop:
             check_text("stop", stop)
+        low, high = LOGIT_BIAS_RANGE
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        ids = [token for token, _ in self.logit_bias]
+        if ids != sorted(set(ids)):
+            raise InvalidRequestError("logit_bias", "token ids must be unique (sorted)")
+        for token, bias in self.logit_bias:
+            if type(token) is not int or token < 0:
+                raise InvalidRequestError("logit_bias", f"token ids must be integers >= 0, got {token!r}")
+            if not (low <= bias <= high):  # NaN fails too
+                raise InvalidRequestError("logit_bias", f"bias of token {token} must be in [{low:g}, {high:g}], "
+                                                        f"got {bias}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_logit_bias(self) -> bool:
+        return bool(self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:
@@ -165,6 +215,7 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams = field(default_factory=SpecParams)
+    constraint: Constraint | None = None  # the output must match it (None: free text)
     trace_context: tuple[tuple[str, str], ...] = ()  # W3C traceparent/tracestate of the caller's span (tracing.py)
 
     def __post_init__(self) -> None:
@@ -184,6 +235,7 @@ class TokenChunk:
     text_delta: str = ""
     proposed: int = 0  # draft tokens proposed this round
     accepted: int = 0  # draft tokens accepted this round
+    forced: int = 0  # of the proposed drafts, those the request's constraint forced (no draft model ran for them)
     finish_reason: FinishReason | None = None
     stats: dict | None = None  # per-request statistics, on the final chunk only
     offset: int = 0  # where token_ids start in the completion's output (tokens sent before): a client sees a
