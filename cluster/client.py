@@ -25,10 +25,19 @@ from typing import Any
 
 import grpc
 
-from specserve_types.api import CapacityError, InvalidRequestError, SpecServeError
+from specserve_types.api import CapacityError, Constraint, InvalidRequestError, SpecServeError
 from specserve_types.proto import specserve_pb2 as pb
 from specserve_types.proto import specserve_pb2_grpc as pb_grpc
-from specserve_types.protocol import TIMEOUT_METADATA, IndexedChunk, chunk_from_proto
+from specserve_types.protocol import (
+    JSON_OBJECT_SCHEMA,
+    TIMEOUT_METADATA,
+    IndexedChunk,
+    choice_constraint,
+    chunk_from_proto,
+    constraint_to_proto,
+    json_schema_constraint,
+    logit_bias_pairs,
+)
 
 APP_NAME = "specserve"
 APP_METADATA = (("application", APP_NAME),)  # optional: a server refuses another name with NOT_FOUND
@@ -137,8 +146,40 @@ class GenerateStream:
         self._call.cancel()
 
 
+CONSTRAINT_KWARGS = ("constraint", "json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def constraint_of(fields: dict[str, Any]) -> Constraint | None:
+    """The request's constraint from build_request's keyword arguments (popped from `fields`): `constraint=`
+    a specserve_types.api.Constraint, or one of `json_schema=` (JSON text or a dict), `json_object=True`,
+    `regex=`, `choice=[...]`, `grammar=` (llguidance's Lark syntax). At most one; None values are unset."""
+    given = {name: value for name in CONSTRAINT_KWARGS if (value := fields.pop(name, None)) is not None}
+    given = {name: value for name, value in given.items() if not (name == "json_object" and value is False)}
+    if len(given) > 1:
+        raise InvalidRequestError("constraint", f"at most one constraint, got {', '.join(given)}")
+    if not given:
+        return None
+    ((name, value),) = given.items()
+    if name == "constraint":
+        if not isinstance(value, Constraint):
+            raise InvalidRequestError("constraint", f"must be a specserve_types.api.Constraint, got "
+                                                    f"{type(value).__name__}")
+        return value
+    if name == "json_schema":
+        return json_schema_constraint(value, name)
+    if name == "json_object":
+        return Constraint("json", JSON_OBJECT_SCHEMA, name)
+    if name == "choice":
+        return choice_constraint(value, name)
+    if not isinstance(value, str):
+        raise InvalidRequestError(name, f"must be a string, got {type(value).__name__}")
+    return Constraint(name, value, name)
+
+
 def build_request(prompt: str | Sequence[int] | None = None, **fields: Any) -> pb.GenerateRequest:
-    """A GenerateRequest: `prompt` as text or token ids; None-valued fields stay unset (server defaults)."""
+    """A GenerateRequest: `prompt` as text or token ids; None-valued fields stay unset (server defaults).
+    Constrained decoding: one of `constraint=`, `json_schema=`, `json_object=True`, `regex=`, `choice=`,
+    `grammar=` (constraint_of); `logit_bias=` {token id: bias} or (id, bias) pairs."""
     request = pb.GenerateRequest()
     if isinstance(prompt, str):
         request.text = prompt
@@ -147,6 +188,9 @@ def build_request(prompt: str | Sequence[int] | None = None, **fields: Any) -> p
     for role, content in fields.pop("messages", None) or ():
         request.messages.add(role=role, content=content)
     request.stop.extend(fields.pop("stop", None) or ())
+    if (constraint := constraint_of(fields)) is not None:
+        request.constraint.CopyFrom(constraint_to_proto(constraint))
+    request.logit_bias.update(logit_bias_pairs(fields.pop("logit_bias", None) or ()))
     for name, value in fields.items():
         if value is not None:
             setattr(request, name, value)
@@ -176,7 +220,9 @@ class SpecServeClient:
     def generate(self, prompt: str | Sequence[int] | None = None, *, timeout_s: float | None = None,
                  **fields: Any) -> GenerateStream:
         """Stream a generation. `fields` are GenerateRequest fields (max_tokens=, temperature=, stop=,
-        contract=, k=, draft=, n=, seed=, chat=, messages=[(role, content)], request_id=, ...)."""
+        contract=, k=, draft=, n=, seed=, chat=, messages=[(role, content)], request_id=, ...) and the
+        constrained decoding's (json_schema=, json_object=True, regex=, choice=, grammar= or constraint=;
+        logit_bias=): build_request."""
         request = build_request(prompt, **fields)
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         metadata = self.metadata
@@ -203,16 +249,18 @@ class SpecServeClient:
 
 
 def collect(stream: Iterator[IndexedChunk]) -> dict[int, dict[str, Any]]:
-    """Accumulate a stream into {index: {"token_ids", "text", "finish_reason", "proposed", "accepted", "stats"}}."""
+    """Accumulate a stream into {index: {"token_ids", "text", "finish_reason", "proposed", "accepted", "forced",
+    "stats", "contract"}}."""
     samples: dict[int, dict[str, Any]] = {}
     for item in stream:
         sample = samples.setdefault(item.index, {"token_ids": [], "text": "", "finish_reason": None,
-                                                 "proposed": 0, "accepted": 0, "stats": None,
+                                                 "proposed": 0, "accepted": 0, "forced": 0, "stats": None,
                                                  "contract": item.contract})
         sample["token_ids"].extend(item.chunk.token_ids)
         sample["text"] += item.chunk.text_delta
         sample["proposed"] += item.chunk.proposed
         sample["accepted"] += item.chunk.accepted
+        sample["forced"] += item.chunk.forced
         if item.chunk.finished:
             sample["finish_reason"] = item.chunk.finish_reason
             sample["stats"] = item.chunk.stats

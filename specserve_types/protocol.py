@@ -10,13 +10,17 @@ HTTP 429, internal -> INTERNAL / HTTP 500.
 from __future__ import annotations
 
 import json
+import math
 import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from specserve_types.api import (
+    MAX_CHOICES,
     MAX_TOKENS_LIMIT,
     CapacityError,
+    Constraint,
     InvalidRequestError,
     SamplingParams,
     SpecParams,
@@ -46,6 +50,7 @@ class GenerateArgs:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams = field(default_factory=SpecParams)
     n: int = 1
+    constraint: Constraint | None = None  # what the output must match (each of the n completions on its own)
     trace_context: tuple[tuple[str, str], ...] = ()  # the front door's request span (specserve_types/tracing.py)
 
     def __post_init__(self) -> None:
@@ -145,6 +150,88 @@ class ServerDefaults:
         return "greedy" if temperature == 0 else "exact"
 
 
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI's json_object: any JSON object
+
+
+def choice_constraint(choices: Sequence[str], field_name: str = "choice") -> Constraint:
+    """The `choice` constraint of a list of strings (its value is their JSON list)."""
+    if isinstance(choices, str) or not isinstance(choices, Sequence):
+        raise InvalidRequestError(field_name, f"must be a list of strings, got {type(choices).__name__}")
+    if not choices:
+        raise InvalidRequestError(field_name, "needs at least one choice")
+    if len(choices) > MAX_CHOICES:
+        raise InvalidRequestError(field_name, f"at most {MAX_CHOICES} choices, got {len(choices)}")
+    for index, choice in enumerate(choices):
+        if not isinstance(choice, str) or not choice:
+            raise InvalidRequestError(field_name, f"choice {index} must be a non-empty string, got {choice!r}")
+    return Constraint("choice", json.dumps(list(choices), ensure_ascii=False), field_name)
+
+
+def json_schema_constraint(schema: str | Mapping[str, Any] | bool, field_name: str = "json_schema") -> Constraint:
+    """The `json` constraint of a JSON Schema, given as JSON text or as the parsed object; the text must parse
+    (whether the schema compiles is the engine's to say, at submit)."""
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except ValueError as exc:
+            raise InvalidRequestError(field_name, f"is not valid JSON: {exc}") from None
+        text = schema
+    else:
+        parsed, text = schema, json.dumps(schema, ensure_ascii=False)
+    if not isinstance(parsed, (dict, bool)):
+        raise InvalidRequestError(field_name, f"a JSON Schema is an object (or true/false), got {type(parsed).__name__}")
+    return Constraint("json", text, field_name)
+
+
+def logit_bias_pairs(bias: Mapping[Any, Any] | Iterable[tuple[Any, Any]], field_name: str = "logit_bias",
+                     ) -> tuple[tuple[int, float], ...]:
+    """SamplingParams.logit_bias from {token id: bias} or (id, bias) pairs: ids as integers (JSON's string keys
+    too), sorted, unique; SamplingParams checks the bounds."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    pairs: dict[int, float] = {}
+    for key, value in items:
+        token = int(key) if isinstance(key, str) and key.isascii() and key.lstrip("-").isdigit() else key
+        if type(token) is not int:
+            raise InvalidRequestError(field_name, f"token ids must be integers, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InvalidRequestError(field_name, f"bias of token {token} must be a finite number, got {value!r}")
+        if token in pairs:
+            raise InvalidRequestError(field_name, f"token {token} given twice")
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
+
+
+CONSTRAINT_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # pb.Constraint's oneof
+
+
+def constraint_from_proto(message: pb.Constraint) -> Constraint | None:
+    """A GenerateRequest's `constraint` (None when no kind is set); errors name `constraint.KIND`."""
+    which = message.WhichOneof("kind")
+    if which is None:
+        return None
+    name = f"constraint.{which}"
+    if which == "json_schema":
+        return json_schema_constraint(message.json_schema, name)
+    if which == "json_object":
+        if not message.json_object:
+            raise InvalidRequestError(name, "must be true when set (leave the constraint unset for free text)")
+        return Constraint("json", JSON_OBJECT_SCHEMA, name)
+    if which == "choice":
+        return choice_constraint(list(message.choice.choices), name)
+    value = getattr(message, which)  # regex, grammar: the engine compiles them
+    if not value:
+        raise InvalidRequestError(name, "must be non-empty")
+    return Constraint(which, value, name)
+
+
+def constraint_to_proto(constraint: Constraint) -> pb.Constraint:
+    if constraint.kind == "json":
+        return pb.Constraint(json_schema=constraint.value)
+    if constraint.kind == "choice":
+        return pb.Constraint(choice=pb.Choices(choices=json.loads(constraint.value)))
+    return pb.Constraint(**{constraint.kind: constraint.value})
+
+
 def args_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) -> GenerateArgs:
     """Validate a gRPC GenerateRequest; raises InvalidRequestError naming the field."""
     defaults.check_model(request.model)
@@ -168,6 +255,7 @@ def args_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) -> Ge
         max_tokens=max_tokens,
         stop=tuple(request.stop),
         ignore_eos=request.ignore_eos,
+        logit_bias=logit_bias_pairs(request.logit_bias),
     )
     spec = SpecParams(
         contract=request.contract or defaults.contract(sampling.temperature),
@@ -189,6 +277,7 @@ def args_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) -> Ge
         sampling=sampling,
         spec=spec,
         n=int(opt("n", 1)),
+        constraint=constraint_from_proto(request.constraint) if request.HasField("constraint") else None,
     )
 
 
@@ -201,6 +290,7 @@ def chunk_to_proto(item: IndexedChunk) -> pb.GenerateChunk:
         text_delta=chunk.text_delta,
         proposed=chunk.proposed,
         accepted=chunk.accepted,
+        forced=chunk.forced,
         finish_reason=chunk.finish_reason or "",
         stats_json=json.dumps(chunk.stats, sort_keys=True, default=str) if chunk.stats is not None else "",
         contract=item.contract,
@@ -215,6 +305,7 @@ def chunk_from_proto(message: pb.GenerateChunk) -> IndexedChunk:
         text_delta=message.text_delta,
         proposed=message.proposed,
         accepted=message.accepted,
+        forced=message.forced,
         finish_reason=message.finish_reason or None,  # type: ignore[arg-type]
         stats=json.loads(message.stats_json) if message.stats_json else None,
         offset=message.offset,

@@ -146,7 +146,7 @@ class Scheduler(FaultHooks):
             chunks: asyncio.Queue[tuple[int, TokenChunk]] = asyncio.Queue()
             event_loop = asyncio.get_running_loop()
             requests = [GenerationRequest(engine_id, prompt, completion_sampling(args.sampling, index), args.spec,
-                                          trace_context=args.trace_context)
+                                          constraint=args.constraint, trace_context=args.trace_context)
                         for index, engine_id in enumerate(completion_ids)]
 
             def sink(index: int) -> Callable[[TokenChunk], None]:
