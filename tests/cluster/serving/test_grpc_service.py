@@ -14,11 +14,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ray.exceptions import ActorDiedError
 
+from cluster.client import map_rpc_error
 from cluster.serving.grpc_server import GrpcServer
 from cluster.serving.grpc_service import SERVICE_NAME, SpecServeService
 from cluster.serving.rejections import RejectionLog
 from cluster.serving.streams import ChunkStream, until
-from specserve_types.api import TokenChunk
+from specserve_types.api import Constraint, InvalidRequestError, TokenChunk
 from specserve_types.proto import specserve_pb2 as pb
 from specserve_types.proto import specserve_pb2_grpc as pb_grpc
 from specserve_types.protocol import GenerateArgs, IndexedChunk, ServerDefaults, StreamError
@@ -141,6 +142,38 @@ def test_bad_fields_answer_invalid_argument_with_one_log_line() -> None:
         assert all("\n" not in line for line in log.lines)
 
     serve_fake(FakeStreams(), test)
+
+
+def test_constraint_and_logit_bias_reach_the_scheduler_and_their_refusals_name_the_field() -> None:
+    """The request's constraint and logit_bias arrive in GenerateArgs; a bad one (here, or the engine's compile
+    at submit, reported as a StreamError) answers INVALID_ARGUMENT "constraint.KIND: reason", which the client maps
+    back to InvalidRequestError with that field."""
+    async def test(channel: grpc.aio.Channel, log: CountingLogger) -> None:
+        stub = pb_grpc.SpecServeStub(channel)
+        request = pb.GenerateRequest(text="x", constraint=pb.Constraint(choice=pb.Choices(choices=["yes", "no"])))
+        request.logit_bias.update({7: -100.0})
+        chunks = [c async for c in stub.Generate(request)]
+        assert chunks[-1].finish_reason == "length"
+        error = await status_of(stub.Generate(pb.GenerateRequest(text="x", constraint=pb.Constraint(regex=""))))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details() == "constraint.regex: must be non-empty"
+
+    streams = FakeStreams(count=3)
+    serve_fake(streams, test)
+    (args,) = streams.opened
+    assert args.constraint == Constraint("choice", '["yes", "no"]', "constraint.choice")
+    assert args.sampling.logit_bias == ((7, -100.0),)
+
+    async def refused(channel: grpc.aio.Channel, log: CountingLogger) -> None:
+        error = await status_of(pb_grpc.SpecServeStub(channel).Generate(
+            pb.GenerateRequest(text="x", constraint=pb.Constraint(grammar="start: ("))))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details().startswith("constraint.grammar: does not compile")
+        mapped = map_rpc_error(error)
+        assert isinstance(mapped, InvalidRequestError) and mapped.field == "constraint.grammar"
+
+    serve_fake(FakeStreams(refuse=StreamError("invalid", "does not compile: syntax error", "constraint.grammar")),
+               refused)
 
 
 def test_application_metadata_is_optional_but_must_name_this_application() -> None:
