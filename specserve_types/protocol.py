@@ -33,7 +33,7 @@ from specserve_types.proto import specserve_pb2 as pb
 
 MAX_N = 16
 MAX_PROMPT_CHARS = 1 << 20  # a cheap bound before tokenizing; the context length is checked after
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # "tool": a tool call's result (OpenAI's tool calling)
 
 TIMEOUT_METADATA = "specserve-timeout-s"  # gRPC metadata: the call's time limit in seconds (cluster/serving/ingress.py)
 
@@ -51,6 +51,11 @@ class GenerateArgs:
     spec: SpecParams = field(default_factory=SpecParams)
     n: int = 1
     constraint: Constraint | None = None  # what the output must match (each of the n completions on its own)
+    # chat, tool calling (the chat template's input, OpenAI's shapes): per message "" or a JSON object of its keys
+    # besides role and content (an assistant's `tool_calls`, a tool result's `tool_call_id`), or () for none; and
+    # the JSON list of tool definitions the template shows the model ("" = none). cluster/serving/tool_calls.py
+    message_extras: tuple[str, ...] = ()
+    tools: str = ""
     trace_context: tuple[tuple[str, str], ...] = ()  # the front door's request span (specserve_types/tracing.py)
 
     def __post_init__(self) -> None:
@@ -62,14 +67,22 @@ class GenerateArgs:
                 raise InvalidRequestError("prompt", "chat requests take text or messages, not token ids")
             if not self.messages:
                 raise InvalidRequestError("messages", "a chat request needs at least one message")
+            if self.message_extras and len(self.message_extras) != len(self.messages):
+                raise InvalidRequestError("messages", "message_extras must hold one entry per message")
+            extras = self.message_extras or ("",) * len(self.messages)
             for index, (role, content) in enumerate(self.messages):
                 if role not in CHAT_ROLES:
                     raise InvalidRequestError(f"messages[{index}].role", f"must be one of {CHAT_ROLES}, got {role!r}")
-                if not content:
+                if not content and not extras[index]:  # an assistant's tool calls may come without text
                     raise InvalidRequestError(f"messages[{index}].content", "must be non-empty")
                 check_text(f"messages[{index}].content", content)
-            if sum(len(content) for _, content in self.messages) > MAX_PROMPT_CHARS:
+                check_text(f"messages[{index}]", extras[index])
+            check_text("tools", self.tools)
+            if sum(len(content) for _, content in self.messages) + sum(map(len, extras)) + len(self.tools) \
+                    > MAX_PROMPT_CHARS:
                 raise InvalidRequestError("messages", f"longer than {MAX_PROMPT_CHARS} characters in all")
+        elif self.tools or self.message_extras:
+            raise InvalidRequestError("tools", "tools need a chat request")
         elif self.prompt_token_ids is not None:
             if not self.prompt_token_ids:
                 raise InvalidRequestError("prompt", "must be non-empty")
