@@ -1,7 +1,8 @@
 """`specserve generate "PROMPT"`: run one prompt in process (or through a cluster with --server).
 
 Prints one JSON object with --json:
-  {"model", "contract", "prompt_token_ids", "samples": [{"token_ids", "text", "finish_reason"}], "stats"}
+  {"model", "contract", "prompt_token_ids", "samples": [{"token_ids", "text", "finish_reason", "proposed",
+   "accepted", "forced"}], "stats"}
 otherwise streams the text to the terminal (samples one after another for --n > 1).
 """
 
@@ -17,6 +18,12 @@ import uuid
 from typing import Any
 
 from cluster.cli.client_flags import add_client_flags
+from cluster.cli.constraint_flags import (
+    add_constraint_flags,
+    check_constraint_flags,
+    constraint_from_args,
+    logit_bias_from_args,
+)
 from cluster.cli.generate_remote import DEFAULT_MODEL, generate_via_server
 from cluster.cli.tracing_flags import add_tracing_flags, tracing_fields
 from cluster.engine.request_span import RequestSpan, summed_speculation
@@ -84,6 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help=f"prompt + max_tokens limit (default {ClusterConfig.model_fields['max_context'].default}, "
                         "capped by the model)")
     p.add_argument("-v", "--verbose", action="store_true")
+    add_constraint_flags(p)
     add_tracing_flags(p)
     add_client_flags(p)
     return p
@@ -93,6 +101,7 @@ def build_requests(args: argparse.Namespace, prompt_ids: list[int], draft_kind: 
     contract = args.contract or ("greedy" if args.temperature == 0 else "exact")
     if args.n < 1:
         raise SpecServeError("n: must be >= 1")
+    constraint, logit_bias = constraint_from_args(args), logit_bias_from_args(args)
     base = uuid.uuid4().hex[:8]
     requests = []
     for i in range(args.n):
@@ -101,9 +110,10 @@ def build_requests(args: argparse.Namespace, prompt_ids: list[int], draft_kind: 
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty, seed=seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+            logit_bias=logit_bias,
         )
         requests.append(GenerationRequest(f"{base}-{i}", tuple(prompt_ids), sampling,
-                                          SpecParams(contract=contract, k=args.k, draft=draft_kind)))
+                                          SpecParams(contract=contract, k=args.k, draft=draft_kind), constraint))
     return requests
 
 
@@ -111,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        check_constraint_flags(args)  # before a model loads or a server is called
         if args.server:
             return generate_via_server(args)
         return _run_in_process(args)
@@ -161,7 +172,8 @@ def _run_in_process(args: argparse.Namespace) -> int:
     span = RequestSpan.start("chat" if args.chat else "text_completion", args.model, requests[0].sampling,
                              requests[0].request_id.rsplit("-", 1)[0], parent=os.environ, n=args.n)
     engine.submit_group([dataclasses.replace(request, trace_context=span.carrier()) for request in requests])
-    samples: dict[str, dict[str, Any]] = {r.request_id: {"token_ids": [], "text": "", "finish_reason": None}
+    samples: dict[str, dict[str, Any]] = {r.request_id: {"token_ids": [], "text": "", "finish_reason": None,
+                                                         "proposed": 0, "accepted": 0, "forced": 0}
                                          for r in requests}
     per_request_stats: dict[str, Any] = {}
     streaming = not args.json and args.n == 1
@@ -170,6 +182,9 @@ def _run_in_process(args: argparse.Namespace) -> int:
             sample = samples[chunk.request_id]
             sample["token_ids"].extend(chunk.token_ids)
             sample["text"] += chunk.text_delta
+            sample["proposed"] += chunk.proposed
+            sample["accepted"] += chunk.accepted
+            sample["forced"] += chunk.forced
             if streaming and chunk.text_delta:
                 sys.stdout.write(chunk.text_delta)
                 sys.stdout.flush()

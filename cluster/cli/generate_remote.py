@@ -8,10 +8,12 @@ import sys
 from typing import Any
 
 from cluster.cli.client_flags import apply_client_flags
+from cluster.cli.constraint_flags import constraint_from_args, logit_bias_from_args
 from cluster.client import SpecServeClient, collect
 from cluster.engine.request_span import summed_speculation
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
+SAMPLE_KEYS = ("token_ids", "text", "finish_reason", "proposed", "accepted", "forced")  # --json's, as in process
 
 
 def generate_via_server(args: argparse.Namespace) -> int:
@@ -25,6 +27,7 @@ def generate_via_server(args: argparse.Namespace) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, n=args.n, stop=args.stop,
         max_tokens=args.max_tokens, chat=args.chat or None,
+        constraint=constraint_from_args(args), logit_bias=logit_bias_from_args(args),
     )
     with SpecServeClient(args.server, credentials=apply_client_flags(args)) as client:
         stream = client.generate(args.prompt, **fields)
@@ -43,7 +46,7 @@ def generate_via_server(args: argparse.Namespace) -> int:
             stats["requests"] = [s.pop("stats") for s in ordered]
             print(json.dumps({"model": args.model, "server": args.server, "draft": args.draft,
                               "contract": ordered[0]["contract"] if ordered else args.contract,
-                              "samples": [{k: s[k] for k in ("token_ids", "text", "finish_reason")} for s in ordered],
+                              "samples": [{k: s[k] for k in SAMPLE_KEYS} for s in ordered],
                               "metrics": {"speculative_decoding": summed_speculation(stats["requests"])},
                               "stats": stats}))
         else:
