@@ -22,6 +22,7 @@ from drafter_service.draft_tree import DraftTree
 from model_runtime.batch import SeqInput
 from specserve_types.round_messages import ProposeBatch, ProposeItem, ProposeOutput, ProposeResult
 from verifier_service.sampling import (
+    apply_logit_bias,
     argmax_rows,
     penalized_logits_for_positions,
     sample_token,
@@ -79,6 +80,7 @@ class DraftWorker:
             logits_list = self.runner.forward(inputs, copies)
             copies = []
             for item, logits in zip(active, logits_list, strict=True):
+                logits = apply_logit_bias(logits, item.sampling.logit_bias)  # q as p's processors make it
                 if item.request_id in trees:
                     q = torch.softmax(logits.float(), -1) if item.sampling.is_greedy else transform_logits(
                         logits, item.sampling)

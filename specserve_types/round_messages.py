@@ -90,6 +90,9 @@ class VerifyItem:
     # the exact contract's rule for a sampled chain (verifier_service/contracts.py EXACT_RULES): "block" (block
     # verification) or "token" (token by token); the engine's `exact_rule`
     exact_rule: str = "token"
+    # the request's constraint (cluster/engine/constraint.py): each scored row's allowed tokens along its own prefix,
+    # int32 bitmask words [rows, ceil(V / 32)] (bit i of word w allows token 32 w + i); None: unconstrained
+    allowed: np.ndarray | None = None
 
 
 @dataclass

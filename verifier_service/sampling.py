@@ -107,6 +107,40 @@ def penalized_logits_for_positions(
 
 
 # ----------------------------------------------------------------------------------------------
+# Logit bias and constraints (on raw logits: bias before the penalties, the constraint's mask after them)
+# ----------------------------------------------------------------------------------------------
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """OpenAI's logit_bias: each (token, bias) added to that token's logit in every row (float32)."""
+    if not logit_bias:
+        return logits
+    ids = torch.tensor([t for t, _ in logit_bias], dtype=torch.long, device=logits.device)
+    bias = torch.tensor([b for _, b in logit_bias], dtype=torch.float32, device=logits.device)
+    logits = logits.float().clone()
+    logits[:, ids] += bias
+    return logits
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [n, vocab_size] from int32 bitmask words [n, W] (bit i of word w: token 32 w + i)."""
+    bits = (words.unsqueeze(-1) >> _BITS.to(words.device)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """The constraint: every token a row's bitmask words [n, W] forbid gets -inf (its probability 0 after any
+    transform; greedy's argmax never picks it)."""
+    if allowed is None:
+        return logits
+    keep = allowed_tokens(allowed, logits.shape[-1])
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+# ----------------------------------------------------------------------------------------------
 # Transform: temperature, top-k, top-p, min-p  ->  probabilities
 # ----------------------------------------------------------------------------------------------
 

@@ -20,7 +20,12 @@ from model_runtime.batch import SeqInput
 from model_runtime.config import ModelConfig
 from specserve_types.round_messages import VerifyBatch, VerifyItem, VerifyOutput, VerifyResult
 from verifier_service.contracts import Verdict, verify_exact, verify_greedy, verify_typical
-from verifier_service.sampling import penalized_logits_for_positions, transform_logits
+from verifier_service.sampling import (
+    apply_allowed,
+    apply_logit_bias,
+    penalized_logits_for_positions,
+    transform_logits,
+)
 from verifier_service.tree_contracts import TokenTree, TreeVerdict, tree_greedy, verify_tree
 
 log = logging.getLogger("specserve.verifier")
@@ -61,13 +66,24 @@ class LocalRunner:
             self.forward([SeqInput([0], n, [0], [n], logits="last")], [])
 
 
+def processed_logits(item: VerifyItem, logits: torch.Tensor) -> torch.Tensor:
+    """The request's logits processors on its scored rows, in one order for plain decoding and every speculative
+    path: logit bias, penalties (each row its own history), the constraint's mask (each row its own prefix's)."""
+    params = item.sampling
+    logits = apply_logit_bias(logits, params.logit_bias)
+    if params.has_penalties:
+        logits = penalized_logits_for_positions(logits, item.prompt_ids, item.output_ids, item.draft_ids, params)
+    if item.allowed is not None:
+        logits = apply_allowed(logits, torch.tensor(item.allowed[:logits.shape[0]]))
+    return logits
+
+
 def decide(item: VerifyItem, logits: torch.Tensor, inject_bias: bool = False) -> Verdict:
-    """Apply the request's penalties, transform and contract to its k+1 scored rows. `inject_bias`: see
+    """Apply the request's logits processors, transform and contract to its k+1 scored rows. `inject_bias`: see
     `VerifierWorker.inject_bias` (testing the check only)."""
     k = len(item.draft_ids)
     params = item.sampling
-    if params.has_penalties:
-        logits = penalized_logits_for_positions(logits, item.prompt_ids, item.output_ids, item.draft_ids, params)
+    logits = processed_logits(item, logits)
     first_draft_position = item.past_len + len(item.input_ids)
     if item.contract == "greedy" or params.is_greedy:
         verdict = verify_greedy(item.draft_ids, logits)
@@ -108,6 +124,7 @@ def seq_input(item: VerifyItem, tree: TokenTree | None) -> SeqInput:
 def decide_tree(item: VerifyItem, tree: TokenTree, logits: torch.Tensor, inject_bias: bool = False) -> TreeVerdict:
     """A tree's contract on its root's and nodes' rows (greedy sampling under any contract follows the argmax)."""
     params = item.sampling
+    logits = processed_logits(item, logits)  # no penalties on trees (tree_of)
     if item.contract == "greedy" or params.is_greedy:
         verdict = tree_greedy(tree, logits)
         return dataclasses.replace(verdict, contract=item.contract)

@@ -44,6 +44,7 @@ class AcceptanceRecord:
     tree_nodes: int = 0
     request_id: str = ""
     lookup: bool = False  # a model-drafted request's n-gram lookup drafts (planner.py), counted apart
+    forced: bool = False  # drafts its constraint forced (planner.py): counted apart, not the drafter's acceptance
 
 
 def _accepted_path(out: VerifyOutput, nodes: int) -> list[int]:
@@ -79,7 +80,8 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
         tree = plan.tree
         # a tree proposes the chain of its depth; its accepted drafts are the accepted path's nodes, whose KV the
         # verifier moves to the first draft slots (verifier_service/worker.py), so the commit is contiguous
-        proposed = len(plan.drafts) if tree is None else tree.depth()
+        # drafts the constraint cut count as proposed and rejected (round_plan.constrained)
+        proposed = len(plan.drafts) + plan.cut if tree is None else tree.depth()
         path = list(range(len(plan.drafts))) if tree is None else _accepted_path(out, len(plan.drafts))
         accepted_drafts = [plan.drafts[node] for node in path]
         s.rounds += 1
@@ -91,9 +93,13 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
             record = AcceptanceRecord(kept_accepted, counted_proposed, s.request.spec.contract,
                                       ranks=() if tree is None else tuple(tree.rank(n) for n in path[:kept_accepted]),
                                       tree_nodes=0 if tree is None else len(tree), request_id=s.request_id,
-                                      lookup=plan.lookup)
-            (s.lookup_acceptance if plan.lookup else s.acceptance).record(
-                record.accepted, record.proposed, record.contract, record.ranks, record.tree_nodes)
+                                      lookup=plan.lookup, forced=bool(plan.forced))
+            if plan.forced:
+                s.forced += counted_proposed
+                s.forced_accepted += kept_accepted
+            else:
+                (s.lookup_acceptance if plan.lookup else s.acceptance).record(
+                    record.accepted, record.proposed, record.contract, record.ranks, record.tree_nodes)
             outcome.acceptance.append(record)
         target_len = len(plan.target_pending) + kept_accepted
         committed = plan.target_pending + accepted_drafts[:kept_accepted]
@@ -120,7 +126,8 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
             outcome.release_draft.append(s.request_id)
         assert s.target_cached <= len(s.token_ids) and s.draft_cached <= len(s.token_ids), "cache > tokens"
         chunk = TokenChunk(s.request_id, kept, delta, proposed=counted_proposed, accepted=kept_accepted,
-                           finish_reason=s.finish_reason, offset=s.num_output - len(kept))
+                           forced=counted_proposed if plan.forced else 0, finish_reason=s.finish_reason,
+                           offset=s.num_output - len(kept))
         if finished:
             chunk.stats = s.stats()
             outcome.finished.append(s)

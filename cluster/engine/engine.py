@@ -38,6 +38,7 @@ from cluster.engine.admission import admit_draft, admit_target, running
 from cluster.engine.backends import DrafterBackend, VerifierBackend
 from cluster.engine.catch_up import observe_propose
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
+from cluster.engine.constraint import ConstraintCompiler
 from cluster.engine.give_back import abort_now, check_commits, preempt, recover_verifier, restart_draft_caches
 from cluster.engine.held_commit import Ahead, HeldCommitKV
 from cluster.engine.inbox import RequestInbox
@@ -48,6 +49,7 @@ from cluster.engine.predraft import predraft_slots
 from cluster.engine.request_state import RequestState, new_request_state
 from cluster.engine.round_plan import (
     RoundPlan,
+    constrained,
     draft_slots,
     drafted_steps,
     invalid_drafts,
@@ -123,6 +125,9 @@ class SpecEngine:
         self.namespaces = [TARGET_NAMESPACE] + ([DRAFT_NAMESPACE] if drafter else [])
         self.inbox = RequestInbox(config.max_waiting)  # shared with submit/abort callers; step drains it
         self.shared = SharedPrompts(self.kv, self.inbox)  # prompt groups: n completions prefill once
+        # constraints (constraint.py): llguidance's tokenizer, built on the first constrained request, and the
+        # compiled grammars
+        self.constraints = ConstraintCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
         self.suffix = SuffixDrafter()  # suffix drafts' tries (drafter_service/suffix_drafts.py); the planner's
         self.trace = StepTrace(observer)  # traces, metrics: the observer gets a StepRecord per step
 
@@ -130,14 +135,16 @@ class SpecEngine:
     def submit(self, request: GenerationRequest) -> None:
         """Validate and enqueue; raises InvalidRequestError / CapacityError at once, changing nothing."""
         state = new_request_state(request, self.tokenizer, self.eos_token_ids, self.vocab_size,
-                                  self.config.max_context, has_drafter=self.drafter is not None)
+                                  self.config.max_context, has_drafter=self.drafter is not None,
+                                  constraints=self.constraints)
         self.inbox.put(state, waiting=len(self.waiting))
 
     def submit_group(self, requests: list[GenerationRequest]) -> None:
         """The n completions of one prompt, all or none (raises like `submit`, changing nothing): the prompt is
         prefilled once and the others fork its KV (shared_prompts.py); each draws from its own seed."""
         states = [new_request_state(r, self.tokenizer, self.eos_token_ids, self.vocab_size, self.config.max_context,
-                                    has_drafter=self.drafter is not None) for r in requests]
+                                    has_drafter=self.drafter is not None, constraints=self.constraints)
+                  for r in requests]
         if any(r.prompt_token_ids != requests[0].prompt_token_ids for r in requests):
             raise InvalidRequestError("prompt", "the completions of one group share one prompt")
         group = group_states(states)
@@ -177,6 +184,9 @@ class SpecEngine:
         plans, draft_seconds = self.mode.prepare(self)  # plan, reserve, propose
         if not plans:
             return chunks
+        if any(p.state.constraint is not None for p in plans):
+            with self.trace.phase("constrain"):
+                plans = [constrained(p) for p in plans]  # each row's allowed tokens; forbidden drafts cut
         try:
             verified = self._verify(plans)
         except VerifierLost as lost:  # every request is requeued and re-prefills from its tokens
@@ -383,6 +393,10 @@ class SpecEngine:
 
     def _commit(self, outcome: RoundOutcome) -> None:
         for record in outcome.acceptance:
+            if record.forced:  # the constraint's drafts: counted apart, never read by auto's k
+                self.totals["forced_proposed"] += record.proposed
+                self.totals["forced_accepted"] += record.accepted
+                continue
             (self.lookup_acceptance if record.lookup else self.acceptance).record(
                 record.accepted, record.proposed, record.contract, record.ranks, record.tree_nodes)
         for request_id in outcome.release_draft:

@@ -71,6 +71,11 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
     if spec.draft == "none" or k_cap == 0:
         state.record_k(0, "no speculation requested" if spec.draft == "none" or spec.k == 0 else "end of output")
         return RoundPlan(state=state, k=0, target_pending=pending)
+    forced = state.constraint.forced(k_cap) if state.constraint is not None else []
+    if forced:  # the constraint's own next tokens: drafted at no draft cost, whatever the drafter
+        state.rounds_at_zero = 0
+        state.record_k(len(forced), "constraint: forced tokens")
+        return RoundPlan(state=state, k=len(forced), target_pending=pending, drafts=forced, forced=len(forced))
     lookup = _lookup(state, ctx, k_cap)
     if spec.draft == "model" and not ctx.drafter_usable and not lookup:
         state.record_k(0, "fallback: drafter unavailable, plain decoding")

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from cluster.engine.acceptance_stats import AcceptanceStats
+from cluster.engine.constraint import ConstraintCompiler, RequestConstraint, logit_bias_errors
 from cluster.engine.prompt_group import PromptGroup
 from drafter_service.ngram import TokenHistory
 from specserve_types.api import FinishReason, GenerationRequest, InvalidRequestError
@@ -130,6 +131,10 @@ class RequestState:
     rounds_at_zero: int = 0  # consecutive rounds auto chose plain decoding (it re-probes after probe_every)
     prompt_group: PromptGroup | None = None  # n completions of one prompt, until forked (prompt_group.py)
     history: TokenHistory = field(default_factory=TokenHistory)  # token_ids as an array, for n-gram lookups
+    # the request's constraint at its committed output (constraint.py): moved by append_tokens only
+    constraint: RequestConstraint | None = None
+    forced: int = 0  # drafts its constraint forced (planner.py)
+    forced_accepted: int = 0
 
     @property
     def request_id(self) -> str:
@@ -161,15 +166,22 @@ class RequestState:
                 self.finish_reason = "stop"
             elif token in self.eos_token_ids and not params.ignore_eos:
                 self.finish_reason = "eos"
+            elif self.constraint is not None and self._constraint_done(token):
+                self.finish_reason = "stop"  # the constraint completed: nothing but end of sequence may follow
             elif self.num_output >= params.max_tokens:
                 self.finish_reason = "length"
             if self.finish_reason is not None:
-                delta += self.text.flush() if self.finish_reason != "stop" else ""
+                delta += "" if hit_stop else self.text.flush()  # a stop string's text is cut, not flushed
                 self.finished_at = time.monotonic()
                 break
         if kept and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         return kept, delta
+
+    def _constraint_done(self, token: int) -> bool:
+        assert self.constraint is not None
+        self.constraint.advance([token])
+        return self.constraint.done
 
     def forget_kv(self) -> None:
         """Its KV was given back (preempted, or the verifier lost it): it re-prefills from its tokens."""
@@ -209,11 +221,14 @@ class RequestState:
             "speculative_decoding": every.speculative_decoding(),
             "policy_events": [{"at": round(e.at, 6), "k": e.k, "reason": e.reason} for e in self.policy_events],
             **lookup,
+            **({"forced": {"proposed": self.forced, "accepted": self.forced_accepted}}
+               if self.constraint is not None else {}),
         }
 
 
 def new_request_state(request: GenerationRequest, tokenizer: Any, eos_token_ids: frozenset[int], vocab_size: int,
-                      max_context: int, has_drafter: bool) -> RequestState:
+                      max_context: int, has_drafter: bool,
+                      constraints: ConstraintCompiler | None = None) -> RequestState:
     """A submitted request's state; raises InvalidRequestError (naming the field) for what this engine can't run."""
     prompt_len = len(request.prompt_token_ids)
     if prompt_len + request.sampling.max_tokens > max_context:
@@ -224,7 +239,15 @@ def new_request_state(request: GenerationRequest, tokenizer: Any, eos_token_ids:
         raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab_size})")
     if request.spec.draft == "model" and not has_drafter and request.spec.k != 0:
         raise InvalidRequestError("draft", "this engine has no draft model; use draft 'ngram' or 'none'")
+    bias_error = logit_bias_errors(request.sampling.logit_bias, vocab_size)
+    if bias_error is not None:
+        raise InvalidRequestError("logit_bias", bias_error)
+    constraint = None
+    if request.constraint is not None:
+        if constraints is None:
+            raise InvalidRequestError(request.constraint.field, "this engine has no tokenizer to compile constraints")
+        constraint = constraints.compile(request.constraint)  # raises InvalidRequestError naming the field
     seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
     return RequestState(request=request, seed=seed, eos_token_ids=eos_token_ids,
                         text=TextTracker(tokenizer, prompt_len, request.sampling.stop),
-                        token_ids=list(request.prompt_token_ids), prompt_len=prompt_len)
+                        token_ids=list(request.prompt_token_ids), prompt_len=prompt_len, constraint=constraint)

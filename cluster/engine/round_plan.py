@@ -62,6 +62,12 @@ class RoundPlan:
     tree_budget: int = 0
     # a greedy model-draft chain may end early (1..k drafts): after a draft whose draft probability is below this
     draft_stop_below: float = 0.0
+    # the request's constraint (constraint.py): the drafts are the tokens it forces (no drafter ran for them)
+    forced: int = 0
+    # set by `constrained` before the verify: each verified row's allowed tokens (int32 bitmask words), and how many
+    # drafts the constraint cut (counted as proposed and rejected)
+    allowed: np.ndarray | None = None
+    cut: int = 0
 
     @property
     def request_id(self) -> str:
@@ -141,6 +147,26 @@ def with_drafts(plan: RoundPlan, drafts: Sequence[int], probs: np.ndarray | None
                 parents: Sequence[int] | None = None) -> RoundPlan:
     return replace(plan, drafts=list(drafts), draft_probs=probs,
                    draft_parents=None if parents is None else tuple(parents))
+
+
+def constrained(plan: RoundPlan) -> RoundPlan:
+    """The round as the request's constraint lets it verify (constraint.py): drafts it forbids cut (a chain after
+    its first forbidden draft, or at it for point-mass drafts; a tree's forbidden nodes with their subtrees) and
+    each row's allowed tokens. Unconstrained requests and a prompt group's prefill (nothing sampled): as they are."""
+    constraint = plan.state.constraint
+    if constraint is None or plan.prefill_to is not None:
+        return plan
+    if plan.draft_parents is not None:
+        rows = constraint.tree_masks(plan.drafts, plan.draft_parents)
+        index = {old: new for new, old in enumerate(rows.keep)}
+        parents = tuple(-1 if plan.draft_parents[old] == -1 else index[plan.draft_parents[old]] for old in rows.keep)
+        return replace(plan, drafts=[plan.drafts[i] for i in rows.keep], allowed=rows.allowed,
+                       draft_parents=parents if rows.keep else None)
+    rows = constraint.chain_masks(plan.drafts, with_q=plan.draft_probs is not None)
+    n = len(rows.keep)
+    probs = None if plan.draft_probs is None else plan.draft_probs[:n]
+    return replace(plan, drafts=plan.drafts[:n], draft_probs=probs, allowed=rows.allowed,
+                   cut=len(plan.drafts) - n)
 
 
 def with_predraft(plan: RoundPlan, predraft: PreDraft) -> RoundPlan:
@@ -229,5 +255,5 @@ def verify_item(plan: RoundPlan, exact_rule: str) -> VerifyItem:
         sampling=s.request.sampling, contract=s.request.spec.contract, seed=s.seed, position=len(s.token_ids),
         prompt_ids=prompt_ids, output_ids=output_ids, copy_blocks=list(grant.copy_on_write),
         draft_parents=list(plan.draft_parents) if plan.draft_parents is not None and drafts else None,
-        exact_rule=exact_rule,
+        exact_rule=exact_rule, allowed=plan.allowed if plan.prefill_to is None else None,
     )

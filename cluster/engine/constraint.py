@@ -1,0 +1,222 @@
+"""Constraints: the request's output must match a JSON schema, a regex, one of several strings or a grammar.
+
+A constraint is a per-position logits processor along a row's history, beside the penalties (docs/ARCHITECTURE.md
+§5, "Constraints"): at each position the target's distribution is the request's transform applied to the logits
+with every token the constraint forbids removed. It is compiled once per request at submit (llguidance: its
+tokenizer built once per engine, each grammar compiled once and cached, a request's matcher a copy of the cached
+one), carried on the RequestState, and used by three phases, all on the engine thread:
+
+    plan     `forced(limit)`: tokens the constraint forces from here (llguidance's fast-forward tokens) are
+             drafted at no draft cost (planner.py)
+    verify   `constrain(plan)`: each row's allowed tokens along its own prefix, as a bitmask the verifier applies
+             to its logits (a chain's row j after drafts d_0..d_{j-1}; a tree's node along its path); drafts the
+             constraint forbids are cut here (below); the matcher is rolled back after each path, never replayed
+    accept   `advance(tokens)`: the kept tokens move the matcher; where it has completed, the request stops
+
+Cutting forbidden drafts keeps every contract exact (docs/exactness.md, "Constraints"):
+  - greedy, point-mass drafts (n-gram, lookup, suffix, forced): a draft the constraint forbids has p = 0, so the
+    contract would reject it and draw the next token from p (the residual (p - delta_x)+ is p): the chain is cut
+    before it, and that position draws from p as a bonus, the same distribution (and the same uniform stream);
+  - drafts with their q (a sampled draft model's chain): the first forbidden draft stays (its rejection draws from
+    the residual (p - q)+, which must see q), the drafts after it are cut: w_j = 0 from there on, so no longer
+    prefix could pass the token or the block rule; the rows after it are never read for a token and get no mask;
+  - trees (deterministic siblings): a forbidden node has r(c) = 0 and is never accepted; removing it and its
+    subtree leaves r unchanged for its siblings, so the tree is pruned before the verify.
+
+A bitmask is int32 words, bit i of word w allowing token 32 w + i (llguidance's layout); tokens of the model's
+vocabulary beyond the tokenizer's are never allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from specserve_types.api import MAX_CHOICES, Constraint, InvalidRequestError
+
+CACHE_SIZE = 64  # compiled grammars kept per engine
+
+
+def mask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+ALL_ALLOWED = -1  # an int32 word with every bit set
+
+
+def grammar_source(constraint: Constraint) -> str:
+    """The constraint as an llguidance grammar (JSON of its grammar format); raises InvalidRequestError."""
+    import llguidance
+
+    kind, value = constraint.kind, constraint.value
+    if kind == "json":
+        try:
+            schema = json.loads(value)
+        except ValueError as exc:
+            raise InvalidRequestError(constraint.field, f"is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict | bool):
+            raise InvalidRequestError(constraint.field, "a JSON schema is an object (or true)")
+        if schema is True or schema == {}:
+            schema = {}
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        except ValueError as exc:
+            raise InvalidRequestError(constraint.field, f"is not a usable JSON schema: {exc}") from None
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        try:
+            choices = json.loads(value)
+        except ValueError:
+            choices = None
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise InvalidRequestError(constraint.field, "choices are a non-empty list of non-empty strings")
+        if len(choices) > MAX_CHOICES:
+            raise InvalidRequestError(constraint.field, f"at most {MAX_CHOICES} choices, got {len(choices)}")
+        alternatives = " | ".join(json.dumps(c) for c in dict.fromkeys(choices))  # Lark string literals
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
+    assert kind == "grammar", kind
+    return llguidance.LLMatcher.grammar_from_lark(value)
+
+
+class ConstraintCompiler:
+    """One per engine: the llguidance tokenizer (built once from the HF tokenizer, ~1 s) and the compiled grammars,
+    a pristine matcher per constraint (LRU, CACHE_SIZE), copied for each request. Thread-safe: submit runs on
+    callers' threads."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer: Any = None
+        self._cache: OrderedDict[Constraint, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def ll_tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                                  eos_token=self.eos_token_ids)
+            return self._ll_tokenizer
+
+    def compile(self, constraint: Constraint) -> RequestConstraint:
+        """A fresh matcher at the start of the output; raises InvalidRequestError naming the constraint's field."""
+        import llguidance
+
+        with self._lock:
+            pristine = self._cache.get(constraint)
+            if pristine is not None:
+                self._cache.move_to_end(constraint)
+        if pristine is None:
+            source = grammar_source(constraint)
+            tokenizer = self.ll_tokenizer()
+            try:
+                pristine = llguidance.LLMatcher(tokenizer, source, log_level=0)
+            except (ValueError, RuntimeError) as exc:
+                raise InvalidRequestError(constraint.field, f"does not compile: {exc}") from None
+            if pristine.is_error():
+                raise InvalidRequestError(constraint.field, f"does not compile: {pristine.get_error()}")
+            with self._lock:
+                self._cache[constraint] = pristine
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return RequestConstraint(pristine.deep_copy(), mask_words(self.vocab_size))
+
+
+@dataclass(frozen=True)
+class RowMasks:
+    """What the constraint makes of one round's drafts: how many of them to keep (a chain's prefix; a tree's
+    surviving nodes, in their order) and each verified row's allowed tokens [rows, words] int32."""
+
+    keep: tuple[int, ...]  # indices into the drafts, in order (a chain: 0..n-1)
+    allowed: np.ndarray
+
+
+class RequestConstraint:
+    """One request's matcher, at its committed output (owner: the engine thread). Each method leaves it there but
+    `advance`, which moves it by kept tokens."""
+
+    def __init__(self, matcher: Any, words: int) -> None:
+        self.matcher = matcher
+        self.words = words
+
+    def fork(self) -> RequestConstraint:
+        return RequestConstraint(self.matcher.deep_copy(), self.words)
+
+    @property
+    def done(self) -> bool:
+        """Completed: nothing but end of sequence may follow (the request then stops)."""
+        return bool(self.matcher.is_stopped())
+
+    def allowed_mask(self) -> np.ndarray:
+        """int32 [words]: the tokens allowed next."""
+        mask = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)
+        if mask.size < self.words:  # the tokenizer's vocabulary is shorter than the model's: the rest is forbidden
+            mask = np.concatenate([mask, np.zeros(self.words - mask.size, dtype=np.int32)])
+        return mask[:self.words]
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the constraint forces from here (its fast-forward tokens; a token the model may
+        still spell differently, so they are drafts, verified as any)."""
+        if limit <= 0 or self.matcher.is_stopped():
+            return []
+        return [int(t) for t in self.matcher.compute_ff_tokens()[:limit]]
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """The kept tokens of a round (every one allowed: the verifier sampled under this constraint's masks)."""
+        if tokens and not self.matcher.consume_tokens([int(t) for t in tokens]):
+            raise AssertionError(f"a kept token the constraint forbids: {self.matcher.get_error()}")
+
+    def chain_masks(self, drafts: Sequence[int], with_q: bool) -> RowMasks:
+        """Rows 0..n for the first n drafts kept: n = the drafts the constraint allows, plus the first forbidden one
+        where the drafts carry q (its rejection draws from the residual); rows after a forbidden draft allow all."""
+        valid = int(self.matcher.validate_tokens([int(t) for t in drafts])) if drafts else 0
+        n = min(len(drafts), valid + 1) if with_q else valid
+        allowed = np.full((n + 1, self.words), ALL_ALLOWED, dtype=np.int32)
+        consumed = 0
+        for j in range(min(n, valid) + 1):
+            allowed[j] = self.allowed_mask()
+            if j < min(n, valid):
+                assert self.matcher.consume_token(int(drafts[j])), self.matcher.get_error()
+                consumed += 1
+        if consumed:
+            self.matcher.rollback(consumed)
+        return RowMasks(tuple(range(n)), allowed)
+
+    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int]) -> RowMasks:
+        """A tree's root row and each surviving node's row (the state after its path); nodes the constraint forbids
+        are dropped with their subtrees (parents come before children)."""
+        rows = [self.allowed_mask()]
+        keep: list[int] = []
+        alive: set[int] = set()
+        for node, parent in enumerate(parents):
+            if parent != -1 and parent not in alive:
+                continue
+            path = [node]
+            while parents[path[-1]] != -1:
+                path.append(parents[path[-1]])
+            path_tokens = [int(tokens[i]) for i in reversed(path)]
+            taken = int(self.matcher.try_consume_tokens(path_tokens))
+            if taken == len(path_tokens):
+                alive.add(node)
+                keep.append(node)
+                rows.append(self.allowed_mask())
+            if taken:
+                self.matcher.rollback(taken)
+        return RowMasks(tuple(keep), np.stack(rows))
+
+
+def logit_bias_errors(logit_bias: Sequence[tuple[int, float]], vocab_size: int) -> str | None:
+    """Why a request's logit_bias cannot run on a vocabulary of `vocab_size` (None: it can)."""
+    outside = [token for token, _ in logit_bias if token >= vocab_size]
+    if outside:
+        return f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
+    return None
