@@ -6,7 +6,8 @@ distribution, on the user's own models, dtypes and kernels (in process) or clust
                cluster with the gRPC client.
     reference  per position, the target model alone on prompt + the modal prefix (cluster/check/reference.py):
                in process the engine's own target model object (same weights, dtype, device); with
-               --server the target loaded here (cpu, float32).
+               --server the target loaded here (cpu, float32). Under a constraint, its mask along the prefix
+               (compiled here as the engine compiles it) and the logit bias come before the transform.
     judge      Pearson's chi-square with pooled cells, p-value, total variation, power against a stated
                total variation (cluster/check/report.py, cluster/check/stats.py).
 """
@@ -17,9 +18,10 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from cluster.check.reference import TargetReference, engine_target_model, inject_bias
+from cluster.check.reference import ConstraintMasks, TargetReference, engine_target_model, inject_bias
 from cluster.check.report import CheckReport, judge
 from cluster.check.sampling import Progress, sample_in_process, sample_via_server
 from cluster.check.settings import CheckSettings, PromptSamples
@@ -47,6 +49,18 @@ def _prompts(tokenizer: Any, texts: Sequence[str], chat: bool, settings: CheckSe
             for j, text in enumerate(texts)]
 
 
+def _masks(settings: CheckSettings, checkpoint: Path, tokenizer: Any) -> ConstraintMasks | None:
+    """The reference's constraint masks, over the target's vocabulary and EOS ids as the engine's (factory.py)."""
+    from cluster.engine.factory import eos_token_ids
+    from model_runtime.config import ModelConfig
+
+    if settings.constraint is None:
+        return None
+    config = ModelConfig.from_dir(checkpoint)
+    return ConstraintMasks(settings.constraint, tokenizer, config.vocab_size,
+                           eos_token_ids(checkpoint, config, tokenizer))
+
+
 def check_in_process(model: str, draft: str, texts: Sequence[str], settings: CheckSettings, *, chat: bool = False,
                      window: int = 16, per_group: int = 16, draft_dtype: str | None = None, device: str | None = None,
                      dtype: str | None = None, tree_nodes: int | None = None, model_tree_nodes: int | None = None,
@@ -62,6 +76,7 @@ def check_in_process(model: str, draft: str, texts: Sequence[str], settings: Che
         raise SpecServeError(f"draft: settings.draft {settings.draft!r} does not match draft {draft!r}")
     tokenizer = load_tokenizer(model_dir(model))
     prompts = _prompts(tokenizer, texts, chat, settings)
+    masks = _masks(settings, model_dir(model), tokenizer)  # a bad constraint fails here, before the models load
     longest = max(len(p.prompt_ids) for p in prompts) + settings.max_tokens
     given = {key: value for key, value in (("draft_dtype", draft_dtype), ("device", device), ("dtype", dtype),
                                            ("tree_nodes", tree_nodes), ("model_tree_nodes", model_tree_nodes),
@@ -79,7 +94,7 @@ def check_in_process(model: str, draft: str, texts: Sequence[str], settings: Che
     try:
         if biased:
             inject_bias(engine)
-        reference = TargetReference(engine_target_model(engine), settings.sampling())
+        reference = TargetReference(engine_target_model(engine), settings.sampling(), masks=masks)
         report = run_check(prompts, reference, settings,
                            lambda: sample_in_process(engine, prompts, settings, window, progress, per_group),
                            model, draft, "in process", biased)
@@ -116,8 +131,9 @@ def check_via_server(address: str, model: str, draft: str, texts: Sequence[str],
     checkpoint = model_dir(model)
     tokenizer = load_tokenizer(checkpoint)
     prompts = _prompts(tokenizer, texts, chat, settings)
+    masks = _masks(settings, checkpoint, tokenizer)
     reference = TargetReference(CausalLM.load(checkpoint, dtype=target_dtype(dtype, "cpu", checkpoint), device="cpu"),
-                                settings.sampling())
+                                settings.sampling(), masks=masks)
     report = run_check(prompts, reference, settings,
                        lambda: sample_via_server(address, prompts, settings, per_call, concurrency, progress,
                                                  timeout_s),

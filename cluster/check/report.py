@@ -121,7 +121,8 @@ class CheckReport:
             "sample_seconds": round(self.sample_seconds, 2), "reference_seconds": round(self.reference_seconds, 2),
             "trees": self.trees, "lookups": self.lookups,
             "prompts": [{"prompt": p.prompt, "prompt_token_ids": p.prompt_ids, "first_seed": p.first_seed,
-                         "samples": len(p.tokens), "drafts_proposed": p.proposed, "drafts_accepted": p.accepted}
+                         "samples": len(p.tokens), "drafts_proposed": p.proposed, "drafts_accepted": p.accepted,
+                         "drafts_forced": p.forced}
                         for p in self.prompts],
             "positions": [{
                 "prompt_index": r.prompt_index, "position": r.position, "prefix": list(r.prefix),
@@ -147,6 +148,11 @@ class CheckReport:
             f"power >= {s.min_power:g} against total variation {s.tv:g}",
             f"  sampling {self.sample_seconds:.1f}s, reference {self.reference_seconds:.1f}s",
         ]
+        if s.constraint is not None or s.logit_bias:
+            value = s.constraint.value if s.constraint is not None else ""
+            what = ([f"{s.constraint.kind} constraint '{_short(value, 40)}'"] if s.constraint is not None else []) + (
+                [f"logit bias on {len(s.logit_bias)} token(s)"] if s.logit_bias else [])
+            lines.insert(2, f"  constrained: {', '.join(what)} (the reference masks and biases as the engine)")
         if self.trees is not None:
             t = self.trees
             lines.append(f"  token trees: {t['tree_rounds']} of {t['rounds']} drafting rounds, {t['tree_nodes']} nodes; "

@@ -3,7 +3,8 @@ through a `SpecEngine`, or through a running cluster with the gRPC client (`clus
 
 Completion i of prompt j has seed  settings.seed + j * n + i  (`CheckSettings.first_seed`): independent
 draws (every uniform is a hash of (seed, position, stream), verifier_service/sampling.py) and
-non-overlapping seed ranges across prompts. EOS is ignored, so every sample has max(positions) tokens.
+non-overlapping seed ranges across prompts. EOS is ignored, so every sample has max(positions) tokens (under a
+constraint, unless it completes sooner: the check then stops with an error naming it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ if TYPE_CHECKING:
     from cluster.engine.engine import SpecEngine
 
 Progress = Callable[[int, int], None]
+
+
+def _hint(settings: CheckSettings) -> str:
+    if settings.constraint is None:
+        return ""
+    return (f" (under {settings.constraint.field} a sample ends where its constraint completes: the check needs a "
+            f"constraint that allows at least {settings.max_tokens} tokens, max(positions))")
 
 
 def sample_in_process(engine: SpecEngine, prompts: list[PromptSamples], settings: CheckSettings, window: int,
@@ -40,7 +48,7 @@ def sample_in_process(engine: SpecEngine, prompts: list[PromptSamples], settings
         while job is not None and in_flight + job[2] <= window:
             j, start, count = job
             requests = [GenerationRequest(f"check-{j}-{i}", tuple(prompts[j].prompt_ids),
-                                          settings.sampling(prompts[j].first_seed + i), spec)
+                                          settings.sampling(prompts[j].first_seed + i), spec, settings.constraint)
                         for i in range(start, start + count)]
             if count == 1:
                 engine.submit(requests[0])
@@ -57,11 +65,12 @@ def sample_in_process(engine: SpecEngine, prompts: list[PromptSamples], settings
             tokens[chunk.request_id].extend(chunk.token_ids)
             prompts[j].proposed += chunk.proposed
             prompts[j].accepted += chunk.accepted
+            prompts[j].forced += chunk.forced
             if chunk.finished:
                 got = tokens.pop(chunk.request_id)
                 if chunk.finish_reason != "length" or len(got) != settings.max_tokens:
                     raise SpecServeError(f"sample {i} of prompt {j + 1} ended with {chunk.finish_reason!r} after "
-                                         f"{len(got)} of {settings.max_tokens} tokens")
+                                         f"{len(got)} of {settings.max_tokens} tokens{_hint(settings)}")
                 prompts[j].tokens[i] = tuple(got)
                 in_flight -= 1
                 done += 1
@@ -82,7 +91,7 @@ def sample_via_server(address: str, prompts: list[PromptSamples], settings: Chec
         prompt.tokens = [()] * settings.n
     fields = dict(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
                   max_tokens=settings.max_tokens, ignore_eos=True, contract=settings.contract, k=settings.k,
-                  draft=settings.draft)
+                  draft=settings.draft, constraint=settings.constraint, logit_bias=settings.logit_bias)
     with SpecServeClient(address, timeout_s=timeout_s) as client:
 
         def call(j: int, start: int, count: int) -> tuple[int, int, dict[int, dict[str, Any]]]:
@@ -95,10 +104,11 @@ def sample_via_server(address: str, prompts: list[PromptSamples], settings: Chec
                     got = sample["token_ids"]
                     if sample["finish_reason"] != "length" or len(got) != settings.max_tokens:
                         raise SpecServeError(f"sample {start + m} of prompt {j + 1} ended with "
-                                             f"{sample['finish_reason']!r} after {len(got)} tokens")
+                                             f"{sample['finish_reason']!r} after {len(got)} tokens{_hint(settings)}")
                     prompts[j].tokens[start + m] = tuple(got)
                     prompts[j].proposed += sample["proposed"]
                     prompts[j].accepted += sample["accepted"]
+                    prompts[j].forced += sample["forced"]
                 done += len(samples)
                 if progress is not None:
                     progress(done, total)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve_types.api import SamplingParams, SpecParams, SpecServeError
+from specserve_types.api import Constraint, SamplingParams, SpecParams, SpecServeError
 
 # Short prompts whose suffix repeats earlier text, so n-gram drafting proposes from the first output token on
 # (a prompt without a repeat gets no n-gram drafts, and the check would only test plain decoding), and whose
@@ -34,6 +34,10 @@ class CheckSettings:
     tv: float = 0.1  # the total variation the test must be able to detect ...
     min_power: float = 0.8  # ... with at least this power
     seed: int = 0
+    # constrained decoding: every request's constraint (the reference masks what it forbids along the prefix) and
+    # OpenAI's logit_bias, (token id, bias) pairs added to the raw logits (the reference adds them too)
+    constraint: Constraint | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -57,7 +61,7 @@ class CheckSettings:
         """The requests' sampling (EOS ignored: every sample has max_tokens tokens), also the reference's
         transform."""
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed,
-                              max_tokens=self.max_tokens, ignore_eos=True)
+                              max_tokens=self.max_tokens, ignore_eos=True, logit_bias=self.logit_bias)
 
     @property
     def contract(self) -> str:
@@ -80,3 +84,4 @@ class PromptSamples:
     tokens: list[tuple[int, ...]] = field(default_factory=list)
     proposed: int = 0  # draft tokens proposed over all its rounds
     accepted: int = 0
+    forced: int = 0  # of the proposed, those the constraint forced

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from cluster.check.settings import DEFAULT_PROMPTS, CheckSettings
 from cluster.cli.client_flags import add_client_flags, apply_client_flags
+from cluster.cli.constraint_flags import add_constraint_flags, constraint_from_args, logit_bias_from_args
 from cluster.cli.generate import parse_k
 from cluster.serving.config import ConfigError
 from specserve_types.api import DRAFT_DTYPES, EXACT_RULES, TARGET_DTYPES, SpecServeError
@@ -92,6 +93,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                          "verifier resamples from p instead of the residual, a deliberate bug; the check must fail")
     ex.add_argument("--json-out", type=Path, default=None, help="write the full report as JSON here")
     ex.add_argument("--timeout", type=float, default=None, help="--server: seconds per call")
+    add_constraint_flags(ex)
     add_client_flags(ex)
     ex.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -117,7 +119,8 @@ def _run_exact(args: argparse.Namespace) -> int:
     settings = CheckSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, k=args.k,
                              draft=args.draft if args.draft in ("ngram", "suffix") else "model", n=args.n,
                              positions=args.positions,
-                             alpha=args.alpha, tv=args.tv, min_power=args.min_power, seed=args.seed)
+                             alpha=args.alpha, tv=args.tv, min_power=args.min_power, seed=args.seed,
+                             constraint=constraint_from_args(args), logit_bias=logit_bias_from_args(args))
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     progress = stderr_progress("check exact")
     rule = "" if args.server else f", exact rule {args.exact_rule or 'the default'}"
