@@ -19,6 +19,7 @@ from cluster.serving.scheduler import Scheduler
 from kv_manager.schema import AuditReport
 from specserve_types.api import (
     CapacityError,
+    Constraint,
     GenerationRequest,
     InvalidRequestError,
     SamplingParams,
@@ -146,6 +147,18 @@ def test_n_completions_interleave_with_distinct_seeds() -> None:
     finals = {item.index: item.chunk.stats["seed"] for item in items if item.chunk.finished}
     assert finals == {0: 10, 1: 11, 2: 12}
     assert sorted(engine.requests) == ["r2#0", "r2#1", "r2#2"]
+
+
+def test_each_completion_carries_the_constraint_and_logit_bias() -> None:
+    engine = ScriptedEngine()
+    scheduler = make_scheduler(engine)
+    constraint = Constraint("choice", '["yes", "no"]', "constraint.choice")
+    request = GenerateArgs("r9", prompt_text="ab", n=2, constraint=constraint,
+                           sampling=SamplingParams(max_tokens=1, logit_bias=((5, -100.0),)))
+    asyncio.run(drain(scheduler, request))
+    assert sorted(engine.requests) == ["r9#0", "r9#1"]
+    for sent in engine.requests.values():
+        assert sent.constraint == constraint and sent.sampling.logit_bias == ((5, -100.0),)
 
 
 def test_refusals_arrive_as_first_item() -> None:
