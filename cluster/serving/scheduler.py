@@ -28,6 +28,7 @@ from cluster.serving.chunk_push import ChunkPusher, PushEnded, PushLink, PushLos
 from cluster.serving.config import ClusterConfig
 from cluster.serving.engine_loop import Engine, EngineLoop
 from cluster.serving.metrics import SpecMetrics
+from cluster.serving.tool_calls import chat_prompt_ids
 from specserve_types.api import (
     CapacityError,
     GenerationRequest,
@@ -54,11 +55,12 @@ def encode_prompt(tokenizer: Any, args: GenerateArgs) -> tuple[int, ...]:
         return args.prompt_token_ids
     field_name = "messages" if args.chat else "prompt"
     try:
-        if args.chat:  # the same calls as `specserve generate --chat`
-            messages = [{"role": role, "content": content} for role, content in args.messages]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if args.chat:  # the same calls as `specserve generate --chat`, with the tools and tool calls of one
+            ids = chat_prompt_ids(tokenizer, args)
         else:
             ids = tokenizer(args.prompt_text)["input_ids"]
+    except InvalidRequestError:  # tool_calls.chat_prompt_ids names the field itself
+        raise
     except (TypeError, ValueError, TemplateError) as exc:  # the text was validated (api.check_text): the tokenizer
         # or the chat template refuses what the client sent (e.g. a template's role-order rule): the client's fault
         raise InvalidRequestError(field_name, f"cannot be tokenized: {type(exc).__name__}: {exc}") from None
