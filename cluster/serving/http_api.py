@@ -36,11 +36,11 @@ from cluster.serving.openai_api import (
     SSE_DONE,
     Collected,
     OpenAIRequest,
+    SSEWriter,
     completion_body,
     error_body,
     parse_request,
     sse_data,
-    sse_event,
     usage_event,
 )
 from cluster.serving.rejections import RejectionLog
@@ -150,17 +150,19 @@ class OpenAIFrontEnd:
         finally:
             chunks.cancel()
         collected.finish_span(span, self._defaults.model)
-        return JSONResponse(completion_body(request_id, self._defaults.model, collected, chat), headers=headers)
+        return JSONResponse(completion_body(request_id, self._defaults.model, collected, chat, parsed.tools),
+                            headers=headers)
 
     async def _sse(self, parsed: OpenAIRequest, chunks: ChunkStream, chat: bool,
                    span: RequestSpan) -> AsyncIterator[str]:
         request_id, model = parsed.args.request_id, self._defaults.model
         collected = Collected(n=parsed.args.n)
+        writer = SSEWriter(request_id, model, chat, parsed.include_usage, parsed.tools)
         try:
             async for item in chunks:
-                first = item.index not in collected.choices
                 collected.add(item)
-                yield sse_event(request_id, model, item, chat, first=first, include_usage=parsed.include_usage)
+                for event in writer.events(item):
+                    yield event
             collected.finish_span(span, model)
             if parsed.include_usage:
                 yield usage_event(request_id, model, collected, chat)

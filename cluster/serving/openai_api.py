@@ -1,11 +1,24 @@
 """OpenAI-compatible HTTP bodies: parse into GenerateArgs (field-named 400s), format results and SSE events.
 
 Supported: /v1/completions (prompt: string, [token ids], or a batch of one of these) and
-/v1/chat/completions (messages with roles system/user/assistant, content text or text parts), `stream`
+/v1/chat/completions (messages with roles system/user/assistant/tool, content text or text parts, an assistant's
+`tool_calls` and a tool result's `tool_call_id`), `stream`
 (server-sent events ending in `data: [DONE]`) with `stream_options.include_usage` (a last chunk with
 `choices: []` and `usage`; `stream_options` without `stream: true` is refused), n, stop, seed, max_tokens
 (`max_completion_tokens` for chat), temperature, top_p, presence/frequency_penalty. Extensions: top_k, min_p,
-repetition_penalty, ignore_eos, and speculation: contract, k ("auto" or 0..8), draft. Defaults are
+repetition_penalty, ignore_eos, and speculation: contract, k ("auto" or 0..8), draft.
+
+Constrained decoding (docs/api.md, "Structured output and tool calls"), at most one constraint a request:
+    response_format      {"type": "json_object"} -> Constraint("json", '{"type": "object"}'); {"type": "json_schema",
+                         "json_schema": {"name", "schema", "strict", "description"}} -> Constraint("json", schema)
+    structured_outputs   vLLM's: exactly one of json, regex, choice, grammar, json_object -> the same kind
+    guided_json, guided_regex, guided_choice, guided_grammar: vLLM's older names of the same
+    logit_bias           {"50256": -100, ...} -> SamplingParams.logit_bias, sorted (token id, bias) pairs
+    tools, tool_choice   chat: the tools go to the chat template; "required" or a named function constrain the output
+                         to Qwen2.5's <tool_call> blocks (cluster/serving/tool_calls.py), "auto" leaves it free; the
+                         output is read back into `message.tool_calls` (streamed as OpenAI streams them)
+Each Constraint names the field it came from, so the engine's refusal of one that does not compile is a 400
+naming that field. Defaults are
 specserve's (specserve_types.api.SamplingParams: greedy, max_tokens 64), not OpenAI's. Each response carries
 `specserve`: the contract used, proposed/accepted draft tokens and per-choice statistics.
 
@@ -14,11 +27,11 @@ bounds), then by specserve_types (GenerateArgs, SamplingParams: unpaired surroga
 are ignored. Parameters that would silently change what the client gets are refused with a 400 naming the
 parameter unless they carry their no-op value (openai_models.REFUSED):
     best_of (only 1), echo (only false), suffix (only ""), logprobs (only 0 / false), top_logprobs (only 0),
-    logit_bias (only {}), tools and functions (only []), tool_choice and function_call (only "none"),
-    response_format (only {"type": "text"}), audio, prediction and web_search_options (only null),
-    modalities (only ["text"]).
-Accepted without effect: parallel_tool_calls (no tools), stream_options.include_obfuscation, user and any other
-unknown field.
+    functions (only []), function_call (only "none"), audio, prediction, web_search_options and
+    guided_whitespace_pattern (only null), modalities (only ["text"]); on /v1/completions tools (only []) and
+    tool_choice (only "none"). An unknown key of structured_outputs is refused too.
+Accepted without effect: guided_decoding_backend, stream_options.include_obfuscation, user and any other unknown
+field.
 """
 
 from __future__ import annotations
@@ -32,23 +45,52 @@ from pydantic import BaseModel, ValidationError
 
 from cluster.engine.request_span import RequestSpan, summed_speculation
 from cluster.serving.openai_models import (
+    MESSAGE_MODELS,
     REFUSED,
+    REFUSED_COMPLETION,
+    ChatAssistantMessage,
     ChatCompletionRequest,
-    ChatMessage,
+    ChatToolCall,
+    ChatToolMessage,
     CompletionRequest,
+    FunctionCall,
+    FunctionDefinition,
+    JsonSchemaFormat,
+    NamedToolChoice,
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
     ResponseFormatText,
     StreamOptions,
+    StructuredOutputs,
     TextPart,
+    Tool,
+    ToolChoiceFunction,
 )
-from specserve_types.api import MAX_K, InvalidRequestError, SamplingParams, SpecParams
-from specserve_types.protocol import GenerateArgs, IndexedChunk, ServerDefaults, new_request_id
+from cluster.serving.tool_calls import ToolCallStream, parse_tool_calls, tool_call_constraint
+from specserve_types.api import MAX_K, Constraint, InvalidRequestError, SamplingParams, SpecParams
+from specserve_types.protocol import (
+    CHAT_ROLES,
+    JSON_OBJECT_SCHEMA,
+    GenerateArgs,
+    IndexedChunk,
+    ServerDefaults,
+    choice_constraint,
+    json_schema_constraint,
+    logit_bias_pairs,
+    new_request_id,
+)
 
 OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 MAX_QUOTED_CHARS = 60  # a refused value quoted back to the client (and into the log), shortened
 
 # Names a pydantic error location may hold: field names (anything else in a location is a union member's tag)
-FIELD_NAMES = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart,
-                                           StreamOptions, ResponseFormatText) for name in model.model_fields)
+REQUEST_PARTS = (CompletionRequest, ChatCompletionRequest, *MESSAGE_MODELS, TextPart, StreamOptions, ChatToolCall,
+                 FunctionCall, ResponseFormatText, ResponseFormatJsonObject, ResponseFormatJsonSchema, JsonSchemaFormat,
+                 StructuredOutputs, Tool, FunctionDefinition, NamedToolChoice, ToolChoiceFunction)
+FIELD_NAMES = frozenset(info.alias or name for model in REQUEST_PARTS for name, info in model.model_fields.items())
+# Fields holding a union told apart by a tag (pydantic puts the tag in the location: skipped)
+TAGGED = {"messages": frozenset(CHAT_ROLES), "response_format": frozenset({"text", "json_object", "json_schema"})}
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 # What a field of several accepted forms must be (a union's errors list every form's failure)
 FORMS = {
     "prompt": "must be a non-empty string, a non-empty list of token ids (>= 0), or a batch of one of these",
@@ -56,6 +98,9 @@ FORMS = {
     "k": f"must be an integer in [0, {MAX_K}] or \"auto\"",
     "content": "must be a non-empty string or a non-empty list of text parts ({\"type\": \"text\", \"text\": ...}); "
                "only text is supported",
+    "tool_choice": "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+    "json": "must be a JSON Schema: an object, or its JSON text",
+    "guided_json": "must be a JSON Schema: an object, or its JSON text",
 }
 TYPE_MESSAGES = {
     "missing": "is required", "string_type": "must be a string", "int_type": "must be an integer",
@@ -93,23 +138,47 @@ def describe(error: dict[str, Any]) -> str:
     return message if kind == "missing" else f"{message}, got {quoted(error['input'])}"
 
 
-def invalid(exc: ValidationError) -> InvalidRequestError:
+def invalid(exc: ValidationError, refused: dict[str, str] = REFUSED) -> InvalidRequestError:
     """The request's first error, naming its parameter as the client wrote it (`messages[0].content`)."""
     error = exc.errors(include_url=False)[0]
-    loc = error["loc"]
+    loc, kind = error["loc"], error["type"]
     if not loc:
         return InvalidRequestError("body", "must be a JSON object")
-    if loc[0] in REFUSED:
-        return InvalidRequestError(str(loc[0]), REFUSED[str(loc[0])])
-    path, last = "", ""
-    for part in loc:
+    if loc[0] in refused:
+        return InvalidRequestError(str(loc[0]), refused[str(loc[0])])
+    if loc[0] == "logit_bias" and len(loc) > 1:  # a key or a value: the client's key is quoted, not a path
+        if loc[-1] == "[key]":
+            return InvalidRequestError("logit_bias", f"keys must be token ids (strings of up to 10 digits, such as "
+                                                     f"\"50256\"), got {quoted(loc[1])}")
+        return InvalidRequestError("logit_bias", f"the bias of token {quoted(loc[1])} {describe(error)}")
+    path, last, tag_next = "", "", False
+    for at, part in enumerate(loc):
         if isinstance(part, int):
             path += f"[{part}]"
+        elif tag_next and part in TAGGED[last]:
+            tag_next = False
+        elif kind == "extra_forbidden" and at == len(loc) - 1:  # a key the object does not take
+            known = ", ".join(STRUCTURED_KEYS) if last == "structured_outputs" else "its documented keys"
+            return InvalidRequestError(path, f"unknown key {quoted(part)} (specserve takes {known})")
         elif part in FIELD_NAMES:
-            path, last = (f"{path}.{part}" if path else part), part
+            path, last, tag_next = (f"{path}.{part}" if path else part), part, part in TAGGED
         else:  # a union member's tag: every accepted form failed
             return InvalidRequestError(path, FORMS.get(last) or describe(error))
+    if kind in ("union_tag_invalid", "union_tag_not_found"):  # the tag itself: `role` or `type`
+        ctx = error.get("ctx") or {}
+        path += "." + str(ctx.get("discriminator", "type")).strip("'")
+        if kind == "union_tag_not_found":
+            return InvalidRequestError(path, "is required")
+        expected = " or ".join(str(ctx.get("expected_tags")).rsplit(", ", 1))
+        return InvalidRequestError(path, f"must be {expected}, got {quoted(ctx.get('tag'))}")
     return InvalidRequestError(path, describe(error))
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """A chat request with tools (tool_choice other than "none"): its output is read for tool calls."""
+
+    named: bool = False  # tool_choice named a function: finish_reason stays "stop", as OpenAI's
 
 
 @dataclass(frozen=True)
@@ -119,17 +188,115 @@ class OpenAIRequest:
     args: GenerateArgs
     stream: bool = False
     include_usage: bool = False
+    tools: ToolOutput | None = None
 
 
-def validated(model: type[BaseModel], body: Any) -> Any:
+def validated(model: type[BaseModel], body: Any, refused: dict[str, str] = REFUSED) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise invalid(exc) from None
+        raise invalid(exc, refused) from None
 
 
 def _set(**values: Any) -> dict[str, Any]:
     return {name: value for name, value in values.items() if value is not None}
+
+
+def format_constraints(request: CompletionRequest | ChatCompletionRequest) -> list[Constraint]:
+    """Every constraint the body asks for through response_format, structured_outputs and guided_*, in that order."""
+    found: list[Constraint] = []
+    response_format = request.response_format
+    if isinstance(response_format, ResponseFormatJsonObject):
+        found.append(Constraint("json", JSON_OBJECT_SCHEMA, "response_format"))
+    elif isinstance(response_format, ResponseFormatJsonSchema):
+        schema = response_format.json_schema.schema_
+        found.append(json_schema_constraint(schema if schema is not None else {}, "response_format"))
+    structured = request.structured_outputs
+    if structured is not None:
+        given = [key for key in STRUCTURED_KEYS if getattr(structured, "json_" if key == "json" else key) is not None]
+        if len(given) != 1:
+            raise InvalidRequestError("structured_outputs", f"must set exactly one of {', '.join(STRUCTURED_KEYS)}"
+                                                            f"{', got ' + ', '.join(given) if given else ''}")
+        found.append(_constraint(given[0], getattr(structured, "json_" if given[0] == "json" else given[0]),
+                                 f"structured_outputs.{given[0]}"))
+    for key in ("json", "regex", "choice", "grammar"):
+        value = getattr(request, f"guided_{key}")
+        if value is not None:
+            found.append(_constraint(key, value, f"guided_{key}"))
+    if len(found) > 1:
+        first, second = (c.field.split(".")[0] for c in found[:2])
+        raise InvalidRequestError(second, f"cannot be combined with {first}: one constraint a request")
+    return found
+
+
+def _constraint(key: str, value: Any, field_name: str) -> Constraint:
+    if key == "json":
+        return json_schema_constraint(value, field_name)
+    if key == "choice":
+        return choice_constraint(value, field_name)
+    if key == "json_object":
+        if not value:
+            raise InvalidRequestError(field_name, "must be true when set")
+        return Constraint("json", JSON_OBJECT_SCHEMA, field_name)
+    return Constraint(key, value, field_name)  # regex, grammar: the engine compiles them
+
+
+def _tool_choice(request: ChatCompletionRequest, found: list[Constraint]) -> tuple[Constraint | None, str,
+                                                                                   ToolOutput | None]:
+    """The constraint, the tools for the chat template (JSON) and how to read the output, of a chat request."""
+    choice, tools = request.tool_choice, request.tools or []
+    if not tools:
+        if choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice", "needs tools")
+        return (found[0] if found else None), "", None
+    seen: dict[str, int] = {}
+    for index, tool in enumerate(tools):
+        if tool.function.name in seen:
+            raise InvalidRequestError(f"tools[{index}].function.name", f"{tool.function.name!r} is also "
+                                                                       f"tools[{seen[tool.function.name]}]'s name")
+        seen[tool.function.name] = index
+    if choice == "none":  # the tools are not shown, the output not read for calls
+        return (found[0] if found else None), "", None
+    definitions = json.dumps([tool.model_dump(by_alias=True, exclude_none=True) for tool in tools], ensure_ascii=False)
+    functions = [(tool.function.name, tool.function.parameters) for tool in tools]
+    parallel = request.parallel_tool_calls is not False
+    if choice in (None, "auto"):
+        if not found:
+            return None, definitions, ToolOutput()
+        if found[0].kind != "json":
+            raise InvalidRequestError(found[0].field.split(".")[0], "with tools (tool_choice \"auto\") only a JSON "
+                                                                    "format can be asked for")
+        return tool_call_constraint(functions, parallel, answer_schema=found[0].value), definitions, ToolOutput()
+    if found and found[0].field != "response_format":  # response_format is the text answer's: this turn calls
+        raise InvalidRequestError(found[0].field.split(".")[0], "cannot be combined with tool_choice \"required\" or "
+                                                                "a named function: the output is tool calls")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in seen:
+            raise InvalidRequestError("tool_choice", f"names function {choice.function.name!r}, which is not in "
+                                                     f"tools")
+        chosen = [functions[seen[choice.function.name]]]
+        return tool_call_constraint(chosen, parallel), definitions, ToolOutput(named=True)
+    return tool_call_constraint(functions, parallel), definitions, ToolOutput()
+
+
+def chat_messages(request: ChatCompletionRequest) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """GenerateArgs.messages and message_extras of a chat: text parts joined, an assistant's tool_calls and a tool
+    result's tool_call_id as each message's extras (() when no message has any)."""
+    messages, extras = [], []
+    for index, message in enumerate(request.messages):
+        content = message.content if isinstance(message.content, str) or message.content is None else \
+            "".join(part.text for part in message.content)
+        extra: dict[str, Any] = {}
+        if isinstance(message, ChatAssistantMessage) and message.tool_calls:
+            extra["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        elif not content:
+            raise InvalidRequestError(f"messages[{index}].content", "must be non-empty (or the message carry "
+                                                                    "tool_calls)")
+        if isinstance(message, ChatToolMessage):
+            extra["tool_call_id"] = message.tool_call_id
+        messages.append((message.role, content or ""))
+        extras.append(json.dumps(extra, ensure_ascii=False) if extra else "")
+    return tuple(messages), (tuple(extras) if any(extras) else ())
 
 
 def _common(request: CompletionRequest | ChatCompletionRequest, defaults: ServerDefaults, max_tokens: int | None,
@@ -142,7 +309,8 @@ def _common(request: CompletionRequest | ChatCompletionRequest, defaults: Server
         temperature=request.temperature, top_k=request.top_k, top_p=request.top_p, min_p=request.min_p,
         repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty, seed=request.seed, max_tokens=max_tokens, stop=stop,
-        ignore_eos=request.ignore_eos))
+        ignore_eos=request.ignore_eos,
+        logit_bias=logit_bias_pairs(request.logit_bias) if request.logit_bias is not None else None))
     spec = SpecParams(contract=request.contract or defaults.contract(sampling.temperature),
                       k=None if request.k in (None, "auto") else request.k, draft=request.draft or defaults.draft)
     return {"request_id": request_id, "sampling": sampling, "spec": spec, "n": request.n or 1}
@@ -151,24 +319,28 @@ def _common(request: CompletionRequest | ChatCompletionRequest, defaults: Server
 def parse_request(body: Any, defaults: ServerDefaults, chat: bool, request_id: str | None = None) -> OpenAIRequest:
     """Validate an OpenAI body (already JSON-decoded); raises InvalidRequestError naming the parameter."""
     request_id = request_id or new_request_id()
+    tool_output: ToolOutput | None = None
     if chat:
         request = validated(ChatCompletionRequest, body)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        messages = tuple((m.role, m.content if isinstance(m.content, str) else "".join(p.text for p in m.content))
-                         for m in request.messages)
-        args = GenerateArgs(messages=messages, chat=True, **_common(request, defaults, max_tokens, request_id))
+        messages, extras = chat_messages(request)
+        constraint, tools, tool_output = _tool_choice(request, format_constraints(request))
+        args = GenerateArgs(messages=messages, message_extras=extras, tools=tools, chat=True, constraint=constraint,
+                            **_common(request, defaults, max_tokens, request_id))
     else:
-        request = validated(CompletionRequest, body)
+        request = validated(CompletionRequest, body, REFUSED_COMPLETION)
         prompt = request.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
+        found = format_constraints(request)
         common = _common(request, defaults, request.max_tokens, request_id)
+        constraint = found[0] if found else None
         if isinstance(prompt, str):
-            args = GenerateArgs(prompt_text=prompt, **common)
+            args = GenerateArgs(prompt_text=prompt, constraint=constraint, **common)
         else:
-            args = GenerateArgs(prompt_token_ids=tuple(prompt), **common)
+            args = GenerateArgs(prompt_token_ids=tuple(prompt), constraint=constraint, **common)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return OpenAIRequest(args, stream=bool(request.stream), include_usage=include_usage)
+    return OpenAIRequest(args, stream=bool(request.stream), include_usage=include_usage, tools=tool_output)
 
 
 def parse_completion(body: Any, defaults: ServerDefaults) -> GenerateArgs:
@@ -229,12 +401,27 @@ class Collected:
                 "accepted": sum(c.accepted for c in ordered), "stats": [c.stats for c in ordered]}
 
 
-def completion_body(request_id: str, model: str, collected: Collected, chat: bool) -> dict[str, Any]:
+def openai_finish(reason: str | None, calls: int = 0, tools: ToolOutput | None = None) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" where the output ended with calls made (a named tool_choice: "stop")."""
+    finish = OPENAI_FINISH.get(reason or "", reason)
+    return "tool_calls" if calls and finish == "stop" and tools is not None and not tools.named else finish
+
+
+def completion_body(request_id: str, model: str, collected: Collected, chat: bool,
+                    tools: ToolOutput | None = None) -> dict[str, Any]:
+    """The whole answer; with `tools` (a chat with tools) each choice's output is read for tool calls."""
     choices = []
     for index in sorted(collected.choices):
         choice = collected.choices[index]
         finish = OPENAI_FINISH.get(choice.finish_reason or "", choice.finish_reason)
-        if chat:
+        if chat and tools is not None:
+            parsed = parse_tool_calls(choice.text)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if parsed.calls:
+                message["tool_calls"] = [call.openai() for call in parsed.calls]
+            choices.append({"index": index, "message": message, "logprobs": None,
+                            "finish_reason": openai_finish(choice.finish_reason, len(parsed.calls), tools)})
+        elif chat:
             choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
                             "finish_reason": finish, "logprobs": None})
         else:
@@ -249,14 +436,30 @@ def sse_data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"  # ASCII-escaped JSON: one line
 
 
-def sse_event(request_id: str, model: str, item: IndexedChunk, chat: bool, first: bool,
-              include_usage: bool = False) -> str:
+def _spec(item: IndexedChunk) -> dict[str, Any]:
     chunk = item.chunk
-    finish = OPENAI_FINISH.get(chunk.finish_reason or "", chunk.finish_reason) if chunk.finished else None
     spec = {"proposed": chunk.proposed, "accepted": chunk.accepted, "token_ids": chunk.token_ids,
             "offset": chunk.offset, "contract": item.contract}
     if chunk.finished:
         spec["stats"] = chunk.stats
+    return spec
+
+
+def _event(request_id: str, model: str, chat: bool, choice: dict[str, Any], spec: dict[str, Any] | None,
+           include_usage: bool) -> str:
+    event: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                             "created": int(time.time()), "model": model, "choices": [choice]}
+    if spec is not None:
+        event["specserve"] = spec
+    if include_usage:
+        event["usage"] = None  # as OpenAI: null on every chunk but the last
+    return sse_data(event)
+
+
+def sse_event(request_id: str, model: str, item: IndexedChunk, chat: bool, first: bool,
+              include_usage: bool = False) -> str:
+    chunk = item.chunk
+    finish = OPENAI_FINISH.get(chunk.finish_reason or "", chunk.finish_reason) if chunk.finished else None
     if chat:
         delta: dict[str, Any] = {"content": chunk.text_delta}
         if first:
@@ -264,11 +467,53 @@ def sse_event(request_id: str, model: str, item: IndexedChunk, chat: bool, first
         choice: dict[str, Any] = {"index": item.index, "delta": delta, "finish_reason": finish, "logprobs": None}
     else:
         choice = {"index": item.index, "text": chunk.text_delta, "finish_reason": finish, "logprobs": None}
-    event = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-             "created": int(time.time()), "model": model, "choices": [choice], "specserve": spec}
-    if include_usage:
-        event["usage"] = None  # as OpenAI: null on every chunk but the last
-    return sse_data(event)
+    return _event(request_id, model, chat, choice, _spec(item), include_usage)
+
+
+class SSEWriter:
+    """A request's SSE events, chunk by chunk. Without tools one event a chunk (sse_event); a chat with tools reads
+    each choice's output as it streams (tool_calls.ToolCallStream): text outside calls as `delta.content`, a
+    possible `<tool_call>` held back, each call as OpenAI streams one (its id, type and name with empty arguments,
+    then its arguments), so a chunk makes one event or more (its `specserve` on the first, the finish_reason on the
+    last)."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False,
+                 tools: ToolOutput | None = None) -> None:
+        self.request_id, self.model, self.chat, self.include_usage = request_id, model, chat, include_usage
+        self.tools = tools if chat else None
+        self._started: set[int] = set()
+        self._streams: dict[int, ToolCallStream] = {}
+
+    def events(self, item: IndexedChunk) -> list[str]:
+        first = item.index not in self._started
+        self._started.add(item.index)
+        if self.tools is None:
+            return [sse_event(self.request_id, self.model, item, self.chat, first, self.include_usage)]
+        chunk = item.chunk
+        stream = self._streams.setdefault(item.index, ToolCallStream())
+        before = stream.calls
+        found = stream.feed(chunk.text_delta) + (stream.finish() if chunk.finished else [])
+        deltas: list[dict[str, Any]] = []
+        for kind, value in found:
+            if kind == "content":
+                if deltas and set(deltas[-1]) == {"content"}:
+                    deltas[-1]["content"] += value
+                else:
+                    deltas.append({"content": value})
+            else:  # the call's index among the choice's calls
+                deltas.append({"tool_calls": [{"index": before, "id": value.id, "type": "function",
+                                               "function": {"name": value.name, "arguments": ""}}]})
+                deltas.append({"tool_calls": [{"index": before, "function": {"arguments": value.arguments}}]})
+                before += 1
+        deltas = deltas or [{"content": ""}]
+        if first:
+            deltas[0] = {"role": "assistant", **deltas[0]}
+        finish = openai_finish(chunk.finish_reason, stream.calls, self.tools) if chunk.finished else None
+        return [_event(self.request_id, self.model, True,
+                       {"index": item.index, "delta": delta, "logprobs": None,
+                        "finish_reason": finish if at == len(deltas) - 1 else None},
+                       _spec(item) if at == 0 else None, self.include_usage)
+                for at, delta in enumerate(deltas)]
 
 
 def usage_event(request_id: str, model: str, collected: Collected, chat: bool) -> str:

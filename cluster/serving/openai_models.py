@@ -5,8 +5,14 @@ Requests: strict types (no coercion: "5" is not an integer, true is not 1), ever
 (max_tokens in [1, 8192], n in [1, 16], k in [0, 8] or "auto", top_p in (0, 1], ...), `null` meaning unset,
 and unknown fields allowed and ignored (`additionalProperties: true`), as OpenAI's own clients send fields a
 server may not know. Parameters specserve does not implement are declared with the one value that changes
-nothing (REFUSED: best_of 1, echo false, tool_choice "none", response_format {"type": "text"}, ...), so any other
-value is refused with a 400 naming the parameter instead of being silently ignored.
+nothing (REFUSED: best_of 1, echo false, functions [], ...), so any other value is refused with a 400 naming the
+parameter instead of being silently ignored.
+
+Constrained decoding (docs/api.md, "Structured output and tool calls"): OpenAI's `response_format` (json_object,
+json_schema), `logit_bias`, `tools` / `tool_choice` / `parallel_tool_calls` (chat only), vLLM's
+`structured_outputs` (json, regex, choice, grammar, json_object; an unknown key is refused) and its older
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`; cluster/serving/openai_api.py turns them into the
+request's Constraint and SamplingParams.logit_bias.
 
 Responses: what cluster/serving/openai_api.py writes, including the SSE chunks (`CompletionChunk`,
 `ChatCompletionChunk`) and the `specserve` extension (contract, draft tokens proposed/accepted, statistics).
@@ -21,8 +27,11 @@ from pydantic_core import PydanticCustomError
 
 from specserve_types.api import (
     CONTRACTS,
+    LOGIT_BIAS_RANGE,
+    MAX_CHOICES,
     MAX_ID_CHARS,
     MAX_K,
+    MAX_LOGIT_BIAS,
     MAX_TOKENS_LIMIT,
     MIN_TEMPERATURE,
     REPETITION_PENALTY_RANGE,
@@ -38,16 +47,20 @@ REFUSED: dict[str, str] = {
     "suffix": "is not supported by specserve (only an empty suffix)",
     "logprobs": "log probabilities are not supported by specserve",
     "top_logprobs": "log probabilities are not supported by specserve",
-    "logit_bias": "is not supported by specserve (only an empty object)",
-    "tools": "tool calling is not supported by specserve",
-    "tool_choice": "tool calling is not supported by specserve (only \"none\")",
-    "functions": "function calling is not supported by specserve",
-    "function_call": "function calling is not supported by specserve (only \"none\")",
-    "response_format": "structured output is not supported by specserve (only {\"type\": \"text\"})",
+    "functions": "the deprecated function calling is not supported by specserve: use tools",
+    "function_call": "the deprecated function calling is not supported by specserve (only \"none\"): use "
+                     "tool_choice",
+    "guided_whitespace_pattern": "is not supported by specserve (only null)",
     "audio": "audio output is not supported by specserve",
     "modalities": "audio output is not supported by specserve (only [\"text\"])",
     "prediction": "predicted outputs are not supported by specserve",
     "web_search_options": "web search is not supported by specserve",
+}
+# ... and on /v1/completions, the chat's tool calling
+REFUSED_COMPLETION: dict[str, str] = {
+    **REFUSED,
+    "tools": "tool calling is only supported by /v1/chat/completions",
+    "tool_choice": "tool calling is only supported by /v1/chat/completions (only \"none\" here)",
 }
 
 
@@ -92,8 +105,87 @@ class StreamOptions(Strict):
     include_obfuscation: bool | None = Field(None, description="accepted; specserve pads nothing")
 
 
+# -- constrained decoding ------------------------------------------------------------------------------
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="[a-zA-Z0-9_-], 1 to 64 characters")]
+SchemaObject = Annotated[dict[str, Any], Field(description="a JSON Schema")]
+ChoiceList = Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_CHOICES)]
+LOGIT_BIAS_KEY = r"^[0-9]{1,10}$"
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=LOGIT_BIAS_KEY)],
+         Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]],
+    Field(max_length=MAX_LOGIT_BIAS),
+    WithJsonSchema({"type": "object", "maxProperties": MAX_LOGIT_BIAS, "additionalProperties": False,
+                    "patternProperties": {LOGIT_BIAS_KEY: {"type": "number", "minimum": LOGIT_BIAS_RANGE[0],
+                                                           "maximum": LOGIT_BIAS_RANGE[1]}}}),
+]
+
+
 class ResponseFormatText(Strict):
     type: Literal["text"]
+
+
+class ResponseFormatJsonObject(Strict):
+    """Any JSON object (Constraint json '{"type": "object"}')."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(Strict):
+    name: FunctionName
+    description: str | None = Field(None, description="accepted; not shown to the model")
+    schema_: SchemaObject | None = Field(None, alias="schema", description="the output's JSON Schema; absent: any "
+                                                                           "JSON value")
+    strict: bool | None = Field(None, description="accepted: the schema is always enforced")
+
+
+class ResponseFormatJsonSchema(Strict):
+    """JSON matching `json_schema.schema` (Constraint json)."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
+                           Field(discriminator="type")]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of its keys; any other key is refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: SchemaObject | str | None = Field(None, alias="json", description="a JSON Schema (object or JSON text)")
+    regex: NonEmptyText | None = Field(None, description="the whole output matches it (Rust regex syntax)")
+    choice: ChoiceList | None = Field(None, description="the output is one of these strings")
+    grammar: NonEmptyText | None = Field(None, description="llguidance's Lark syntax (`start` rule; `%json {...}` "
+                                                           "embeds a JSON Schema)")
+    json_object: bool | None = Field(None, description="true: any JSON object")
+
+
+class FunctionDefinition(Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: SchemaObject | None = Field(None, description="the arguments' JSON Schema; absent: any object")
+    strict: bool | None = Field(None, description="accepted: with tool_choice required or named, the arguments "
+                                                  "always match `parameters`")
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+MAX_TOOLS = 128
 
 
 class GenerationParams(Strict):
@@ -125,14 +217,24 @@ class GenerationParams(Strict):
     k: Int(ge=0, le=MAX_K) | Literal["auto"] | None = Field(
         None, description="specserve: draft tokens per round (0 = plain decoding); default auto")
     draft: Literal["model", "ngram", "suffix", "none"] | None = Field(None, description="specserve: who drafts")
+    # constrained decoding
+    logit_bias: LogitBias | None = Field(
+        None, description="token id (a string of digits) -> bias in [-100, 100] added to its logit (OpenAI's)")
+    response_format: ResponseFormat | None = Field(
+        None, description="text (the default), json_object, or json_schema")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's: one of json, regex, choice, grammar, json_object; not with response_format")
+    guided_json: SchemaObject | str | None = Field(None, description="vLLM's older structured_outputs.json")
+    guided_regex: NonEmptyText | None = Field(None, description="vLLM's older structured_outputs.regex")
+    guided_choice: ChoiceList | None = Field(None, description="vLLM's older structured_outputs.choice")
+    guided_grammar: NonEmptyText | None = Field(None, description="vLLM's older structured_outputs.grammar")
+    guided_decoding_backend: str | None = Field(None, description="accepted; specserve's grammar engine is "
+                                                                  "llguidance")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call (default true)")
     # refused unless harmless
-    logit_bias: Annotated[dict[str, Any], Field(max_length=0)] | None = Field(None, description="refused")
-    tools: Empty | None = Field(None, description="refused")
-    tool_choice: only("none") | None = Field(None, description="refused")
-    parallel_tool_calls: bool | None = Field(None, description="accepted; no effect (no tools)")
+    guided_whitespace_pattern: None = Field(None, description="refused")
     functions: Empty | None = Field(None, description="refused")
     function_call: only("none") | None = Field(None, description="refused")
-    response_format: ResponseFormatText | None = Field(None, description="refused")
     audio: None = Field(None, description="refused")
     modalities: list[Literal["text"]] | None = Field(None, description="refused")
     prediction: None = Field(None, description="refused")
@@ -150,6 +252,8 @@ class CompletionRequest(GenerationParams):
              | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]) = Field(
         description="text, token ids, or a batch of one of these")
     logprobs: only(0) | None = Field(None, description="refused")
+    tools: Empty | None = Field(None, description="refused: chat only")
+    tool_choice: only("none") | None = Field(None, description="refused: chat only")
 
 
 class TextPart(Strict):
@@ -157,14 +261,57 @@ class TextPart(Strict):
     text: str
 
 
-class ChatMessage(Strict):
-    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
-    content: NonEmptyText | Annotated[list[TextPart], Field(min_length=1)] = Field(
-        description="text, or text parts (joined)")
+Content = NonEmptyText | Annotated[list[TextPart], Field(min_length=1)]
+
+
+class ChatSystemMessage(Strict):
+    role: Literal["system"]
+    content: Content = Field(description="text, or text parts (joined)")
+
+
+class ChatUserMessage(Strict):
+    role: Literal["user"]
+    content: Content = Field(description="text, or text parts (joined)")
+
+
+class FunctionCall(Strict):
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str = Field(description="JSON text")
+
+
+class ChatToolCall(Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatAssistantMessage(Strict):
+    role: Literal["assistant"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = Field(
+        None, description="text, or text parts (joined); may be empty or null only with tool_calls")
+    tool_calls: Annotated[list[ChatToolCall], Field(min_length=1)] | None = Field(
+        None, description="the calls this turn made")
+
+
+class ChatToolMessage(Strict):
+    role: Literal["tool"]
+    content: Content = Field(description="a tool call's result")
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+
+
+ChatMessage = Annotated[ChatSystemMessage | ChatUserMessage | ChatAssistantMessage | ChatToolMessage,
+                        Field(discriminator="role")]
+MESSAGE_MODELS: tuple[type[Strict], ...] = (ChatSystemMessage, ChatUserMessage, ChatAssistantMessage, ChatToolMessage)
+assert {model.model_fields["role"].annotation.__args__[0] for model in MESSAGE_MODELS} == set(CHAT_ROLES)
 
 
 class ChatCompletionRequest(GenerationParams):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="functions the model may call (Qwen2.5's <tool_call> format, read back into tool_calls)")
+    tool_choice: ToolChoice | None = Field(
+        None, description="none | auto (the default with tools) | required | a named function; required and named "
+                          "constrain the output to calls whose arguments match the function's parameters")
     max_completion_tokens: Int(ge=1, le=MAX_TOKENS_LIMIT) | None = Field(
         None, description="as max_tokens (and preferred over it)")
     logprobs: only(False) | None = Field(None, description="refused")
@@ -174,7 +321,7 @@ REQUEST_MODELS: tuple[type[Strict], ...] = (CompletionRequest, ChatCompletionReq
 
 
 # -- responses ------------------------------------------------------------------------------------------
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
 class Usage(BaseModel):
@@ -228,9 +375,21 @@ class CompletionResponse(BaseModel):
     specserve: SpecserveInfo
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the turn is tool calls only")
+    tool_calls: list[ToolCallOut] | None = Field(None, description="with tools: the calls the output made")
 
 
 class ChatChoice(BaseModel):
@@ -282,9 +441,24 @@ class CompletionChunk(BaseModel):
     specserve: SpecserveChunkInfo | None = None
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A call as OpenAI streams it: its id, type and name with empty arguments, then its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

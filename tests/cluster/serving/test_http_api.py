@@ -3,8 +3,10 @@ scheduler (ScriptedStreams: the SchedulerStreams interface, chunks made up from 
 
 What is checked: bounded bodies (413, 100,000-deep JSON -> 400 `body`), unpaired surrogates -> 400, refused
 parameters -> 400 naming them, 429 with Retry-After, 500 / 503 without internals and with the request id,
-include_usage, one WARNING line per refusal and no traceback, and /openapi.json describing the routes; then
-schemathesis runs over the same app (the live cluster's run is live_api/test_http_fuzz.py).
+include_usage, one WARNING line per refusal and no traceback, and /openapi.json describing the routes;
+constrained decoding's fields reaching the scheduler and tool calls read back (whole, streamed, n > 1); then
+schemathesis and the constraint fields' fuzzer run over the same app (the live cluster's run is
+live_api/test_http_fuzz.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from cluster.engine.request_span import RequestSpan
 from cluster.serving.http_api import OpenAIFrontEnd
 from cluster.serving.json_body import MAX_BODY_BYTES
 from cluster.serving.openai_api import parse_request
-from cluster.serving.openai_models import REFUSED
+from cluster.serving.openai_models import REFUSED, REFUSED_COMPLETION
 from cluster.serving.openapi_docs import (
     CHAT_ROUTE,
     COMPLETIONS_ROUTE,
@@ -37,9 +39,9 @@ from cluster.serving.openapi_docs import (
 )
 from cluster.serving.rejections import RejectionLog
 from cluster.serving.streams import ChunkStream
-from specserve_types.api import TokenChunk
+from specserve_types.api import Constraint, TokenChunk
 from specserve_types.protocol import GenerateArgs, IndexedChunk, ServerDefaults, StreamError
-from tests.cluster.serving.live_api.fuzzing import fuzz_schema
+from tests.cluster.serving.live_api.fuzzing import fuzz_constraints, fuzz_schema
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "hi"}]
@@ -63,7 +65,8 @@ class ScriptedStream:
 
 class ScriptedStreams:
     """SchedulerStreams' interface. Completion i of a request emits tokens 100 i, 100 i + 1, ... two per chunk,
-    "w<token> " each, up to max_tokens; `refusal` is returned instead, `open_error` raised by open,
+    "w<token> " each, up to max_tokens; or, with `script`, completion i emits script[i] in chunks of 7 characters,
+    a token each, ending with end of sequence. `refusal` is returned instead, `open_error` raised by open,
     `fail_after` (a chunk count) ends every stream with an internal StreamError carrying internals."""
 
     def __init__(self) -> None:
@@ -73,8 +76,24 @@ class ScriptedStreams:
         self.open_error: BaseException | None = None
         self.fail_after: int | None = None
         self.healthy = True
+        self.script: list[str] | None = None
+
+    def scripted(self, args: GenerateArgs) -> list[Any]:
+        assert self.script is not None
+        items: list[Any] = []
+        for index in range(args.n):
+            text = self.script[index % len(self.script)]
+            pieces = [text[at:at + 7] for at in range(0, len(text), 7)] or [""]
+            for at, piece in enumerate(pieces):
+                last = at == len(pieces) - 1
+                chunk = TokenChunk(args.request_id, [at], piece, finish_reason="eos" if last else None, offset=at,
+                                   stats={"prompt_tokens": 5, "output_tokens": len(pieces)} if last else None)
+                items.append(IndexedChunk(index, chunk, args.spec.contract))
+        return items
 
     def items(self, args: GenerateArgs) -> list[Any]:
+        if self.script is not None:
+            return self.scripted(args)
         prompt_tokens = len(args.prompt_token_ids or ()) or len(args.prompt_text or "") or sum(
             len(content) for _, content in args.messages)
         items: list[Any] = []
@@ -219,19 +238,21 @@ def test_unpaired_surrogates_are_400_naming_the_field(client: TestClient, stream
 
 # -- parameters --------------------------------------------------------------------------------------------
 REFUSED_VALUES: dict[str, Any] = {
-    "best_of": 2, "echo": True, "suffix": "}", "logprobs": 1, "top_logprobs": 2, "logit_bias": {"50256": -100},
+    "best_of": 2, "echo": True, "suffix": "}", "logprobs": 1, "top_logprobs": 2,
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-    "functions": [{"name": "f"}], "function_call": "auto", "response_format": {"type": "json_object"},
+    "functions": [{"name": "f"}], "function_call": "auto", "guided_whitespace_pattern": r"[ \n]*",
     "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
     "web_search_options": {},
 }
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
+@pytest.mark.parametrize("name", sorted(REFUSED_COMPLETION))
 def test_refused_parameters_are_400_naming_them(client: TestClient, streams: ScriptedStreams, name: str) -> None:
-    assert_error(client.post("/v1/completions", json={"prompt": "x", name: REFUSED_VALUES[name]}), 400, name)
-    chat_value = True if name == "logprobs" else REFUSED_VALUES[name]  # chat's logprobs is a boolean
-    assert_error(client.post("/v1/chat/completions", json={"messages": CHAT, name: chat_value}), 400, name)
+    error = assert_error(client.post("/v1/completions", json={"prompt": "x", name: REFUSED_VALUES[name]}), 400, name)
+    assert error["message"] == f"{name}: {REFUSED_COMPLETION[name]}"
+    if name in REFUSED:
+        chat_value = True if name == "logprobs" else REFUSED_VALUES[name]  # chat's logprobs is a boolean
+        assert_error(client.post("/v1/chat/completions", json={"messages": CHAT, name: chat_value}), 400, name)
     assert streams.opened == []
 
 
@@ -248,10 +269,68 @@ def test_refused_parameters_pass_with_the_value_that_changes_nothing(client: Tes
     assert len(streams.opened) == 2
 
 
-def test_response_format_json_schema_is_refused(client: TestClient) -> None:
-    body = {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}
-    error = assert_error(client.post("/v1/chat/completions", json=body), 400, "response_format")
-    assert "not supported" in error["message"]
+def test_constraint_fields_reach_the_scheduler(client: TestClient, streams: ScriptedStreams) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    bodies = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+               Constraint("json", json.dumps(schema), "response_format")),
+              ({"response_format": {"type": "json_object"}}, Constraint("json", '{"type": "object"}', "response_format")),
+              ({"structured_outputs": {"regex": "[ab]+"}}, Constraint("regex", "[ab]+", "structured_outputs.regex")),
+              ({"guided_choice": ["yes", "no"]}, Constraint("choice", '["yes", "no"]', "guided_choice")),
+              ({"guided_grammar": 'start: "x"'}, Constraint("grammar", 'start: "x"', "guided_grammar"))]
+    for body, constraint in bodies:
+        for path, base in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "x"})):
+            assert client.post(path, json={**base, "max_tokens": 2, **body}).status_code == 200
+            assert streams.opened[-1].constraint == constraint
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "logit_bias": {"7": -100, "3": 2}}
+                       ).status_code == 200
+    assert streams.opened[-1].sampling.logit_bias == ((3, 2.0), (7, -100.0))
+
+
+def test_the_engine_refusing_a_constraint_is_400_naming_its_field(client: TestClient, streams: ScriptedStreams) -> None:
+    """The engine compiles the constraint at submit; its InvalidRequestError comes back as the scheduler's refusal."""
+    streams.refusal = StreamError("invalid", "does not compile: unknown name: \"b\"", "guided_grammar")
+    for stream in (False, True):
+        error = assert_error(client.post("/v1/chat/completions", json={
+            "messages": CHAT, "guided_grammar": 'start: "a" b', "stream": stream}), 400, "guided_grammar")
+        assert "does not compile" in error["message"]
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_tool_calls_whole_streamed_and_n2(client: TestClient, streams: ScriptedStreams) -> None:
+    streams.script = [f"{CALL_TEXT}\n{CALL_TEXT.replace('Paris', 'Oslo')}", "No tool needed."]
+    body = {"messages": CHAT, "tools": [WEATHER_TOOL], "tool_choice": "auto", "n": 2}
+    whole = client.post("/v1/chat/completions", json=body).json()
+    assert streams.opened[-1].tools and streams.opened[-1].constraint is None
+    called, text = whole["choices"]
+    assert called["finish_reason"] == "tool_calls" and called["message"]["content"] is None
+    assert [json.loads(c["function"]["arguments"])["city"] for c in called["message"]["tool_calls"]] == ["Paris",
+                                                                                                          "Oslo"]
+    assert text["finish_reason"] == "stop" and text["message"] == {"role": "assistant", "content": "No tool needed."}
+    events = sse_payloads(client.post("/v1/chat/completions", json={**body, "stream": True}))
+    calls: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    content = {0: "", 1: ""}
+    for event in events:
+        (choice,) = event["choices"]
+        delta = choice["delta"]
+        content[choice["index"]] += delta.get("content") or ""
+        for call in delta.get("tool_calls") or []:
+            if "id" in call:
+                calls[choice["index"]].append({**call["function"]})
+            else:
+                calls[choice["index"]][call["index"]]["arguments"] += call["function"]["arguments"]
+    assert content == {0: "", 1: "No tool needed."}
+    assert [c["name"] for c in calls[0]] == ["get_weather"] * 2 and calls[1] == []
+    assert [json.loads(c["arguments"]) for c in calls[0]] == [{"city": "Paris"}, {"city": "Oslo"}]
+    finishes = {event["choices"][0]["index"]: event["choices"][0]["finish_reason"] for event in events
+                if event["choices"][0]["finish_reason"]}
+    assert finishes == {0: "tool_calls", 1: "stop"}
+    required = client.post("/v1/chat/completions", json={**body, "tool_choice": "required", "n": 1}).json()
+    assert streams.opened[-1].constraint is not None and streams.opened[-1].constraint.field == "tools"
+    assert required["choices"][0]["finish_reason"] == "tool_calls"
 
 
 @pytest.mark.parametrize(
@@ -272,7 +351,8 @@ def test_response_format_json_schema_is_refused(client: TestClient) -> None:
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
         ({"prompt": "x", "model": "gpt-4o"}, "model"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
@@ -456,6 +536,13 @@ def test_schemathesis_over_the_app(streams: ScriptedStreams) -> None:
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     counts = fuzz_schema(schema, max_examples=25)
     assert counts["POST /v1/completions"]["negative"] > 0 and counts["POST /v1/chat/completions"]["positive"] > 0
+
+
+def test_the_constraint_fields_fuzzed(client: TestClient, streams: ScriptedStreams) -> None:
+    """Every request carries constraint fields, right or wrong: a 200 matching its model or a 400 naming a field."""
+    streams.script = ['<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>', "plain", "<tool_c"]
+    seen = fuzz_constraints(lambda path, body: client.post(path, json=body), max_examples=150)
+    assert seen.get("200", 0) > 20 and seen.get("400", 0) > 20, seen
 
 
 def test_the_served_app_publishes_the_request_models() -> None:

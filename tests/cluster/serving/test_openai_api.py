@@ -4,16 +4,28 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 from cluster.serving.json_body import BodyError, depth, parse_json, read_body
-from cluster.serving.openai_api import Collected, completion_body, parse_request, sse_event, usage_event
+from cluster.serving.openai_api import (
+    Collected,
+    SSEWriter,
+    ToolOutput,
+    completion_body,
+    parse_request,
+    sse_event,
+    usage_event,
+)
 from cluster.serving.openai_models import (
     REFUSED,
+    REFUSED_COMPLETION,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -21,8 +33,9 @@ from cluster.serving.openai_models import (
     CompletionRequest,
     CompletionResponse,
 )
-from specserve_types.api import InvalidRequestError, TokenChunk
-from specserve_types.protocol import IndexedChunk, ServerDefaults
+from cluster.serving.tool_calls import tool_call_grammar
+from specserve_types.api import Constraint, InvalidRequestError, TokenChunk
+from specserve_types.protocol import JSON_OBJECT_SCHEMA, IndexedChunk, ServerDefaults
 
 DEFAULTS = ServerDefaults("tiny", "ngram")
 CHAT = [{"role": "user", "content": "hi"}]
@@ -157,14 +170,15 @@ def test_quoted_values_are_short_and_escaped() -> None:
     assert error.message.isascii() and len(error.message) < 120
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
+@pytest.mark.parametrize("name", sorted(REFUSED_COMPLETION))
 def test_refused_parameters_say_so(name: str) -> None:
-    value: Any = {"best_of": 3, "echo": True, "suffix": "x", "logprobs": 2, "top_logprobs": 1, "logit_bias": {"1": 1},
+    value: Any = {"best_of": 3, "echo": True, "suffix": "x", "logprobs": 2, "top_logprobs": 1,
                   "tools": [{}], "tool_choice": "required", "functions": [{}], "function_call": {"name": "f"},
-                  "response_format": {"type": "json_schema"}, "audio": {}, "modalities": ["audio"],
-                  "prediction": {}, "web_search_options": {}}[name]
+                  "audio": {}, "modalities": ["audio"], "prediction": {}, "web_search_options": {},
+                  "guided_whitespace_pattern": " *"}[name]
     error = error_of({"prompt": "x", name: value})
-    assert (error.field, error.message) == (name, REFUSED[name]) and "not supported" in error.message
+    assert (error.field, error.message) == (name, REFUSED_COMPLETION[name]) and "supported" in error.message
+    assert name not in REFUSED or "not supported" in error.message
 
 
 def test_the_models_cover_the_parameters_of_both_routes() -> None:
@@ -202,3 +216,348 @@ def test_answers_match_the_published_models() -> None:
         assert last.choices == [] and last.usage is not None and last.usage.total_tokens == 10
     plain = json.loads(sse_event("r", "m", item, chat=False, first=False).removeprefix("data: "))
     assert "usage" not in plain
+
+
+# -- constrained decoding: what each field becomes -------------------------------------------------------
+class Step(BaseModel):
+    explanation: str
+    output: str
+
+
+class Answer(BaseModel):
+    steps: list[Step]
+    final_answer: str
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "ping"}}]
+
+
+def constraint_of(body: dict[str, Any], chat: bool = True) -> Constraint | None:
+    return parse_request({"messages": CHAT, **body} if chat else {"prompt": "x", **body}, DEFAULTS, chat=chat
+                         ).args.constraint
+
+
+def test_response_format() -> None:
+    assert constraint_of({"response_format": {"type": "text"}}) is None
+    assert constraint_of({"response_format": {"type": "json_object"}}) == Constraint("json", JSON_OBJECT_SCHEMA,
+                                                                                     "response_format")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = {"type": "json_schema", "json_schema": {"name": "A-b_1", "schema": schema, "strict": True,
+                                                   "description": "an a"}}
+    constraint = constraint_of({"response_format": body})
+    assert constraint is not None and (constraint.kind, json.loads(constraint.value), constraint.field) == (
+        "json", schema, "response_format")
+    no_schema = constraint_of({"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}})
+    assert no_schema is not None and no_schema.value == "{}"  # any JSON value
+    assert constraint_of({"response_format": {"type": "json_object"}}, chat=False) is not None  # completions too
+
+
+def test_what_the_openai_sdk_sends_for_a_pydantic_model() -> None:
+    """`client.chat.completions.parse(..., response_format=Answer)` sends this body's response_format."""
+    from openai.lib._parsing._completions import type_to_response_format_param
+
+    response_format = type_to_response_format_param(Answer)
+    constraint = constraint_of({"response_format": response_format})
+    assert constraint is not None and constraint.kind == "json"
+    assert json.loads(constraint.value) == response_format["json_schema"]["schema"]  # type: ignore[index]
+    assert response_format["json_schema"]["strict"] is True  # type: ignore[index]
+
+
+def test_structured_outputs_and_the_guided_fields() -> None:
+    regex, grammar, schema = r"\d{3}", 'start: "yes" | "no"', {"type": "array"}
+    expected = {"json": ("json", json.dumps(schema)), "regex": ("regex", regex), "grammar": ("grammar", grammar),
+                "choice": ("choice", '["a", "b"]')}
+    values = {"json": schema, "regex": regex, "grammar": grammar, "choice": ["a", "b"]}
+    for key, value in values.items():
+        for field, body in ((f"structured_outputs.{key}", {"structured_outputs": {key: value}}),
+                            (f"guided_{key}", {f"guided_{key}": value})):
+            for chat in (True, False):
+                constraint = constraint_of(body, chat)
+                assert constraint is not None and (constraint.kind, constraint.value, constraint.field) == (
+                    *expected[key], field)
+    assert constraint_of({"structured_outputs": {"json_object": True}}) == Constraint(
+        "json", JSON_OBJECT_SCHEMA, "structured_outputs.json_object")
+    as_text = constraint_of({"guided_json": '{"type": "string"}'})
+    assert as_text is not None and as_text.value == '{"type": "string"}'
+    assert constraint_of({"guided_decoding_backend": "xgrammar"}) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "is required"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+         "response_format.json_schema.name", "is required"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+         "response_format.json_schema.name", "pattern"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a" * 65}}},
+         "response_format.json_schema.name", "pattern"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": "{}"}}},
+         "response_format.json_schema.schema", "must be"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "strict": "yes"}}},
+         "response_format.json_schema.strict", "must be a boolean"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "must be 'text', 'json_object' or"),
+        ({"response_format": {}}, "response_format.type", "is required"),
+        ({"response_format": "json"}, "response_format", "must be an object"),
+        ({"structured_outputs": {}}, "structured_outputs", "exactly one of"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got regex, choice"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs", "unknown key 'whitespace_pattern'"),
+        ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object", "must be true"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "not valid JSON"),
+        ({"structured_outputs": {"json": "[1]"}}, "structured_outputs.json", "a JSON Schema is an object"),
+        ({"structured_outputs": {"json": 5}}, "structured_outputs.json", "must be a JSON Schema"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least 1 item"),
+        ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice[1]", "non-empty"),
+        ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex", "non-empty"),
+        ({"structured_outputs": "regex"}, "structured_outputs", "must be an object"),
+        ({"guided_json": [1]}, "guided_json", "must be a JSON Schema"),
+        ({"guided_choice": "a"}, "guided_choice", "must be a list"),
+        ({"guided_regex": "a" * 70_000}, "guided_regex", "longer than 65536"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+         "cannot be combined with response_format"),
+        ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json", "cannot be combined"),
+        ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "guided_regex",
+         "cannot be combined with structured_outputs"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "cannot be combined with guided_regex"),
+        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
+    ],
+)
+def test_constraint_fields_name_themselves_when_wrong(body: dict[str, Any], field: str, words: str) -> None:
+    for chat in (True, False):
+        error = error_of({"messages": CHAT, **body} if chat else {"prompt": "x", **body}, chat=chat)
+        assert error.field == field and words in error.message, (chat, error)
+
+
+def test_logit_bias() -> None:
+    sampling = parse_request({"prompt": "x", "logit_bias": {"50256": -100, "3": 5.5, "0": 100}}, DEFAULTS,
+                             chat=False).args.sampling
+    assert sampling.logit_bias == ((0, 100.0), (3, 5.5), (50256, -100.0))
+    assert parse_request({"messages": CHAT, "logit_bias": {}}, DEFAULTS, chat=True).args.sampling.logit_bias == ()
+
+
+@pytest.mark.parametrize(
+    ("bias", "words"),
+    [
+        ({"abc": 1}, "keys must be token ids"),
+        ({"-1": 1}, "keys must be token ids"),
+        ({"1.5": 1}, "keys must be token ids"),
+        ({"12345678901": 1}, "keys must be token ids"),
+        ({"5": 101}, "the bias of token '5' must be <= 100"),
+        ({"5": -100.5}, "must be >= -100"),
+        ({"5": "1"}, "must be a number"),
+        ({"5": True}, "must be a number"),
+        ({"5": None}, "must be a number"),
+        ({"5": 1, "05": 2}, "token 5 given twice"),
+        ({str(i): 1 for i in range(1025)}, "at most 1024"),
+        ([[5, 1]], "must be an object"),
+    ],
+)
+def test_bad_logit_bias_is_refused(bias: Any, words: str) -> None:
+    for chat in (True, False):
+        error = error_of({"messages": CHAT, "logit_bias": bias} if chat else {"prompt": "x", "logit_bias": bias},
+                         chat=chat)
+        assert error.field == "logit_bias" and words in error.message, error
+
+
+# -- tools ---------------------------------------------------------------------------------------------------
+def tools_request(**body: Any) -> Any:
+    return parse_request({"messages": CHAT, "tools": TOOLS, **body}, DEFAULTS, chat=True)
+
+
+def test_tool_choice_auto_none_required_and_named() -> None:
+    auto = tools_request()
+    assert auto.args.constraint is None and auto.tools == ToolOutput(named=False)
+    assert json.loads(auto.args.tools) == TOOLS  # as sent, nulls left out
+    explicit = tools_request(tool_choice="auto")
+    assert explicit == dataclasses.replace(auto, args=dataclasses.replace(auto.args,
+                                                                          request_id=explicit.args.request_id))
+    none = tools_request(tool_choice="none")
+    assert none.args.constraint is None and none.args.tools == "" and none.tools is None
+    required = tools_request(tool_choice="required")
+    assert required.tools == ToolOutput(named=False) and required.args.constraint is not None
+    assert (required.args.constraint.kind, required.args.constraint.field) == ("grammar", "tools")
+    assert required.args.constraint.value == tool_call_grammar([("get_weather", WEATHER), ("ping", None)], True)
+    single = tools_request(tool_choice="required", parallel_tool_calls=False)
+    assert single.args.constraint is not None and single.args.constraint.value == tool_call_grammar(
+        [("get_weather", WEATHER), ("ping", None)], False)
+    named = tools_request(tool_choice={"type": "function", "function": {"name": "ping"}})
+    assert named.tools == ToolOutput(named=True) and named.args.constraint is not None
+    assert named.args.constraint.value == tool_call_grammar([("ping", None)], True)
+    assert json.loads(named.args.tools) == TOOLS  # every tool is shown, one may be called
+
+
+def test_tools_beside_a_format() -> None:
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "ok", "schema": answer}}
+    auto = tools_request(response_format=fmt)  # a call, or the answer in the format
+    assert auto.args.constraint is not None and auto.args.constraint.value == tool_call_grammar(
+        [("get_weather", WEATHER), ("ping", None)], True, answer_schema=json.dumps(answer))
+    required = tools_request(response_format=fmt, tool_choice="required")  # this turn calls: the format waits
+    assert required.args.constraint == tools_request(tool_choice="required").args.constraint
+    none = tools_request(response_format=fmt, tool_choice="none")
+    assert none.args.constraint is not None and none.args.constraint.field == "response_format"
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not in tools"),
+        ({"tool_choice": "sometimes"}, "tool_choice", 'must be "none", "auto", "required" or'),
+        ({"tool_choice": {"type": "function"}}, "tool_choice", "must be"),
+        ({"tools": [], "tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": None, "tool_choice": {"type": "function", "function": {"name": "ping"}}}, "tool_choice",
+         "needs tools"),
+        ({"tools": [*TOOLS, TOOLS[1]]}, "tools[2].function.name", "tools[1]'s name"),
+        ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name", "pattern"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+         "tools[0].function.parameters", "must be an object"),
+        ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0].type", "must be 'function'"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function", "is required"),
+        ({"tools": [TOOLS[1]] * 129}, "tools", "at most 128"),
+        ({"guided_regex": "a+"}, "guided_regex", 'only a JSON format'),
+        ({"tool_choice": "required", "structured_outputs": {"json": {}}}, "structured_outputs",
+         "the output is tool calls"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "must be a boolean"),
+    ],
+)
+def test_tool_errors_name_the_field(body: dict[str, Any], field: str, words: str) -> None:
+    error = error_of({"messages": CHAT, "tools": TOOLS, **body}, chat=True)
+    assert error.field == field and words in error.message, error
+
+
+def test_completions_take_no_tools() -> None:
+    error = error_of({"prompt": "x", "tools": TOOLS})
+    assert (error.field, error.message) == ("tools", REFUSED_COMPLETION["tools"])
+    assert error_of({"prompt": "x", "tool_choice": "required"}).field == "tool_choice"
+    assert parse_request({"prompt": "x", "tools": [], "tool_choice": "none"}, DEFAULTS, chat=False).tools is None
+
+
+def test_a_tool_calling_history() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}}
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+                {"role": "assistant", "content": [{"type": "text", "text": "It is sunny."}]}]
+    args = parse_request({"messages": messages, "tools": TOOLS}, DEFAULTS, chat=True).args
+    assert args.messages == (("user", "weather?"), ("assistant", ""), ("tool", "sunny"), ("assistant", "It is sunny."))
+    assert [json.loads(extra) if extra else None for extra in args.message_extras] == [
+        None, {"tool_calls": [call]}, {"tool_call_id": "call_1"}, None]
+    assert parse_request({"messages": CHAT}, DEFAULTS, chat=True).args.message_extras == ()
+
+
+@pytest.mark.parametrize(
+    ("message", "field", "words"),
+    [
+        ({"role": "tool", "content": "x"}, "messages[1].tool_call_id", "is required"),
+        ({"role": "tool", "content": "", "tool_call_id": "c"}, "messages[1].content", "must be a non-empty string"),
+        ({"role": "assistant", "content": None}, "messages[1].content", "must be non-empty"),
+        ({"role": "assistant"}, "messages[1].content", "must be non-empty"),
+        ({"role": "assistant", "content": "", "tool_calls": []}, "messages[1].tool_calls", "at least 1 item"),
+        ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]},
+         "messages[1].tool_calls[0].function.arguments", "is required"),
+        ({"role": "developer", "content": "x"}, "messages[1].role", "must be 'system', 'user', 'assistant' or "
+                                                                   "'tool', got 'developer'"),
+        ({"content": "x"}, "messages[1].role", "is required"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, "messages[1].content",
+         "only text is supported"),
+    ],
+)
+def test_message_errors_name_the_message(message: dict[str, Any], field: str, words: str) -> None:
+    error = error_of({"messages": [CHAT[0], message]}, chat=True)
+    assert error.field == field and words in error.message, error
+
+
+# -- tools: the answers -----------------------------------------------------------------------------------
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def chunks_of(text: str, cuts: list[int], reason: str = "eos", index: int = 0) -> list[IndexedChunk]:
+    bounds = [0, *cuts, len(text)]
+    return [IndexedChunk(index, TokenChunk("r", [at], text[a:b], finish_reason=reason if at == len(cuts) else None,
+                                           stats={"prompt_tokens": 3} if at == len(cuts) else None), "greedy")
+            for at, (a, b) in enumerate(itertools.pairwise(bounds))]
+
+
+def test_a_tool_call_answer() -> None:
+    done = Collected(n=2)
+    for item in chunks_of(f"\n{CALL}", [3]) + chunks_of("I do not know.", [2], index=1):
+        done.add(item)
+    body = ChatCompletionResponse.model_validate(completion_body("r", "m", done, chat=True, tools=ToolOutput()))
+    called, text = body.choices
+    assert called.finish_reason == "tool_calls" and called.message.content is None
+    assert called.message.tool_calls is not None and len(called.message.tool_calls) == 1
+    call = called.message.tool_calls[0]
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == ("function", "get_weather",
+                                                                                    {"city": "Paris"})
+    assert call.id.startswith("call_")
+    assert text.finish_reason == "stop" and text.message.content == "I do not know." and text.message.tool_calls is None
+    named = completion_body("r", "m", done, chat=True, tools=ToolOutput(named=True))
+    assert named["choices"][0]["finish_reason"] == "stop"  # as OpenAI answers a named tool_choice
+    cut = Collected(n=1)
+    for item in chunks_of(CALL, [5], reason="length"):
+        cut.add(item)
+    assert completion_body("r", "m", cut, chat=True, tools=ToolOutput())["choices"][0]["finish_reason"] == "length"
+    plain = completion_body("r", "m", done, chat=True)  # no tools: the text as it is
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": f"\n{CALL}"}
+
+
+AUTO = ToolOutput()
+
+
+def streamed_answer(items: list[IndexedChunk], tools: ToolOutput | None = AUTO) -> dict[int, dict[str, Any]]:
+    """What a client makes of the SSE events (as the openai SDK's stream accumulates them), per choice."""
+    writer = SSEWriter("r", "m", chat=True, include_usage=True, tools=tools)
+    answers: dict[int, dict[str, Any]] = {}
+    for item in items:
+        events = writer.events(item)
+        assert events
+        for at, event in enumerate(events):
+            chunk = ChatCompletionChunk.model_validate(json.loads(event.removeprefix("data: ")))
+            assert (chunk.specserve is not None) == (at == 0) and chunk.usage is None
+            (choice,) = chunk.choices
+            answer = answers.setdefault(choice.index, {"content": "", "calls": [], "finish": [], "roles": 0})
+            answer["roles"] += choice.delta.role == "assistant"
+            answer["content"] += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                if delta.id is not None:
+                    assert delta.index == len(answer["calls"]) and delta.type == "function"
+                    assert delta.function is not None and delta.function.arguments == ""
+                    answer["calls"].append({"id": delta.id, "name": delta.function.name, "arguments": ""})
+                else:
+                    assert delta.function is not None and delta.function.name is None
+                    answer["calls"][delta.index]["arguments"] += delta.function.arguments or ""
+            answer["finish"].append(choice.finish_reason)
+    return answers
+
+
+@pytest.mark.parametrize("text", [CALL, f"Checking.\n{CALL}\n{CALL.replace('Paris', 'Oslo')} done", "no calls",
+                                  "<tool_call> broken </tool_call>", f"  \n{CALL}"])
+def test_a_streamed_tool_call_answer_equals_the_whole(text: str) -> None:
+    whole = Collected(n=1)
+    for item in chunks_of(text, []):
+        whole.add(item)
+    (expected,) = completion_body("r", "m", whole, chat=True, tools=ToolOutput())["choices"]
+    for cut in range(len(text) + 1):  # the text in two chunks, cut anywhere; and one character a chunk
+        for cuts in ([cut], list(range(1, len(text)))) if cut == 0 else ([cut],):
+            (answer,) = streamed_answer(chunks_of(text, cuts)).values()
+            assert answer["roles"] == 1 and answer["finish"][-1] == expected["finish_reason"]
+            assert answer["finish"][:-1] == [None] * (len(answer["finish"]) - 1)
+            assert answer["content"] == (expected["message"]["content"] or "")  # null: no content deltas
+            assert [(c["name"], c["arguments"]) for c in answer["calls"]] == [
+                (c["function"]["name"], c["function"]["arguments"]) for c in expected["message"].get("tool_calls", [])]
+            assert all(c["id"].startswith("call_") for c in answer["calls"])
+
+
+def test_streamed_choices_read_their_own_calls() -> None:
+    first, second = chunks_of(CALL, [4, 30]), chunks_of(f"text then {CALL}", [12], index=1)
+    interleaved = [item for pair in itertools.zip_longest(first, second) for item in pair if item is not None]
+    answers = streamed_answer(interleaved)
+    assert answers[0]["content"] == "" and [c["name"] for c in answers[0]["calls"]] == ["get_weather"]
+    assert answers[1]["content"] == "text then " and len(answers[1]["calls"]) == 1
+    assert answers[0]["finish"][-1] == answers[1]["finish"][-1] == "tool_calls"
+    named = streamed_answer(chunks_of(CALL, [9]), tools=ToolOutput(named=True))
+    assert named[0]["finish"][-1] == "stop"
+    plain = streamed_answer(chunks_of(CALL, [9]), tools=None)  # no tools: the text as it is
+    assert plain[0]["content"] == CALL and plain[0]["calls"] == []
