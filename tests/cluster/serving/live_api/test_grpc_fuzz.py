@@ -23,6 +23,26 @@ TEXT = st.text(max_size=24) | st.sampled_from(["", "x", "def f(x):", "\x00", "é
 
 
 NAMED = st.text(min_size=1, max_size=24)
+# constrained decoding (issue 69): constraints the server compiles, or Constraint() (no kind: free text) ...
+GOOD_CONSTRAINTS = st.sampled_from([
+    pb.Constraint(), pb.Constraint(regex="[a-z ]+"), pb.Constraint(choice=pb.Choices(choices=["yes", "no"])),
+    pb.Constraint(json_object=True), pb.Constraint(json_schema='{"type": "integer"}'),
+    pb.Constraint(grammar='start: "a"+ " " "b"\n'),
+])
+BROKEN = st.sampled_from(["", "{", "(", "[a-", "start: (", '{"type": "nonsense"}', "{}", "a" * 70_000])
+
+
+@st.composite
+def wild_constraints(draw: st.DrawFn) -> pb.Constraint:
+    """... or any value of any kind: mostly refused (INVALID_ARGUMENT naming constraint.KIND), never a fault."""
+    kind = draw(st.sampled_from(["json_schema", "json_object", "regex", "choice", "grammar"]))
+    if kind == "json_object":
+        return pb.Constraint(json_object=draw(st.booleans()))
+    if kind == "choice":
+        return pb.Constraint(choice=pb.Choices(choices=draw(st.lists(TEXT | BROKEN, max_size=3))))
+    return pb.Constraint(**{kind: draw(TEXT | BROKEN)})
+
+
 # field -> (values the server should take, anything of the field's type)
 FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
     "model": (st.sampled_from(["", "smollm2-135m"]), TEXT),
@@ -43,9 +63,13 @@ FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
     "n": (st.integers(1, 3), INT32),
     # valid lengths stay short (a long one would only slow the run); the wild ones are mostly refused
     "max_tokens": (st.integers(1, 6), st.integers(-2, 0) | st.sampled_from([300, 8193, 2**31 - 1, -(2**31)])),
+    "constraint": (GOOD_CONSTRAINTS, wild_constraints()),
+    # SmolLM2's vocabulary is 49152 ids
+    "logit_bias": (st.dictionaries(st.integers(0, 49_151), st.floats(-100.0, 100.0), max_size=3),
+                   st.dictionaries(INT32, FLOATS, max_size=3)),
 }
 OPTIONAL = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_k",
-            "seed", "k", "n", "max_tokens"}
+            "seed", "k", "n", "max_tokens", "constraint", "logit_bias"}
 
 
 @st.composite
@@ -73,6 +97,10 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
         value = draw(anything if name in wild else good)
         if name == "stop":
             request.stop.extend(value)
+        elif name == "constraint":
+            request.constraint.CopyFrom(value)
+        elif name == "logit_bias":
+            request.logit_bias.update(value)
         else:
             setattr(request, name, value)
     return request

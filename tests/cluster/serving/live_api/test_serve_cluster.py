@@ -218,6 +218,30 @@ def test_n_completions_and_stop(client: SpecServeClient, reference: dict) -> Non
     assert sample["finish_reason"] == "stop" and sample["text"] == want["text"][:want["text"].index(stop)]
 
 
+def test_grpc_constrained_decoding(client: SpecServeClient) -> None:
+    """The constraint and logit_bias fields through the live cluster (issue 69): each completion matches its
+    constraint and ends with stop where it completes; a grammar that does not compile is INVALID_ARGUMENT naming
+    constraint.grammar, and nothing leaks."""
+    samples = collect(client.generate("Is the sky blue? Answer:", choice=[" yes", " no"], max_tokens=8,
+                                      temperature=1.0, seed=3, n=2))
+    assert sorted(samples) == [0, 1]
+    for sample in samples.values():
+        assert sample["text"] in (" yes", " no") and sample["finish_reason"] == "stop", sample
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    (sample,) = collect(client.generate("A JSON object with a number:", json_schema=schema, max_tokens=24,
+                                        draft="ngram", k=4)).values()
+    assert sample["finish_reason"] == "stop" and isinstance(json.loads(sample["text"])["n"], int), sample
+    assert 0 < sample["forced"] <= sample["proposed"]  # '{"n": ' and the like are forced, drafted for free
+    (sample,) = collect(client.generate("Count: 1, 2,", regex=r" [0-9]+(, [0-9]+)*", max_tokens=6,
+                                        logit_bias={33: -100.0})).values()  # 33: "1" in SmolLM2's vocabulary
+    assert sample["finish_reason"] in ("length", "stop") and 33 not in sample["token_ids"], sample
+    with pytest.raises(InvalidRequestError) as info:
+        collect(client.generate("x", grammar="start: (", max_tokens=2))
+    assert info.value.field == "constraint.grammar" and "does not compile" in info.value.message
+    assert_no_leaks()
+
+
 def test_deadline_aborts_the_request(client: SpecServeClient) -> None:
     aborted_before = scheduler_call("stats")["scheduler"]["aborted"]
     received: list[int] = []
