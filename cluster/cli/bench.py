@@ -7,6 +7,8 @@
     bench serve     the Ray Serve cluster through gRPC at several concurrencies, speculation on and off:
                     TTFT, TPOT, per-token ITL, tokens/s, goodput, overhead vs in process
                     (cluster/bench/serve.py; starts Ray: run it under scripts/in-netns.sh)
+    bench structured  constrained decoding (JSON schemas) with and without speculation, beside native
+                    llama-server's json_schema (cluster/bench/structured.py)
     bench kv        the KV-block manager: ledger rounds in process, and the actor's round trip through
                     RemoteKV (cluster/bench/kv.py; starts Ray: run it under scripts/in-netns.sh)
 
@@ -37,7 +39,7 @@ def _at_least_one(value: str) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="benchmarks: runtime | spec | serve | kv (figures and JSON)")
+    p = subparsers.add_parser("bench", help="benchmarks: runtime | spec | serve | structured | kv (figures and JSON)")
     benches = p.add_subparsers(dest="bench", required=True)
 
     rt = benches.add_parser("runtime", help="decode step time, k-token scoring ratio, ours vs transformers")
@@ -143,6 +145,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     _common(sv)
     sv.set_defaults(_bench_run=_run_serve)
 
+    st = benches.add_parser("structured", help="constrained decoding (JSON schemas): speculation vs plain, and "
+                                               "native llama-server's json_schema (cluster/bench/structured.py)")
+    st.add_argument("--model", default="qwen2.5-coder-1.5b", help="target (default qwen2.5-coder-1.5b)")
+    st.add_argument("--draft", default="qwen2.5-coder-0.5b",
+                    help="draft model, or 'none' for n-gram and suffix only (default qwen2.5-coder-0.5b)")
+    st.add_argument("--drafts", nargs="+", choices=["model", "ngram", "suffix"], default=None,
+                    help="speculative configs beside plain (default: model, or ngram without a draft model)")
+    st.add_argument("--cases", nargs="+", default=None, help="schema cases (default: all five)")
+    st.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7], help="default 0 0.7")
+    st.add_argument("--max-tokens", type=int, default=160, help="output tokens per case at most (default 160)")
+    st.add_argument("--repeats", type=_at_least_one, default=1, help="runs of each case (default 1)")
+    st.add_argument("--dtype", choices=TARGET_DTYPES, default="auto")
+    st.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto")
+    st.add_argument("--llamacpp", action="store_true",
+                    help="native llama-server beside ours, plain and with the draft model (scripts/build-llamacpp.sh)")
+    st.add_argument("--llamacpp-bin", default=None, help="llama.cpp's bin folder (default: the build script's)")
+    st.add_argument("--llamacpp-draft-tokens", type=int, default=8, help="llama-server's --spec-draft-n-max (8)")
+    _common(st)
+    st.set_defaults(_bench_run=_run_structured)
+
     kv = benches.add_parser("kv", help="the KV-block manager's benchmark (cluster/bench/kv.py); its actor part "
                                        "starts Ray: run it under scripts/in-netns.sh")
     kv.add_argument("--no-actor", action="store_true", help="ledger only, no Ray actor")
@@ -231,6 +253,35 @@ def _run_spec(args: argparse.Namespace) -> int:
         plot_spec(result, args.plot)
     print(format_spec(result))
     return 0
+
+
+# ---------------------------------------------------------------------- structured
+def _run_structured(args: argparse.Namespace) -> int:
+    from cluster.bench.structured import StructuredSettings, run_structured_bench
+
+    drafts = args.drafts or (["ngram"] if args.draft == "none" else ["model"])
+    settings = StructuredSettings(
+        model=args.model, draft=args.draft, drafts=tuple(drafts), temperatures=tuple(args.temperatures),
+        cases=tuple(args.cases or ()), max_tokens=args.max_tokens, repeats=args.repeats, threads=args.threads,
+        dtype=args.dtype, draft_dtype=args.draft_dtype, llamacpp=args.llamacpp, llamacpp_bin=args.llamacpp_bin,
+        llamacpp_draft_tokens=args.llamacpp_draft_tokens)
+    result = run_structured_bench(settings)
+    write_json(result, args.json_out)
+    print(format_structured(result))
+    return 0
+
+
+def format_structured(result: dict[str, Any]) -> str:
+    headers = ["T", "config", "tok/s", "vs plain", "valid", "same", "accept", "forced share", "cut",
+               "constraint/step"]
+    rows = [[r["temperature"], r["config"], r["tokens_per_s"], r["vs_plain"], f"{r['valid']}/{r['runs']}",
+             r.get("same_as_plain", ""), r.get("acceptance_rate", ""), r.get("forced_share_of_tokens", ""),
+             r.get("cut", ""), r.get("constraint_cost_vs_plain_step", "")] for r in result["rows"]]
+    env = result["environment"]
+    return (f"bench structured: {result['settings']['model']} + {result['settings']['draft']} "
+            f"({', '.join(f'{k} {v}' for k, v in result['dtypes'].items())}), cpu {env['cpu']}, kernel "
+            f"{env['cpu_kernel']}, load {env['loadavg_at_start'][0]:.1f} -> {env['loadavg_at_end'][0]:.1f}\n"
+            + table(headers, rows))
 
 
 # ---------------------------------------------------------------------- serve

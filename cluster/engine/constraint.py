@@ -29,8 +29,10 @@ vocabulary beyond the tokenizer's are never allowed.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -140,13 +142,28 @@ class RowMasks:
     allowed: np.ndarray
 
 
+def timed(method: Any) -> Any:
+    """The method's seconds added to the constraint's own `seconds` (its cost, which bench structured reports)."""
+
+    @functools.wraps(method)
+    def wrapper(self: RequestConstraint, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    return wrapper
+
+
 class RequestConstraint:
     """One request's matcher, at its committed output (owner: the engine thread). Each method leaves it there but
-    `advance`, which moves it by kept tokens."""
+    `advance`, which moves it by kept tokens. `seconds`: the time its public methods took (the constraint's cost)."""
 
     def __init__(self, matcher: Any, words: int) -> None:
         self.matcher = matcher
         self.words = words
+        self.seconds = 0.0
 
     def fork(self) -> RequestConstraint:
         return RequestConstraint(self.matcher.deep_copy(), self.words)
@@ -163,6 +180,7 @@ class RequestConstraint:
             mask = np.concatenate([mask, np.zeros(self.words - mask.size, dtype=np.int32)])
         return mask[:self.words]
 
+    @timed
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` tokens the constraint forces from here (its fast-forward tokens; a token the model may
         still spell differently, so they are drafts, verified as any)."""
@@ -170,11 +188,13 @@ class RequestConstraint:
             return []
         return [int(t) for t in self.matcher.compute_ff_tokens()[:limit]]
 
+    @timed
     def advance(self, tokens: Sequence[int]) -> None:
         """The kept tokens of a round (every one allowed: the verifier sampled under this constraint's masks)."""
         if tokens and not self.matcher.consume_tokens([int(t) for t in tokens]):
             raise AssertionError(f"a kept token the constraint forbids: {self.matcher.get_error()}")
 
+    @timed
     def chain_masks(self, drafts: Sequence[int], with_q: bool) -> RowMasks:
         """Rows 0..n for the first n drafts kept: n = the drafts the constraint allows, plus the first forbidden one
         where the drafts carry q (its rejection draws from the residual); rows after a forbidden draft allow all."""
@@ -191,6 +211,7 @@ class RequestConstraint:
             self.matcher.rollback(consumed)
         return RowMasks(tuple(range(n)), allowed)
 
+    @timed
     def tree_masks(self, tokens: Sequence[int], parents: Sequence[int]) -> RowMasks:
         """A tree's root row and each surviving node's row (the state after its path); nodes the constraint forbids
         are dropped with their subtrees (parents come before children)."""

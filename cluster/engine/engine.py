@@ -187,6 +187,7 @@ class SpecEngine:
         if any(p.state.constraint is not None for p in plans):
             with self.trace.phase("constrain"):
                 plans = [constrained(p) for p in plans]  # each row's allowed tokens; forbidden drafts cut
+            self.totals["constraint_cut"] += sum(p.cut for p in plans)
         try:
             verified = self._verify(plans)
         except VerifierLost as lost:  # every request is requeued and re-prefills from its tokens

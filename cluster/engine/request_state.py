@@ -221,8 +221,8 @@ class RequestState:
             "speculative_decoding": every.speculative_decoding(),
             "policy_events": [{"at": round(e.at, 6), "k": e.k, "reason": e.reason} for e in self.policy_events],
             **lookup,
-            **({"forced": {"proposed": self.forced, "accepted": self.forced_accepted}}
-               if self.constraint is not None else {}),
+            **({"forced": {"proposed": self.forced, "accepted": self.forced_accepted},
+                "constraint_seconds": round(self.constraint.seconds, 6)} if self.constraint is not None else {}),
         }
 
 

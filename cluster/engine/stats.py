@@ -67,6 +67,7 @@ def engine_stats(identity: Mapping[str, Any], totals: Mapping[str, float], accep
                              "stopped": int(totals.get(f"draft_{kind}_stopped", 0))} for kind in ("chains", "trees")},
         # drafts requests' constraints forced (planner.py), apart from `acceptance`
         "forced": {"proposed": int(totals.get("forced_proposed", 0)), "accepted": int(totals.get("forced_accepted", 0))},
+        "constraint_cut": int(totals.get("constraint_cut", 0)),  # drafts a constraint forbade (cut before the verify)
         "cost_model": {"draft_token_seconds": cost.draft_token, "draft_tree_level_seconds": cost.draft_tree_level,
                        "draft_catch_up_row_seconds": cost.draft_catch_up_row,
                        "verify_seconds_by_tokens": dict(cost.verify_by_tokens)},
