@@ -2,7 +2,8 @@
 `tool_choice: "required"` or a named function, and the output read back into OpenAI's `tool_calls`.
 
 The model is shown the tools by its chat template (`apply_chat_template(..., tools=...)`; a template that does not
-render tools, such as SmolLM2's, gets Qwen2.5's words in its system message instead) and calls one as
+render tools, such as SmolLM2's, gets them in its system message instead, in a short version of Qwen2.5's words)
+and calls one as
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -35,11 +36,10 @@ from specserve_types.protocol import GenerateArgs
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a function without `parameters`: any object of arguments
 
-# Qwen2.5's chat template's words about tools, for templates that do not render them
-TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                  "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
-TOOLS_POSTAMBLE = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-                   "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+# For templates that do not render tools: Qwen2.5's template's words about them, shortened (104 -> 59 SmolLM2
+# tokens: a small model's context is short), the same format
+TOOLS_PREAMBLE = "# Tools\n\nYou may call these functions:\n<tools>"
+TOOLS_POSTAMBLE = ("\n</tools>\n\nTo call one, answer with:\n<tool_call>\n"
                    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
 DEFAULT_SYSTEM = "You are a helpful assistant."
 
@@ -258,7 +258,7 @@ def _call_text(call: dict[str, Any]) -> str:
 
 
 def in_plain_words(messages: list[dict[str, Any]], tools: list[Any] | None) -> list[dict[str, Any]]:
-    """Messages for a template that knows no tools, in Qwen2.5's words: the tools in the system message, an
+    """Messages for a template that knows no tools, as Qwen2.5's renders them: the tools in the system message, an
     assistant's calls as `<tool_call>` blocks in its text, tool results as a user turn of `<tool_response>`s."""
     out: list[dict[str, Any]] = []
     if tools:

@@ -247,7 +247,7 @@ def test_a_template_without_tools_gets_them_in_qwens_words(tokenizers: tuple[Any
     assert not template_renders_tools(tokenizer)  # SmolLM2's
     prompt = tokenizer.decode(chat_prompt_ids(tokenizer, HISTORY))
     assert prompt.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\n")
-    assert json.dumps(TOOLS[0]) in prompt and "<tool_call></tool_call> XML tags" in prompt
+    assert json.dumps(TOOLS[0]) in prompt and "answer with:\n<tool_call>\n{\"name\": <function-name>" in prompt
     assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' \
            "</tool_call><|im_end|>" in prompt
     assert "<|im_start|>user\n<tool_response>\nsunny, 21 C\n</tool_response>\n<tool_response>\nno rain\n" \
