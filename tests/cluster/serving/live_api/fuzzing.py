@@ -106,7 +106,10 @@ def _strategies(wild: bool) -> dict[str, Any]:
     regex = st.sampled_from(["[ab]{1,3}", "yes|no", r"\d+", ".*"] + (["(", "a{2,1}"] if wild else []))
     grammar = st.sampled_from(['start: "a" | "b"', 'start: %json {"type": "integer"}', "start: x\nx: /[0-9]+/"]
                               + (['start: "a" b', "nonsense"] if wild else []))
-    choices = st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3)
+    # no control characters: SmolLM2's vocabulary cannot spell some ("\x1d"), and a constraint that needs one fails
+    # the engine's round (test_openai_constrained.py's test_a_choice_the_vocabulary_cannot_spell)
+    choices = st.lists(st.text(st.characters(codec="utf-8", exclude_categories=["C"]), min_size=1, max_size=4),
+                       min_size=1, max_size=3)
     name = st.sampled_from(GOOD_NAMES)
     bias_key, bias = st.integers(0, 49_151).map(str), st.floats(-100, 100)
     if wild:

@@ -1,7 +1,9 @@
 """The issue's 5xx reproductions as raw HTTP, then schemathesis against the live HTTP API, driven by the cluster's own /openapi.json (live_api/fuzzing.py):
 every operation with positive and negative data, bounded examples; no 5xx, only documented status codes and
-media types, bodies and SSE events matching their models, invalid bodies refused with a 4xx. Then the server
-is healthy, no request failed inside the scheduler, and no KV is leaked.
+media types, bodies and SSE events matching their models, invalid bodies refused with a 4xx; and the constraint
+fields' fuzzer (fuzzing.fuzz_constraints: response_format, structured_outputs, guided_*, logit_bias, tools in every
+request, compiled by the real engine): a 200 or a 400 naming a field. Then the server is healthy, no request failed
+inside the scheduler, and no KV is leaked.
 Run inside the loopback-only namespace (scripts/in-netns.sh).
 """
 
@@ -14,12 +16,13 @@ import requests
 import schemathesis
 
 from cluster.serving.config import ClusterConfig
-from tests.cluster.serving.live_api.fuzzing import fuzz_schema
+from tests.cluster.serving.live_api.fuzzing import fuzz_constraints, fuzz_schema
 from tests.cluster.serving.live_api.helpers import BASE_URL, assert_no_leaks, http, scheduler_call
 
 pytestmark = pytest.mark.timeout(600)
 
 MAX_EXAMPLES = 40  # per operation and mode: ~2 x 2 x 40 generation requests, of at most 4 tokens each
+CONSTRAINED_EXAMPLES = 120  # requests with constraint fields, of at most 4 tokens each
 
 
 def test_schemathesis_finds_nothing(cluster: ClusterConfig) -> None:
@@ -32,6 +35,17 @@ def test_schemathesis_finds_nothing(cluster: ClusterConfig) -> None:
     for route in ("POST /v1/completions", "POST /v1/chat/completions"):
         assert counts[route]["positive"] >= MAX_EXAMPLES // 2 and counts[route]["negative"] >= MAX_EXAMPLES // 2
     assert {"GET /v1/models", "GET /health", "GET /v1/stats"} <= set(counts)
+    assert http("/health").json() == {"status": "ok"}
+    assert scheduler_call("stats")["scheduler"]["errored"] == errored_before
+    assert_no_leaks()
+
+
+def test_the_constraint_fields_fuzzed(cluster: ClusterConfig) -> None:
+    errored_before = scheduler_call("stats")["scheduler"]["errored"]
+    seen = fuzz_constraints(lambda path, body: requests.post(f"{BASE_URL}{path}", json=body, timeout=60),
+                            max_examples=CONSTRAINED_EXAMPLES)
+    print(f"constraint fields: {seen}")
+    assert seen.get("200", 0) > CONSTRAINED_EXAMPLES // 4 and seen.get("400", 0) > CONSTRAINED_EXAMPLES // 10, seen
     assert http("/health").json() == {"status": "ok"}
     assert scheduler_call("stats")["scheduler"]["errored"] == errored_before
     assert_no_leaks()

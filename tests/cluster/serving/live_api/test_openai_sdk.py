@@ -172,11 +172,11 @@ def test_async_bad_request_raises_the_typed_error(sdk: OpenAI) -> None:
     async def run() -> openai.BadRequestError:
         async with async_sdk() as client:
             with pytest.raises(openai.BadRequestError) as info:
-                await client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"})
+                await client.chat.completions.create(model=MODEL, messages=MESSAGES, tool_choice="required")
             return info.value
 
     error = asyncio.run(run())
-    assert error.status_code == 400 and error.param == "response_format" and error.type == "invalid_request_error"
+    assert error.status_code == 400 and error.param == "tool_choice" and error.type == "invalid_request_error"
 
 
 # -- refusals ------------------------------------------------------------------------------------------------------
@@ -191,15 +191,19 @@ def test_async_bad_request_raises_the_typed_error(sdk: OpenAI) -> None:
         (False, {"suffix": "}"}, "suffix"),
         (False, {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         (False, {"model": "gpt-4o"}, "model"),
-        (True, {"response_format": {"type": "json_object"}}, "response_format"),
-        (True, {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}},
-         "response_format"),
-        (True, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        (True, {"tool_choice": "required"}, "tool_choice"),
+        (True, {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+         "response_format.json_schema.name"),
+        (True, {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "frob"}}}},
+         "response_format"),  # the engine does not compile it
+        (True, {"tools": [{"type": "function", "function": {"name": "f f"}}]}, "tools[0].function.name"),
+        (True, {"tool_choice": "required"}, "tool_choice"),  # without tools
+        (True, {"functions": [{"name": "f"}]}, "functions"),
         (True, {"logprobs": True}, "logprobs"),
         (True, {"top_logprobs": 2}, "top_logprobs"),
-        (True, {"logit_bias": {"50": 10}}, "logit_bias"),
-        (True, {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
+        (True, {"logit_bias": {"50": 101}}, "logit_bias"),
+        (True, {"logit_bias": {"4000000": 1}}, "logit_bias"),  # outside the vocabulary: the engine's refusal
+        (True, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        (True, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ],
 )
 def test_refused_and_bad_parameters_raise_bad_request(sdk: OpenAI, chat: bool, kwargs: dict, param: str) -> None:
