@@ -221,7 +221,7 @@ def verify_exact(
         raise ValueError(f"unknown exact rule {rule!r}; known: {', '.join(EXACT_RULES)}")
     x, k = _drafts(draft_tokens, p), len(draft_tokens)
     assert q is None or q.shape == (k, p.shape[-1])
-    u = request_uniforms(seed, position, k, "accept").view(1, k)
+    u = request_uniforms(seed, position, k, "accept", round_start=position).view(1, k)  # fresh per round
     u_next = request_uniforms(seed, position, k + 1, "residual").view(1, k + 1)
     accept = block_accept if rule == "block" else exact_accept
     accepted_len, next_token = accept(x, None if q is None else q.unsqueeze(0), p.unsqueeze(0), u, u_next, inject_bias)

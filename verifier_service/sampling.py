@@ -203,19 +203,28 @@ def top_p_drop(logits: torch.Tensor, top_p: float, first_candidates: int = 64) -
 # ----------------------------------------------------------------------------------------------
 
 
-def request_generator(seed: int, position: int, stream: Stream) -> torch.Generator:
-    """A CPU generator seeded by a hash of (seed, position, stream): one independent stream per draw."""
+def request_generator(seed: int, position: int, stream: Stream, round_start: int | None = None) -> torch.Generator:
+    """A CPU generator seeded by a hash of (seed, position, stream[, round_start]): one independent stream per draw.
+
+    `round_start` (the position of the round's first draft) keys the draws a round may look at beyond the tokens it
+    emits: block verification tests every prefix of the chain (its accept uniforms) and its verdict depends on every
+    draft (their draft uniforms), so a later round drafting and testing the same positions must draw afresh; a draw
+    keyed by position alone would be conditioned on the earlier round's verdict (u_i > h_i is known for every prefix
+    longer than the kept one)."""
     assert stream in STREAMS, f"unknown stream {stream!r}; known: {STREAMS}"
-    digest = hashlib.blake2b(f"{seed}:{position}:{stream}".encode(), digest_size=8).digest()
+    key = f"{seed}:{position}:{stream}" + ("" if round_start is None else f"@{round_start}")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     generator = torch.Generator(device="cpu")
     generator.manual_seed(int.from_bytes(digest, "little") >> 1)  # 63 bits
     return generator
 
 
-def request_uniforms(seed: int, first_position: int, count: int, stream: Stream) -> torch.Tensor:
-    """float64 [count]: the uniform u in [0, 1) of `stream` at positions first_position .. first_position+count-1."""
+def request_uniforms(seed: int, first_position: int, count: int, stream: Stream,
+                     round_start: int | None = None) -> torch.Tensor:
+    """float64 [count]: the uniform u in [0, 1) of `stream` at positions first_position .. first_position+count-1
+    (of the round starting at `round_start`, for the draws keyed by round: `request_generator`)."""
     draws = [
-        torch.rand((), dtype=torch.float64, generator=request_generator(seed, first_position + i, stream))
+        torch.rand((), dtype=torch.float64, generator=request_generator(seed, first_position + i, stream, round_start))
         for i in range(count)
     ]
     return torch.stack(draws) if draws else torch.empty(0, dtype=torch.float64)
@@ -234,7 +243,7 @@ def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(token, last_positive)
 
 
-def sample_token(probs: torch.Tensor, seed: int, position: int, stream: Stream) -> int:
-    """Draw one token from probs [V] with the request's uniform of `stream` at `position`."""
-    u = request_uniforms(seed, position, 1, stream)
+def sample_token(probs: torch.Tensor, seed: int, position: int, stream: Stream, round_start: int | None = None) -> int:
+    """Draw one token from probs [V] with the request's uniform of `stream` at `position` (of `round_start`'s round)."""
+    u = request_uniforms(seed, position, 1, stream, round_start)
     return int(sample_with_uniforms(probs.unsqueeze(0), u)[0])

@@ -203,9 +203,8 @@ def tree_uniforms(seed: int, position: int, tree: TokenTree) -> tuple[torch.Tens
     """A request's seeded uniforms for `tree` at `position` (that of the root's children): u_accept
     [depth + 1, width], u_next [depth + 1] (module docstring, "Uniforms")."""
     levels, width = tree.depth() + 1, max(1, tree.width())
-    u_accept = torch.stack([torch.rand(width, dtype=torch.float64, generator=request_generator(seed, position + d,
-                                                                                                "accept"))
-                            for d in range(levels)])
+    u_accept = torch.stack([torch.rand(width, dtype=torch.float64, generator=request_generator(
+        seed, position + d, "accept", round_start=position)) for d in range(levels)])  # keyed by round, as chains
     return u_accept, request_uniforms(seed, position, levels, "residual")
 
 

@@ -51,16 +51,28 @@ ALPHA = 1e-3
 POSITIONS = 8
 
 
+MIN_EXPECTED = 5.0  # cells expected fewer times than this are pooled into one (Pearson's approximation needs it)
+
+
 def chi_square_pvalue(tokens: torch.Tensor, target: torch.Tensor) -> float:
-    """Pearson chi-square goodness-of-fit p-value of integer samples `tokens` against probabilities `target` (flat)."""
+    """Pearson chi-square goodness-of-fit p-value of integer samples `tokens` against probabilities `target` (flat).
+
+    A sample where the target is 0 fails at once (p-value 0). Cells expected fewer than MIN_EXPECTED times are pooled
+    into one cell: the statistic's chi-square law holds only for cells of enough expected counts, and one sample in
+    a cell expected 0.01 times would add ~100 to it (a correct sampler then failed far more often than alpha)."""
     counts = torch.bincount(tokens.flatten(), minlength=target.numel()).double()
     target = target.flatten().double()
     support = target > 0
     if counts[~support].sum() > 0:
         return 0.0
     expected = target[support] / target[support].sum() * counts.sum()
-    statistic = ((counts[support] - expected) ** 2 / expected).sum()
-    df = int(support.sum()) - 1
+    counts = counts[support]
+    sparse = expected < MIN_EXPECTED
+    if sparse.sum() > 1:
+        expected = torch.cat([expected[~sparse], expected[sparse].sum().view(1)])
+        counts = torch.cat([counts[~sparse], counts[sparse].sum().view(1)])
+    statistic = ((counts - expected) ** 2 / expected).sum()
+    df = int(expected.numel()) - 1
     if df == 0:
         return 1.0
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), statistic / 2))
