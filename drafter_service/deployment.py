@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 from ray import serve
 
+from drafter_service.draft_constraints import DraftConstraints, tokenizer_compiler
 from drafter_service.worker import DraftWorker
 from model_runtime.compute_thread import ComputeThread
 from specserve_types.faults import FAULTS, FaultHooks
@@ -41,7 +42,8 @@ class Drafter(FaultHooks, ChannelHost):
         precision = draft_dtype(dtype, device, checkpoint)
         runner = self.compute.call(LocalRunner, str(checkpoint), num_blocks, block_size, device, precision)
         self.compute.call(runner.warm_up, block_size)  # a replacement's first propose is not a cold start
-        self.worker = self.compute.call(DraftWorker, runner)
+        constraints = DraftConstraints(tokenizer_compiler(str(checkpoint), runner.config.vocab_size))
+        self.worker = self.compute.call(DraftWorker, runner, constraints)
         self.model = model
         configure_tracing(TracingSettings.from_env(), "specserve-drafter")  # env set by the app (runtime_env)
         logger.info("drafter ready: %s (%s), %d KV blocks of %d", model, precision, num_blocks, block_size)

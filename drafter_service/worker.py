@@ -18,10 +18,12 @@ import uuid
 import numpy as np
 import torch
 
+from drafter_service.draft_constraints import DraftConstraints
 from drafter_service.draft_tree import DraftTree
 from model_runtime.batch import SeqInput
 from specserve_types.round_messages import ProposeBatch, ProposeItem, ProposeOutput, ProposeResult
 from verifier_service.sampling import (
+    apply_allowed,
     apply_logit_bias,
     argmax_rows,
     penalized_logits_for_positions,
@@ -45,16 +47,23 @@ def _step_input(item: ProposeItem, drafts: list[int]) -> SeqInput:
 
 
 class DraftWorker:
-    def __init__(self, runner: ForwardRunner) -> None:
+    def __init__(self, runner: ForwardRunner, constraints: DraftConstraints | None = None) -> None:
+        """`constraints`: the matchers of constrained requests' chains (drafter_service/draft_constraints.py);
+        None: every chain is drafted freely (the engine cuts what a constraint forbids)."""
         self.runner = runner
         self.config = runner.config
         self.instance = uuid.uuid4().hex  # a new process means a new, empty KV pool
+        self.constraints = constraints
 
     def propose(self, batch: ProposeBatch) -> ProposeResult:
         start = time.perf_counter()
         drafts: dict[str, list[int]] = {item.request_id: [] for item in batch.items}
         probs: dict[str, list[torch.Tensor]] = {item.request_id: [] for item in batch.items}
         trees = {item.request_id: DraftTree(item) for item in batch.items if item.tree_nodes}
+        # constrained chains: each request's matcher at its committed output, moved along its own drafts below and
+        # rolled back after the loop
+        matchers = {} if self.constraints is None else self.constraints.matchers(
+            [item for item in batch.items if item.constraint is not None and not item.tree_nodes])
         frontiers: dict[str, list[int]] = {}
         stopped: set[str] = set()  # greedy chains and trees that ended early (item.stop_below)
         copies = [pair for item in batch.items for pair in item.copy_blocks]
@@ -92,6 +101,10 @@ class DraftWorker:
                 if item.sampling.has_penalties:
                     logits = penalized_logits_for_positions(logits, item.prompt_ids, item.output_ids + mine, [],
                                                             item.sampling)
+                matcher = matchers.get(item.request_id)
+                mask = None if matcher is None else matcher.allowed_mask()
+                if mask is not None and mask.any():  # q as the target's p: masked along the chain's own drafts
+                    logits = apply_allowed(logits, torch.from_numpy(mask.copy()).unsqueeze(0))
                 greedy = item.sampling.is_greedy
                 q = transform_logits(logits, item.sampling)[0] if item.want_probs or not greedy else None
                 if greedy:  # transform_logits' one-hot sits at the argmax: the token without building it
@@ -100,10 +113,16 @@ class DraftWorker:
                     if item.stop_below > 0 and float(torch.exp(row[token] - row.logsumexp(-1))) < item.stop_below:
                         stopped.add(item.request_id)  # its next drafts would rarely survive
                 else:
-                    token = sample_token(q, item.seed, item.position + step, "draft")
+                    # keyed by the round too: a block verdict depends on every draft of the round, so a later
+                    # round's draft at the same position must not reuse its uniform (sampling.request_generator)
+                    token = sample_token(q, item.seed, item.position + step, "draft", round_start=item.position)
                 mine.append(token)
+                if matcher is not None and not matcher.step(token):
+                    matchers.pop(item.request_id)  # a token it forbids (none allowed): the rest drafts freely
                 if q is not None and item.want_probs:
                     probs[item.request_id].append(q)
+        for matcher in matchers.values():
+            matcher.rewind()  # back to the committed output: the drafts are the verifier's to judge
         outputs = []
         for item in batch.items:
             if item.request_id in trees:

@@ -94,7 +94,7 @@ def check_identifier(field_name: str, value: str) -> None:
 
 @dataclass(frozen=True)
 class Constraint:
-    """What the output must match, compiled by the grammar engine (cluster/engine/constraint.py, llguidance):
+    """What the output must match, compiled by the grammar engine (verifier_service/constraint.py, llguidance):
 
       json     `value` is a JSON Schema (JSON text); "{}" is any JSON value, '{"type": "object"}' any object
                (OpenAI's json_object)

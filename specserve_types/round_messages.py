@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specserve_types.api import SamplingParams
+from specserve_types.api import Constraint, SamplingParams
 
 
 @dataclass
@@ -45,6 +45,9 @@ class ProposeItem:
     tree_width: int = 0
     # a greedy chain stops after a draft whose probability under the draft model is below this (0: drafts k)
     stop_below: float = 0.0
+    # a chain drafted under the request's constraint (q masked along its own drafts; output_ids then hold the committed
+    # output, which the drafter's matcher for the request catches up with); None: drafted freely
+    constraint: Constraint | None = None
 
 
 @dataclass
@@ -90,7 +93,7 @@ class VerifyItem:
     # the exact contract's rule for a sampled chain (verifier_service/contracts.py EXACT_RULES): "block" (block
     # verification) or "token" (token by token); the engine's `exact_rule`
     exact_rule: str = "token"
-    # the request's constraint (cluster/engine/constraint.py): each scored row's allowed tokens along its own prefix,
+    # the request's constraint (verifier_service/constraint.py): each scored row's allowed tokens along its own prefix,
     # int32 bitmask words [rows, ceil(V / 32)] (bit i of word w allows token 32 w + i); None: unconstrained
     allowed: np.ndarray | None = None
 

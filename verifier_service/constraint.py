@@ -130,7 +130,7 @@ class ConstraintCompiler:
                 self._cache[constraint] = pristine
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
-        return RequestConstraint(pristine.deep_copy(), mask_words(self.vocab_size))
+        return RequestConstraint(pristine.deep_copy(), mask_words(self.vocab_size), self.eos_token_ids)
 
 
 @dataclass(frozen=True)
@@ -160,13 +160,18 @@ class RequestConstraint:
     """One request's matcher, at its committed output (owner: the engine thread). Each method leaves it there but
     `advance`, which moves it by kept tokens. `seconds`: the time its public methods took (the constraint's cost)."""
 
-    def __init__(self, matcher: Any, words: int) -> None:
+    def __init__(self, matcher: Any, words: int, eos_token_ids: Sequence[int] = ()) -> None:
         self.matcher = matcher
         self.words = words
+        self.eos = frozenset(int(t) for t in eos_token_ids)
         self.seconds = 0.0
+        self.eos_only = np.zeros(words, dtype=np.int32)  # what may follow an end of sequence: only another
+        for token in self.eos:
+            if token < 32 * words:
+                self.eos_only[token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
 
     def fork(self) -> RequestConstraint:
-        return RequestConstraint(self.matcher.deep_copy(), self.words)
+        return RequestConstraint(self.matcher.deep_copy(), self.words, sorted(self.eos))
 
     @property
     def done(self) -> bool:
@@ -190,25 +195,47 @@ class RequestConstraint:
 
     @timed
     def advance(self, tokens: Sequence[int]) -> None:
-        """The kept tokens of a round (every one allowed: the verifier sampled under this constraint's masks)."""
-        if tokens and not self.matcher.consume_tokens([int(t) for t in tokens]):
+        """The kept tokens of a round (every one allowed: the verifier sampled under this constraint's masks); an end of
+        sequence ends the output and moves nothing."""
+        body = [int(t) for t in tokens if int(t) not in self.eos]
+        if body and not self.matcher.consume_tokens(body):
             raise AssertionError(f"a kept token the constraint forbids: {self.matcher.get_error()}")
+
+    def _walk(self, tokens: Sequence[int], masks: list[np.ndarray] | None = None) -> tuple[int, int]:
+        """Move along `tokens` while the constraint allows them: (how many it allows, how many the matcher consumed:
+        an end of sequence is not consumed, only end of sequence may follow it). With `masks`, each row's allowed
+        tokens before each token and after the last allowed one are appended there."""
+        allowed, consumed, ended = 0, 0, False
+        for token in tokens:
+            mask = self.eos_only if ended else self.allowed_mask()
+            if masks is not None:
+                masks.append(mask)
+            token = int(token)
+            if not (int(mask[token // 32]) >> (token % 32)) & 1:
+                break
+            allowed += 1
+            if token in self.eos:
+                ended = True
+            elif self.matcher.consume_token(token):
+                consumed += 1
+            else:
+                raise AssertionError(f"an allowed token the matcher refused: {self.matcher.get_error()}")
+        else:
+            if masks is not None:
+                masks.append(self.eos_only if ended else self.allowed_mask())
+        return allowed, consumed
 
     @timed
     def chain_masks(self, drafts: Sequence[int], with_q: bool) -> RowMasks:
         """Rows 0..n for the first n drafts kept: n = the drafts the constraint allows, plus the first forbidden one
         where the drafts carry q (its rejection draws from the residual); rows after a forbidden draft allow all."""
-        valid = int(self.matcher.validate_tokens([int(t) for t in drafts])) if drafts else 0
-        n = min(len(drafts), valid + 1) if with_q else valid
-        allowed = np.full((n + 1, self.words), ALL_ALLOWED, dtype=np.int32)
-        consumed = 0
-        for j in range(min(n, valid) + 1):
-            allowed[j] = self.allowed_mask()
-            if j < min(n, valid):
-                assert self.matcher.consume_token(int(drafts[j])), self.matcher.get_error()
-                consumed += 1
+        masks: list[np.ndarray] = []
+        valid, consumed = self._walk(drafts, masks)
         if consumed:
             self.matcher.rollback(consumed)
+        n = min(len(drafts), valid + 1) if with_q else valid
+        allowed = np.full((n + 1, self.words), ALL_ALLOWED, dtype=np.int32)
+        allowed[:valid + 1] = np.stack(masks[:valid + 1])
         return RowMasks(tuple(range(n)), allowed)
 
     @timed
@@ -225,13 +252,13 @@ class RequestConstraint:
             while parents[path[-1]] != -1:
                 path.append(parents[path[-1]])
             path_tokens = [int(tokens[i]) for i in reversed(path)]
-            taken = int(self.matcher.try_consume_tokens(path_tokens))
-            if taken == len(path_tokens):
+            ok, consumed = self._walk(path_tokens)
+            if ok == len(path_tokens):
                 alive.add(node)
                 keep.append(node)
-                rows.append(self.allowed_mask())
-            if taken:
-                self.matcher.rollback(taken)
+                rows.append(self.eos_only if path_tokens[-1] in self.eos or consumed < ok else self.allowed_mask())
+            if consumed:
+                self.matcher.rollback(consumed)
         return RowMasks(tuple(keep), np.stack(rows))
 
 

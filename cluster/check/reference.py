@@ -21,10 +21,10 @@ if TYPE_CHECKING:
 
 class ConstraintMasks:
     """The tokens a constraint allows after an output prefix, compiled as the engine compiles it
-    (cluster/engine/constraint.py, llguidance): a fresh matcher per prefix, advanced by the prefix."""
+    (verifier_service/constraint.py, llguidance): a fresh matcher per prefix, advanced by the prefix."""
 
     def __init__(self, constraint: Constraint, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
-        from cluster.engine.constraint import ConstraintCompiler
+        from verifier_service.constraint import ConstraintCompiler
 
         self.constraint = constraint
         self._compiler = ConstraintCompiler(tokenizer, vocab_size, eos_token_ids)

@@ -33,6 +33,7 @@ class EngineConfig:
     reservation_windows: bool  # serial rounds grant the next round beside this one's verify (held_commit.py)
     draft_lookup: bool  # auto: a model-drafted request drafts from an n-gram lookup where it pays more (planner.py)
     exact_rule: str  # the exact contract's rule for sampled chains (verifier_service/contracts.py)
+    constrain_drafts: bool  # a draft model drafts a constrained request's chain under its constraint (masked q)
 
     def __post_init__(self) -> None:
         problems = [name for name, ok in (
@@ -45,6 +46,7 @@ class EngineConfig:
             ("overlap", isinstance(self.overlap, bool)), ("predraft", isinstance(self.predraft, bool)),
             ("reservation_windows", isinstance(self.reservation_windows, bool)),
             ("draft_lookup", isinstance(self.draft_lookup, bool)),
+            ("constrain_drafts", isinstance(self.constrain_drafts, bool)),
             ("exact_rule", self.exact_rule in EXACT_RULES),
             ("tree_nodes", self.tree_nodes >= 0), ("model_tree_nodes", self.model_tree_nodes >= 0),
             ("draft_stop_below", 0.0 <= self.draft_stop_below <= 1.0),

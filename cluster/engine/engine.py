@@ -38,7 +38,6 @@ from cluster.engine.admission import admit_draft, admit_target, running
 from cluster.engine.backends import DrafterBackend, VerifierBackend
 from cluster.engine.catch_up import observe_propose
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
-from cluster.engine.constraint import ConstraintCompiler
 from cluster.engine.give_back import abort_now, check_commits, preempt, recover_verifier, restart_draft_caches
 from cluster.engine.held_commit import Ahead, HeldCommitKV
 from cluster.engine.inbox import RequestInbox
@@ -75,6 +74,7 @@ from kv_manager.errors import KVError
 from kv_manager.schema import ReserveItem
 from specserve_types.api import GenerationRequest, InvalidRequestError, TokenChunk
 from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
+from verifier_service.constraint import ConstraintCompiler
 
 log = logging.getLogger("specserve.engine")
 
@@ -314,7 +314,7 @@ class SpecEngine:
         # under two groups the batch drafts the other group's next round: it carries no trace of this step's
         if self.mode.drafts_own_step:
             self.trace.begin(plans)
-        return ProposeBatch([propose_item(p) for p in model_plans],
+        return ProposeBatch([propose_item(p, self.config.constrain_drafts) for p in model_plans],
                             self.trace.trace_context if self.mode.drafts_own_step else ())
 
     def apply_drafts(self, plans: list[RoundPlan], result: ProposeResult) -> list[RoundPlan]:

@@ -21,6 +21,7 @@ from cluster.engine.engine import SpecEngine
 from cluster.engine.kv_client import LocalKV
 from cluster.engine.step_record import EngineObserver
 from cluster.engine.warmup import warm_up
+from drafter_service.draft_constraints import DraftConstraints, tokenizer_compiler
 from drafter_service.worker import DraftWorker
 from kv_manager.ledger import BlockLedger
 from kv_manager.schema import NamespaceConfig
@@ -133,6 +134,11 @@ def assemble_engine(
                       observer=observer)
 
 
+def draft_worker(runner: LocalRunner, checkpoint_dir: Path) -> DraftWorker:
+    """The draft model's worker, drafting constrained chains under their constraints (its own tokenizer's matchers)."""
+    return DraftWorker(runner, DraftConstraints(tokenizer_compiler(str(checkpoint_dir), runner.config.vocab_size)))
+
+
 def build_local_engine(model: str, draft: str, config: EngineConfig, runtime: LocalRuntime,
                        tokenizer: Any = "auto", observer: EngineObserver | None = None) -> SpecEngine:
     """`model` and a model-valued `draft` are registry names or local HF checkpoint dirs; `config` and
@@ -147,7 +153,7 @@ def build_local_engine(model: str, draft: str, config: EngineConfig, runtime: Lo
     engine = assemble_engine(
         model, draft, config, runtime.num_blocks, runtime.block_size,
         make_verifier=lambda d: VerifierWorker(runner(d, target)),
-        make_drafter=lambda d: DraftWorker(runner(d, drafts)),
+        make_drafter=lambda d: draft_worker(runner(d, drafts), d),
         make_kv=lambda namespaces: LocalKV(BlockLedger(namespaces)), tokenizer=tokenizer,
         dtypes={"target": dtype_name(target), "draft": dtype_name(drafts)}, observer=observer,
     )

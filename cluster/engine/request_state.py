@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from cluster.engine.acceptance_stats import AcceptanceStats
-from cluster.engine.constraint import ConstraintCompiler, RequestConstraint, logit_bias_errors
 from cluster.engine.prompt_group import PromptGroup
 from drafter_service.ngram import TokenHistory
 from specserve_types.api import FinishReason, GenerationRequest, InvalidRequestError
+from verifier_service.constraint import ConstraintCompiler, RequestConstraint, logit_bias_errors
 
 
 @dataclass

@@ -228,10 +228,15 @@ def penalty_history(state: RequestState) -> tuple[list[int], list[int]]:
     return state.token_ids[:state.prompt_len], state.output_ids
 
 
-def propose_item(plan: RoundPlan) -> ProposeItem:
+def propose_item(plan: RoundPlan, constrain: bool = True) -> ProposeItem:
+    """The drafter's item for the plan; `constrain`: a constrained request's chain is drafted under its constraint
+    (the engine's `constrain_drafts`; trees draft freely and are pruned before the verify)."""
     s, grant = plan.state, plan.draft_grant
     assert grant is not None, "propose needs a draft reservation"
     prompt_ids, output_ids = penalty_history(s)
+    constraint = s.request.constraint if constrain and s.constraint is not None and not plan.tree_budget else None
+    if constraint is not None:
+        output_ids = s.output_ids
     return ProposeItem(
         request_id=s.request_id, input_ids=plan.draft_pending, past_len=s.draft_cached,
         block_table=list(grant.block_table), k=plan.k,
@@ -240,6 +245,7 @@ def propose_item(plan: RoundPlan) -> ProposeItem:
         want_probs=s.request.spec.contract == "exact" and not s.request.sampling.is_greedy and not plan.tree_budget,
         tree_nodes=plan.tree_budget, tree_width=MODEL_TREE_WIDTH if plan.tree_budget else 0,
         stop_below=plan.draft_stop_below, prompt_ids=prompt_ids, output_ids=output_ids, copy_blocks=list(grant.copy_on_write),
+        constraint=constraint,
     )
 
 

@@ -149,6 +149,10 @@ class ClusterConfig(BaseModel):
                                "latest match of its last tokens in its own prompt and output) is expected to give "
                                "more tokens a second than the draft model drafts the lookup's chain instead, at no "
                                "draft cost (each source's acceptance measured apart; cluster/engine/planner.py)")
+    constrain_drafts: bool = Field(True, description="a draft model drafts a constrained request's chain under the "
+                                   "request's constraint (its q masked along its own drafts, as the target's p is), "
+                                   "so that it proposes no draft the constraint forbids; off: it drafts freely and "
+                                   "the engine cuts what the constraint forbids (both exact: docs/exactness.md)")
     exact_rule: ExactRule = Field("block", description="the exact contract's rule for a sampled "
                                                   "chain: block verification (Sun et al. 2024: the same output "
                                                   "distribution, at least as many accepted drafts in expectation) "
@@ -329,7 +333,7 @@ class ClusterConfig(BaseModel):
             overlap=overlap.enabled, overlap_reason=overlap.reason, predraft=self.predraft,
             tree_nodes=self.tree_nodes, model_tree_nodes=self.model_tree_nodes,
             draft_stop_below=self.draft_stop_below, reservation_windows=self.reservation_windows,
-            draft_lookup=self.draft_lookup, exact_rule=self.exact_rule,
+            draft_lookup=self.draft_lookup, exact_rule=self.exact_rule, constrain_drafts=self.constrain_drafts,
         )
 
     def local_runtime(self) -> LocalRuntime:

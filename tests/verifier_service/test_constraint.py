@@ -1,4 +1,4 @@
-"""cluster/engine/constraint.py: compiling each kind (and refusing what does not compile, naming the field), the rows'
+"""verifier_service/constraint.py: compiling each kind (and refusing what does not compile, naming the field), the rows'
 masks along a chain's and a tree's prefixes, the cuts, forced tokens, and the matcher left where it was."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from cluster.engine.constraint import ConstraintCompiler, logit_bias_errors, mask_words
 from specserve_types.api import Constraint, InvalidRequestError, SamplingParams
-from tests.cluster.engine.tiny_tokenizer import EOS, VOCAB, ids, tiny_tokenizer
+from tests.verifier_service.tiny_tokenizer import EOS, VOCAB, ids, tiny_tokenizer
+from verifier_service.constraint import ConstraintCompiler, logit_bias_errors, mask_words
 
 
 @pytest.fixture(scope="module")

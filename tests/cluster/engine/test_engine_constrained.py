@@ -28,13 +28,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.engine.constraint import ConstraintCompiler
 from model_runtime.local_alloc import LocalAllocator, LocalSequence
 from specserve_types.api import Constraint, InvalidRequestError
 from tests.cluster.engine.engine_helpers import load_target, local_engine, request, run
-from tests.cluster.engine.tiny_tokenizer import EOS, VOCAB, ids, tiny_tokenizer
 from tests.model_runtime.random_checkpoint import make_random_checkpoint
 from tests.verifier_service.test_contracts import chi_square_pvalue
+from tests.verifier_service.tiny_tokenizer import EOS, VOCAB, ids, tiny_tokenizer
+from verifier_service.constraint import ConstraintCompiler
 
 ALPHA = 1e-3
 SAMPLES = 5_000

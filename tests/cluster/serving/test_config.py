@@ -116,7 +116,7 @@ def test_engine_option_set_twice_is_refused() -> None:
 
 def test_engine_config_derives_from_the_cluster_config() -> None:
     config = load_config(max_batch=4, queue_capacity=32, max_context=512, probe_every=8)
-    assert config.engine_config() == EngineConfig(
+    assert config.engine_config() == EngineConfig(constrain_drafts=True,
         max_batch=4, max_waiting=32, max_context=512, k_max=4, probe_every=8, pressure_free_fraction=0.1,
         drafter_retry_seconds=5.0, max_verifier_failures=20, overlap=False,
         overlap_reason=config.overlap_decision(in_process=True).reason, predraft=False, tree_nodes=16,
