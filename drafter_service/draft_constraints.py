@@ -86,7 +86,8 @@ class DraftConstraints:
                 self._compiler = self._make_compiler()
             entry = (constraint, self._compiler.compile(constraint), 0)
         _, matcher, consumed = entry
-        matcher.advance(output[consumed:])
+        if not matcher.advance(output[consumed:]):
+            raise ValueError("its output leaves the constraint where nothing can follow")
         self._entries[request_id] = (constraint, matcher, len(output))
         self._entries.move_to_end(request_id)
         while len(self._entries) > MAX_REQUESTS:

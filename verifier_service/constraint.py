@@ -52,8 +52,9 @@ def mask_words(vocab_size: int) -> int:
 ALL_ALLOWED = -1  # an int32 word with every bit set
 
 
-def grammar_source(constraint: Constraint) -> str:
-    """The constraint as an llguidance grammar (JSON of its grammar format); raises InvalidRequestError."""
+def grammar_source(constraint: Constraint, tokenizer: Any = None) -> str:
+    """The constraint as an llguidance grammar (JSON of its grammar format); raises InvalidRequestError. With the
+    HF `tokenizer`, choices it cannot spell are refused."""
     import llguidance
 
     kind, value = constraint.kind, constraint.value
@@ -82,6 +83,11 @@ def grammar_source(constraint: Constraint) -> str:
         if len(choices) > MAX_CHOICES:
             raise InvalidRequestError(constraint.field, f"at most {MAX_CHOICES} choices, got {len(choices)}")
         alternatives = " | ".join(json.dumps(c) for c in dict.fromkeys(choices))  # Lark string literals
+        if tokenizer is not None:
+            for index, choice in enumerate(choices):  # what the vocabulary cannot spell could never be emitted
+                if tokenizer.decode(tokenizer.encode(choice, add_special_tokens=False)) != choice:
+                    raise InvalidRequestError(constraint.field, f"choice {index} ({choice!r}) cannot be spelled by "
+                                                                f"the model's tokenizer")
         return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
     assert kind == "grammar", kind
     return llguidance.LLMatcher.grammar_from_lark(value)
@@ -118,7 +124,7 @@ class ConstraintCompiler:
             if pristine is not None:
                 self._cache.move_to_end(constraint)
         if pristine is None:
-            source = grammar_source(constraint)
+            source = grammar_source(constraint, self.tokenizer)
             tokenizer = self.ll_tokenizer()
             try:
                 pristine = llguidance.LLMatcher(tokenizer, source, log_level=0)
@@ -194,12 +200,15 @@ class RequestConstraint:
         return [int(t) for t in self.matcher.compute_ff_tokens()[:limit]]
 
     @timed
-    def advance(self, tokens: Sequence[int]) -> None:
-        """The kept tokens of a round (every one allowed: the verifier sampled under this constraint's masks); an end of
-        sequence ends the output and moves nothing."""
-        body = [int(t) for t in tokens if int(t) not in self.eos]
-        if body and not self.matcher.consume_tokens(body):
-            raise AssertionError(f"a kept token the constraint forbids: {self.matcher.get_error()}")
+    def advance(self, tokens: Sequence[int]) -> bool:
+        """The kept tokens of a round (each allowed by the verifier's masks); an end of sequence ends the output and
+        moves nothing. False (the matcher left before the token) where one leads where nothing can follow: the mask
+        allows it, but the rest of the constraint needs a string the vocabulary cannot spell (llguidance's
+        NoExtensionBias); the request then cannot complete its constraint."""
+        for token in tokens:
+            if int(token) not in self.eos and self.matcher.try_consume_tokens([int(token)]) != 1:
+                return False
+        return True
 
     def _walk(self, tokens: Sequence[int], masks: list[np.ndarray] | None = None) -> tuple[int, int]:
         """Move along `tokens` while the constraint allows them: (how many it allows, how many the matcher consumed:
@@ -213,13 +222,13 @@ class RequestConstraint:
             token = int(token)
             if not (int(mask[token // 32]) >> (token % 32)) & 1:
                 break
-            allowed += 1
             if token in self.eos:
                 ended = True
-            elif self.matcher.consume_token(token):
+            elif self.matcher.try_consume_tokens([token]) == 1:
                 consumed += 1
-            else:
-                raise AssertionError(f"an allowed token the matcher refused: {self.matcher.get_error()}")
+            else:  # allowed by the mask, yet nothing could follow it (a string the vocabulary cannot spell)
+                break
+            allowed += 1
         else:
             if masks is not None:
                 masks.append(self.eos_only if ended else self.allowed_mask())

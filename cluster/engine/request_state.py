@@ -11,6 +11,7 @@ cache holds) and can always be rebuilt by re-prefilling.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from cluster.engine.prompt_group import PromptGroup
 from drafter_service.ngram import TokenHistory
 from specserve_types.api import FinishReason, GenerationRequest, InvalidRequestError
 from verifier_service.constraint import ConstraintCompiler, RequestConstraint, logit_bias_errors
+
+log = logging.getLogger("specserve.engine")
 
 
 @dataclass
@@ -166,8 +169,8 @@ class RequestState:
                 self.finish_reason = "stop"
             elif token in self.eos_token_ids and not params.ignore_eos:
                 self.finish_reason = "eos"
-            elif self.constraint is not None and self._constraint_done(token):
-                self.finish_reason = "stop"  # the constraint completed: nothing but end of sequence may follow
+            elif self.constraint is not None and (ended := self._constraint_end(token)) is not None:
+                self.finish_reason = ended  # completed: only end of sequence may follow; or a dead end
             elif self.num_output >= params.max_tokens:
                 self.finish_reason = "length"
             if self.finish_reason is not None:
@@ -178,10 +181,15 @@ class RequestState:
             self.first_token_at = time.monotonic()
         return kept, delta
 
-    def _constraint_done(self, token: int) -> bool:
+    def _constraint_end(self, token: int) -> FinishReason | None:
+        """None while the constraint goes on; "stop" where it completed; "error" where it cannot go on (a string the
+        vocabulary cannot spell: constraint.advance), logged: the request ends, the engine does not."""
         assert self.constraint is not None
-        self.constraint.advance([token])
-        return self.constraint.done
+        if not self.constraint.advance([token]):
+            log.warning("%s: its constraint cannot continue after token %d (it needs a string the vocabulary cannot "
+                        "spell): ended", self.request_id, token)
+            return "error"
+        return "stop" if self.constraint.done else None
 
     def forget_kv(self) -> None:
         """Its KV was given back (preempted, or the verifier lost it): it re-prefills from its tokens."""

@@ -130,6 +130,23 @@ def test_bad_constraints_and_logit_bias_are_refused_before_anything_is_reserved(
     engine.kv.audit().assert_no_leaks()
 
 
+def test_what_the_vocabulary_cannot_spell_is_refused_or_ends_the_request(pair: tuple[Path, Path]) -> None:
+    """A choice the tokenizer cannot spell is refused at submit; a regex whose rest it cannot spell ends the request
+    where it gets stuck (finish "error", logged; or "eos" where llguidance already sees the dead end and allows only
+    end of sequence), and the engine and the batch go on."""
+    engine = engine_for(pair, "ngram", max_batch=2)
+    with pytest.raises(InvalidRequestError, match="cannot be spelled"):
+        engine.submit(constrained("z", ids("ab"), Constraint("choice", json.dumps(["ab", "az"])), "ngram"))
+    engine.submit(constrained("stuck", ids("ab"), Constraint("regex", "a[bc]z"), "ngram", max_tokens=8))
+    engine.submit(constrained("fine", ids("ab"), Constraint("choice", json.dumps(["abc"])), "ngram", max_tokens=8))
+    chunks = engine.run_to_completion()
+    assert chunks["stuck"][-1].finish_reason in ("error", "eos")
+    assert len([t for c in chunks["stuck"] for t in c.token_ids]) <= 3
+    assert [t for c in chunks["fine"] for t in c.token_ids] == ids("abc")
+    engine.check_ledger()
+    engine.kv.audit().assert_no_leaks()
+
+
 def test_logit_bias_moves_greedy_tokens_the_same_way_with_and_without_drafts(pair: tuple[Path, Path]) -> None:
     bias = tuple((t, 100.0 if t == ids("c")[0] else -100.0) for t in ids("ab"))
     outputs = {}

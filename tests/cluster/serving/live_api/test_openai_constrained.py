@@ -240,8 +240,6 @@ def test_what_the_engine_cannot_take_is_400_naming_the_field(sdk: OpenAI, kwargs
     assert info.value.status_code == 400 and info.value.param == param, info.value.message
 
 
-@pytest.mark.xfail(reason="engine: a constraint the vocabulary cannot complete fails the round (the matcher's "
-                          "NoExtensionBias leaves only end of sequence, which advance() refuses): issue 69", strict=False)
 def test_a_choice_the_vocabulary_cannot_spell(sdk: OpenAI) -> None:
     """SmolLM2's tokenizer has no token for "\x1d": after "\x89" the choice cannot go on. A 400 or an answer that
     ends, never a failed round (the fuzzer's find)."""
