@@ -42,7 +42,7 @@ class Drafter(FaultHooks, ChannelHost):
         precision = draft_dtype(dtype, device, checkpoint)
         runner = self.compute.call(LocalRunner, str(checkpoint), num_blocks, block_size, device, precision)
         self.compute.call(runner.warm_up, block_size)  # a replacement's first propose is not a cold start
-        constraints = DraftConstraints(tokenizer_compiler(str(checkpoint), runner.config.vocab_size))
+        constraints = DraftConstraints(tokenizer_compiler(str(checkpoint), runner.config.vocab_size), prebuild=True)
         self.worker = self.compute.call(DraftWorker, runner, constraints)
         self.model = model
         configure_tracing(TracingSettings.from_env(), "specserve-drafter")  # env set by the app (runtime_env)

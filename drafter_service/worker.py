@@ -26,6 +26,7 @@ from verifier_service.sampling import (
     apply_allowed,
     apply_logit_bias,
     argmax_rows,
+    greedy_allowed,
     penalized_logits_for_positions,
     sample_token,
     transform_logits,
@@ -102,10 +103,12 @@ class DraftWorker:
                     logits = penalized_logits_for_positions(logits, item.prompt_ids, item.output_ids + mine, [],
                                                             item.sampling)
                 matcher = matchers.get(item.request_id)
+                greedy = item.sampling.is_greedy
                 mask = None if matcher is None else matcher.allowed_mask()
                 if mask is not None and mask.any():  # q as the target's p: masked along the chain's own drafts
-                    logits = apply_allowed(logits, torch.from_numpy(mask.copy()).unsqueeze(0))
-                greedy = item.sampling.is_greedy
+                    rows = mask[None]  # a greedy chain reads the argmax alone (sampling.greedy_allowed)
+                    logits = greedy_allowed(logits, rows) if greedy and not item.want_probs else \
+                        apply_allowed(logits, rows)
                 q = transform_logits(logits, item.sampling)[0] if item.want_probs or not greedy else None
                 if greedy:  # transform_logits' one-hot sits at the argmax: the token without building it
                     row = logits[0].float()

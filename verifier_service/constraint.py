@@ -93,26 +93,46 @@ def grammar_source(constraint: Constraint, tokenizer: Any = None) -> str:
     return llguidance.LLMatcher.grammar_from_lark(value)
 
 
+_LL_TOKENIZERS: dict[tuple[Any, ...], Any] = {}
+_LL_LOCK = threading.Lock()
+
+
+def shared_ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
+    """llguidance's tokenizer for an HF tokenizer, built once per process (~1 s) and shared by every engine over the
+    same tokenizer files (a benchmark's fresh engines, a test's), keyed by the files' path (or the object where it
+    has none), vocabulary and end-of-sequence ids."""
+    import llguidance.hf
+
+    key = (getattr(tokenizer, "name_or_path", "") or id(tokenizer), len(tokenizer), vocab_size, tuple(eos_token_ids))
+    with _LL_LOCK:
+        built = _LL_TOKENIZERS.get(key)
+        if built is None:
+            built = _LL_TOKENIZERS[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                                       eos_token=list(eos_token_ids))
+        return built
+
+
 class ConstraintCompiler:
     """One per engine: the llguidance tokenizer (built once from the HF tokenizer, ~1 s) and the compiled grammars,
     a pristine matcher per constraint (LRU, CACHE_SIZE), copied for each request. Thread-safe: submit runs on
     callers' threads."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int], prebuild: bool = False) -> None:
+        """`prebuild`: build llguidance's tokenizer now on a thread of its own (~1 s), so that the first constrained
+        request does not wait for it (it waits only if it comes sooner)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer: Any = None
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self._lock = threading.Lock()
+        if prebuild:
+            threading.Thread(target=self.ll_tokenizer, name="llguidance-tokenizer", daemon=True).start()
 
     def ll_tokenizer(self) -> Any:
         with self._lock:
             if self._ll_tokenizer is None:
-                import llguidance.hf
-
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                                  eos_token=self.eos_token_ids)
+                self._ll_tokenizer = shared_ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._ll_tokenizer
 
     def compile(self, constraint: Constraint) -> RequestConstraint:

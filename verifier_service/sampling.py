@@ -26,6 +26,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -122,22 +123,41 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: Sequence[tuple[int, float
     return logits
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+def allowed_tokens(words: torch.Tensor | np.ndarray, vocab_size: int) -> torch.Tensor:
+    """bool [n, vocab_size] from int32 bitmask words [n, W] (bit i of word w: token 32 w + i), unpacked by numpy's
+    C loop (shifting 32 int32 copies in torch cost ~1 ms a row of Qwen's 152k tokens)."""
+    array = np.ascontiguousarray(words.numpy() if isinstance(words, torch.Tensor) else words, dtype=np.int32)
+    bits = np.unpackbits(array.view(np.uint8), axis=-1, count=vocab_size, bitorder="little")
+    return torch.from_numpy(bits).bool()
 
 
-def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [n, vocab_size] from int32 bitmask words [n, W] (bit i of word w: token 32 w + i)."""
-    bits = (words.unsqueeze(-1) >> _BITS.to(words.device)) & 1
-    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
-
-
-def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor | np.ndarray | None) -> torch.Tensor:
     """The constraint: every token a row's bitmask words [n, W] forbid gets -inf (its probability 0 after any
     transform; greedy's argmax never picks it)."""
     if allowed is None:
         return logits
-    keep = allowed_tokens(allowed, logits.shape[-1])
+    keep = allowed_tokens(allowed, logits.shape[-1]).to(logits.device)
     return logits.masked_fill(~keep, float("-inf"))
+
+
+def allows(allowed: np.ndarray, tokens: torch.Tensor) -> torch.Tensor:
+    """bool [n]: whether row i's bitmask words allow tokens[i]."""
+    ids = tokens.cpu().numpy().astype(np.int64)
+    words = allowed[np.arange(len(ids)), ids // 32].astype(np.int64) & 0xFFFFFFFF
+    return torch.from_numpy(((words >> (ids % 32)) & 1).astype(bool))
+
+
+def greedy_allowed(logits: torch.Tensor, allowed: np.ndarray) -> torch.Tensor:
+    """Logits whose every row's argmax is the constrained argmax: a row whose own argmax the constraint allows is
+    left as it is (the first maximum among the allowed tokens is then that one), the others masked. Greedy rounds read
+    one argmax a row, and a model writing JSON mostly picks allowed tokens, so most rows cost one bit test."""
+    off = ~allows(allowed, argmax_rows(logits))
+    if not bool(off.any()):
+        return logits
+    rows = off.nonzero().flatten()
+    logits = logits.clone()
+    logits[rows] = apply_allowed(logits[rows], allowed[rows.numpy()])
+    return logits
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from verifier_service.contracts import Verdict, verify_exact, verify_greedy, ver
 from verifier_service.sampling import (
     apply_allowed,
     apply_logit_bias,
+    greedy_allowed,
     penalized_logits_for_positions,
     transform_logits,
 )
@@ -66,15 +67,17 @@ class LocalRunner:
             self.forward([SeqInput([0], n, [0], [n], logits="last")], [])
 
 
-def processed_logits(item: VerifyItem, logits: torch.Tensor) -> torch.Tensor:
+def processed_logits(item: VerifyItem, logits: torch.Tensor, greedy: bool = False) -> torch.Tensor:
     """The request's logits processors on its scored rows, in one order for plain decoding and every speculative
-    path: logit bias, penalties (each row its own history), the constraint's mask (each row its own prefix's)."""
+    path: logit bias, penalties (each row its own history), the constraint's mask (each row its own prefix's).
+    `greedy`: only each row's argmax is read, so only rows whose argmax the constraint forbids are masked."""
     params = item.sampling
     logits = apply_logit_bias(logits, params.logit_bias)
     if params.has_penalties:
         logits = penalized_logits_for_positions(logits, item.prompt_ids, item.output_ids, item.draft_ids, params)
     if item.allowed is not None:
-        logits = apply_allowed(logits, torch.tensor(item.allowed[:logits.shape[0]]))
+        allowed = item.allowed[:logits.shape[0]]
+        logits = greedy_allowed(logits, allowed) if greedy else apply_allowed(logits, allowed)
     return logits
 
 
@@ -83,7 +86,7 @@ def decide(item: VerifyItem, logits: torch.Tensor, inject_bias: bool = False) ->
     `VerifierWorker.inject_bias` (testing the check only)."""
     k = len(item.draft_ids)
     params = item.sampling
-    logits = processed_logits(item, logits)
+    logits = processed_logits(item, logits, greedy=item.contract == "greedy" or params.is_greedy)
     first_draft_position = item.past_len + len(item.input_ids)
     if item.contract == "greedy" or params.is_greedy:
         verdict = verify_greedy(item.draft_ids, logits)
@@ -124,7 +127,7 @@ def seq_input(item: VerifyItem, tree: TokenTree | None) -> SeqInput:
 def decide_tree(item: VerifyItem, tree: TokenTree, logits: torch.Tensor, inject_bias: bool = False) -> TreeVerdict:
     """A tree's contract on its root's and nodes' rows (greedy sampling under any contract follows the argmax)."""
     params = item.sampling
-    logits = processed_logits(item, logits)  # no penalties on trees (tree_of)
+    logits = processed_logits(item, logits, greedy=item.contract == "greedy" or params.is_greedy)  # no penalties
     if item.contract == "greedy" or params.is_greedy:
         verdict = tree_greedy(tree, logits)
         return dataclasses.replace(verdict, contract=item.contract)

@@ -6,7 +6,9 @@ Glossary (figures in the JSON; docs/benchmarks.md "Structured output"):
                   five shapes: a flat object, nested objects, an array of objects, enums and bounded numbers, a
                   code signature)
   config          plain (draft "none": constrained plain decoding), or a drafter ("model", "ngram", "suffix") at k
-                  auto; each at every temperature (0: greedy contract, else exact with seed + case index)
+                  auto; "model-free": the draft model drafting without the constraint (`constrain_drafts: false`,
+                  the engine cutting what it forbids); each at every temperature (0: greedy contract, else exact
+                  with seed + case index)
   tokens/s        output tokens / wall seconds of the request, prefill included (llama-server's the same, timed
                   around its HTTP call)
   vs_plain        tokens/s over our constrained plain decoding at the same temperature (sums over the cases)
@@ -119,14 +121,15 @@ class StructuredBench:
         base = self.base
         namespaces = [pool.config for pool in base.kv.inner.ledger.pools.values()]
         cost, acceptance, lookup = self.policy.get((config, temperature), (copy.deepcopy(base.cost), None, None))
+        engine_config = dataclasses.replace(base.config, constrain_drafts=config != "model-free")
         return SpecEngine(base.verifier, base.drafter, LocalKV(BlockLedger(namespaces)), base.tokenizer,
-                          tuple(base.eos_token_ids), base.vocab_size, base.config, model_name=base.model_name,
+                          tuple(base.eos_token_ids), base.vocab_size, engine_config, model_name=base.model_name,
                           draft_name=base.draft_name, dtypes=base.dtypes, cost=cost, acceptance=acceptance,
-                          lookup_acceptance=lookup)
+                          lookup_acceptance=lookup, constraints=base.constraints)  # as a server's: built once
 
     def run_ours(self, config: str, temperature: float, case: StructuredCase, index: int, warmup: bool = False) -> None:
         engine = self._engine(config, temperature)
-        draft = "none" if config == "plain" else config
+        draft = {"plain": "none", "model-free": "model"}.get(config, config)
         greedy = temperature == 0
         request = GenerationRequest(
             case.id, tuple(self.prompt_ids[case.id]),

@@ -150,8 +150,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     st.add_argument("--model", default="qwen2.5-coder-1.5b", help="target (default qwen2.5-coder-1.5b)")
     st.add_argument("--draft", default="qwen2.5-coder-0.5b",
                     help="draft model, or 'none' for n-gram and suffix only (default qwen2.5-coder-0.5b)")
-    st.add_argument("--drafts", nargs="+", choices=["model", "ngram", "suffix"], default=None,
-                    help="speculative configs beside plain (default: model, or ngram without a draft model)")
+    st.add_argument("--drafts", nargs="+", choices=["model", "model-free", "ngram", "suffix"], default=None,
+                    help="speculative configs beside plain (default: model, or ngram without a draft model); "
+                         "model-free: the draft model drafting without the constraint")
     st.add_argument("--cases", nargs="+", default=None, help="schema cases (default: all five)")
     st.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7], help="default 0 0.7")
     st.add_argument("--max-tokens", type=int, default=160, help="output tokens per case at most (default 160)")

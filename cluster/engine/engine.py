@@ -94,11 +94,13 @@ class SpecEngine:
         model_name: str = "", draft_name: str = "none", *, dtypes: Mapping[str, str] | None = None,
         observer: EngineObserver | None = None, cost: CostModel | None = None,
         acceptance: AcceptanceStats | None = None, lookup_acceptance: AcceptanceStats | None = None,
+        constraints: ConstraintCompiler | None = None,
     ) -> None:
         """Complete at construction: `dtypes` ({"target": "bfloat16", "draft": ...}, as the workers resolved them),
         the `observer` (traces, metrics), and a carried-over policy state (`cost`, `acceptance` of the drafter's drafts,
-        `lookup_acceptance` of model-drafted requests' n-gram lookups) come in here;
-        nothing outside sets an attribute later."""
+        `lookup_acceptance` of model-drafted requests' n-gram lookups) and the constraint compiler of an engine it
+        replaces (`constraints`: its tokenizer and compiled grammars) come in here; nothing outside sets an attribute
+        later."""
         self.verifier = verifier
         self.drafter = drafter
         self.kv = HeldCommitKV(kv, lambda commits, results: check_commits(self, commits, results))  # the ledger (in process or its actor's client)
@@ -125,9 +127,10 @@ class SpecEngine:
         self.namespaces = [TARGET_NAMESPACE] + ([DRAFT_NAMESPACE] if drafter else [])
         self.inbox = RequestInbox(config.max_waiting)  # shared with submit/abort callers; step drains it
         self.shared = SharedPrompts(self.kv, self.inbox)  # prompt groups: n completions prefill once
-        # constraints (constraint.py): llguidance's tokenizer, built on the first constrained request, and the
-        # compiled grammars
-        self.constraints = ConstraintCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
+        # constraints (verifier_service/constraint.py): llguidance's tokenizer, built beside the engine's start, and
+        # the compiled grammars
+        self.constraints = constraints if constraints is not None else ConstraintCompiler(
+            tokenizer, vocab_size, eos_token_ids, prebuild=True) if tokenizer is not None else None
         self.suffix = SuffixDrafter()  # suffix drafts' tries (drafter_service/suffix_drafts.py); the planner's
         self.trace = StepTrace(observer)  # traces, metrics: the observer gets a StepRecord per step
 

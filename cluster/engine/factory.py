@@ -136,7 +136,8 @@ def assemble_engine(
 
 def draft_worker(runner: LocalRunner, checkpoint_dir: Path) -> DraftWorker:
     """The draft model's worker, drafting constrained chains under their constraints (its own tokenizer's matchers)."""
-    return DraftWorker(runner, DraftConstraints(tokenizer_compiler(str(checkpoint_dir), runner.config.vocab_size)))
+    return DraftWorker(runner, DraftConstraints(tokenizer_compiler(str(checkpoint_dir), runner.config.vocab_size),
+                                                prebuild=True))
 
 
 def build_local_engine(model: str, draft: str, config: EngineConfig, runtime: LocalRuntime,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -233,3 +234,44 @@ def test_seeded_draws_depend_only_on_seed_position_and_stream() -> None:
     assert sample_token(probs, 7, 12, "draft") == sample_with_uniforms(probs[None], window[2:3]).item()
     with pytest.raises(AssertionError):
         request_generator(7, 3, "bonus")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- logit bias and the constraint's mask
+def _words(allowed_rows: list[set[int]], vocab: int) -> np.ndarray:
+    words = np.zeros((len(allowed_rows), (vocab + 31) // 32), dtype=np.uint32)
+    for row, tokens in enumerate(allowed_rows):
+        for token in tokens:
+            words[row, token // 32] |= np.uint32(1 << (token % 32))
+    return words.view(np.int32)
+
+
+def test_the_mask_keeps_exactly_the_allowed_tokens_and_the_bias_adds() -> None:
+    from verifier_service.sampling import allowed_tokens, apply_allowed, apply_logit_bias
+
+    vocab = 70  # three words, the last one partial
+    rows = [{0, 31, 32, 69}, {5}, set(range(vocab))]
+    keep = allowed_tokens(_words(rows, vocab), vocab)
+    assert [set(torch.nonzero(k).flatten().tolist()) for k in keep] == rows
+    logits = torch.randn(3, vocab)
+    masked = apply_allowed(logits, _words(rows, vocab))
+    assert torch.equal(torch.isfinite(masked), keep) and torch.equal(masked[keep], logits[keep])
+    biased = apply_logit_bias(logits, ((3, -100.0), (7, 2.5)))
+    assert torch.equal(biased[:, 3], logits[:, 3] - 100) and torch.equal(biased[:, 7], logits[:, 7] + 2.5)
+    assert torch.equal(biased[:, 4], logits[:, 4])
+
+
+def test_greedy_allowed_gives_the_masked_argmax_masking_only_rows_that_need_it() -> None:
+    from verifier_service.sampling import apply_allowed, greedy_allowed
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 300
+    for trial in range(50):
+        logits = torch.randn(6, vocab, generator=g)
+        logits[:, 7] = logits[:, 9] = logits.max() + 1  # ties: the lowest allowed id wins
+        rows = [set(torch.randperm(vocab, generator=g)[:1 + trial].tolist()) | ({7, 9} if r % 2 else set())
+                for r in range(6)]
+        words = _words(rows, vocab)
+        assert torch.equal(argmax_rows(greedy_allowed(logits, words)), argmax_rows(apply_allowed(logits, words)))
+    logits = torch.randn(2, vocab, generator=g)
+    everything = _words([set(range(vocab))] * 2, vocab)
+    assert greedy_allowed(logits, everything) is logits  # no row's argmax forbidden: nothing masked, no copy
