@@ -7,15 +7,19 @@ Glossary (figures in the JSON; docs/benchmarks.md "Structured output"):
                   code signature)
   config          plain (draft "none": constrained plain decoding), or a drafter ("model", "ngram", "suffix") at k
                   auto; "model-free": the draft model drafting without the constraint (`constrain_drafts: false`,
-                  the engine cutting what it forbids); each at every temperature (0: greedy contract, else exact
-                  with seed + case index)
+                  the engine cutting what it forbids); each at every temperature (0: greedy contract, else exact,
+                  unseeded as most clients send it, so auto reads the measured costs; `--seeded`: seed + case index,
+                  whose k reads nominal costs only: docs/api.md "Seeds")
   tokens/s        output tokens / wall seconds of the request, prefill included (llama-server's the same, timed
                   around its HTTP call)
   vs_plain        tokens/s over our constrained plain decoding at the same temperature (sums over the cases)
   forced          drafts the constraint forced (no drafter ran for them) and their share of the emitted tokens
   cut             drafts the constraint forbade (cut before the verify)
-  constraint cost the requests' matcher time (masks, forced tokens, advancing: `constraint_seconds`) per output
-                  token, over plain decoding's seconds per token: the constraint's own cost per decode step
+  constraint cost per output token, over plain decoding's seconds per token (the constraint's own cost per decode
+                  step): the requests' matcher time (masks, forced tokens, advancing: `constraint_seconds`) plus the
+                  verifier's masking, each verified row priced at a full mask's application (`mask_ms_per_row`,
+                  timed on the model's vocabulary with the case's first mask: an upper bound, as a greedy row whose
+                  argmax is allowed costs one bit test)
   valid           outputs that parse as JSON and validate against their schema (jsonschema); `length` where a
                   case ran out of max_tokens before its object closed
   same_as_plain   greedy: outputs equal to our constrained plain decoding's, token by token
@@ -83,6 +87,7 @@ class StructuredSettings:
     llamacpp: bool = False  # native llama-server, plain and with the draft model, on the same GGUF files
     llamacpp_bin: str | None = None
     llamacpp_draft_tokens: int = 8
+    seeded: bool = False  # sampled requests carry seed + case index
 
 
 @dataclass
@@ -134,7 +139,7 @@ class StructuredBench:
         request = GenerationRequest(
             case.id, tuple(self.prompt_ids[case.id]),
             SamplingParams(temperature=temperature, max_tokens=WARMUP_TOKENS if warmup else self.s.max_tokens,
-                           seed=None if greedy else self.s.seed + index),
+                           seed=self.s.seed + index if self.s.seeded and not greedy else None),
             SpecParams(contract="greedy" if greedy else "exact", k=0 if draft == "none" else None, draft=draft),
             constraint=Constraint("json", json.dumps(case.schema), field="response_format"))
         start = time.perf_counter()
@@ -183,10 +188,31 @@ class StructuredBench:
                         job(name, temperature, case, index)
         return self.report()
 
+    def mask_ms_per_row(self) -> float:
+        """The verifier's cost of one row's full mask (sampling.apply_allowed) on the model's vocabulary, with each
+        case's first mask (median of 30, ms)."""
+        import statistics
+
+        import torch
+
+        from verifier_service.sampling import apply_allowed
+
+        assert self.base.constraints is not None
+        times = []
+        for case in self.cases:
+            mask = self.base.constraints.compile(Constraint("json", json.dumps(case.schema))).allowed_mask()[None]
+            logits = torch.randn(1, self.base.vocab_size)
+            for _ in range(30):
+                start = time.perf_counter()
+                apply_allowed(logits, mask)
+                times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
     def report(self) -> dict[str, Any]:
         import jsonschema
 
         schemas = {c.id: c.schema for c in self.cases}
+        mask_ms = self.mask_ms_per_row()
         rows = []
         for temperature in self.s.temperatures:
             names = self.configs + [f"llama.cpp {m}" for m in (self.llama.modes if self.llama else [])]
@@ -214,7 +240,8 @@ class StructuredBench:
                     forced_acc = sum(r.stats.get("forced", {}).get("accepted", 0) for r in runs)
                     acc = [r.stats.get("acceptance", {}) for r in runs]
                     proposed, accepted = sum(a.get("proposed", 0) for a in acc), sum(a.get("accepted", 0) for a in acc)
-                    constraint = sum(r.stats.get("constraint_seconds", 0.0) for r in runs)
+                    rows = tokens + proposed + forced  # verified rows: one a token, and one a rejected draft at most
+                    constraint = sum(r.stats.get("constraint_seconds", 0.0) for r in runs) + rows * mask_ms / 1e3
                     row.update({
                         "forced_proposed": forced, "forced_accepted": forced_acc,
                         "forced_share_of_tokens": round(forced_acc / tokens, 4) if tokens else 0.0,
@@ -229,7 +256,7 @@ class StructuredBench:
         env = environment()
         env["loadavg_at_end"] = list(os.getloadavg())
         return {"bench": "structured", "settings": dataclasses.asdict(self.s), "dtypes": dict(self.base.dtypes),
-                "environment": env, "rows": rows,
+                "environment": env, "rows": rows, "mask_ms_per_row": round(mask_ms, 4),
                 "llama_cpp": self.llama.info() if self.llama else None,
                 "runs": [dataclasses.asdict(r) for r in self.runs]}
 

@@ -163,6 +163,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     help="native llama-server beside ours, plain and with the draft model (scripts/build-llamacpp.sh)")
     st.add_argument("--llamacpp-bin", default=None, help="llama.cpp's bin folder (default: the build script's)")
     st.add_argument("--llamacpp-draft-tokens", type=int, default=8, help="llama-server's --spec-draft-n-max (8)")
+    st.add_argument("--seeded", action="store_true", help="sampled requests carry seeds (their k then reads nominal "
+                                                          "costs only); default unseeded, as most clients send them")
     _common(st)
     st.set_defaults(_bench_run=_run_structured)
 
@@ -265,7 +267,7 @@ def _run_structured(args: argparse.Namespace) -> int:
         model=args.model, draft=args.draft, drafts=tuple(drafts), temperatures=tuple(args.temperatures),
         cases=tuple(args.cases or ()), max_tokens=args.max_tokens, repeats=args.repeats, threads=args.threads,
         dtype=args.dtype, draft_dtype=args.draft_dtype, llamacpp=args.llamacpp, llamacpp_bin=args.llamacpp_bin,
-        llamacpp_draft_tokens=args.llamacpp_draft_tokens)
+        llamacpp_draft_tokens=args.llamacpp_draft_tokens, seeded=args.seeded)
     result = run_structured_bench(settings)
     write_json(result, args.json_out)
     print(format_structured(result))
