@@ -35,6 +35,7 @@ MAX_TOKENS_LIMIT = 8192
 MIN_TEMPERATURE = 1e-3  # below it, logits / temperature overflows float32: 0 (greedy) or at least this
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)  # the same overflow, the other way round
 MAX_K = 8
+MAX_TOP_K = (1 << 31) - 1  # gRPC's int32; the round messages carry it as a MessagePack integer
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: added to the raw logits; -100 bans a token, 100 all but forces it
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (OpenAI allows 300; vLLM no bound)
 CONSTRAINT_KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar")
@@ -143,8 +144,8 @@ class SamplingParams:
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise InvalidRequestError("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
                                                      f"got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidRequestError("top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidRequestError("top_k", f"must be in [0, {MAX_TOP_K}] (0 disables), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):

@@ -33,6 +33,7 @@ from specserve_types.api import (
     MAX_K,
     MAX_LOGIT_BIAS,
     MAX_TOKENS_LIMIT,
+    MAX_TOP_K,
     MIN_TEMPERATURE,
     REPETITION_PENALTY_RANGE,
 )
@@ -207,7 +208,7 @@ class GenerationParams(Strict):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     # specserve extensions
-    top_k: Int(ge=0) | None = Field(None, description="specserve: 0 disables")
+    top_k: Int(ge=0, le=MAX_TOP_K) | None = Field(None, description="specserve: 0 disables")
     min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(None, description="specserve")
     repetition_penalty: Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])] | None \
         = Field(None, description="specserve: 1 disables")

@@ -44,3 +44,11 @@ def test_text_and_identifiers() -> None:
         assert info.value.field == "request_id"
     with pytest.raises(InvalidRequestError):
         GenerationRequest("bad\rid", (1, 2))
+
+
+def test_top_k_is_bounded_as_the_round_messages_carry_it() -> None:
+    from specserve_types.api import MAX_TOP_K, InvalidRequestError, SamplingParams
+
+    assert SamplingParams(temperature=1.0, top_k=MAX_TOP_K).top_k == MAX_TOP_K
+    with pytest.raises(InvalidRequestError, match="top_k"):
+        SamplingParams(temperature=1.0, top_k=MAX_TOP_K + 1)  # a 10**30 from a fuzzer failed a round's encoding
