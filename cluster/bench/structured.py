@@ -240,8 +240,8 @@ class StructuredBench:
                     forced_acc = sum(r.stats.get("forced", {}).get("accepted", 0) for r in runs)
                     acc = [r.stats.get("acceptance", {}) for r in runs]
                     proposed, accepted = sum(a.get("proposed", 0) for a in acc), sum(a.get("accepted", 0) for a in acc)
-                    rows = tokens + proposed + forced  # verified rows: one a token, and one a rejected draft at most
-                    constraint = sum(r.stats.get("constraint_seconds", 0.0) for r in runs) + rows * mask_ms / 1e3
+                    verified = tokens + proposed + forced  # rows verified: one a token, one a rejected draft at most
+                    constraint = sum(r.stats.get("constraint_seconds", 0.0) for r in runs) + verified * mask_ms / 1e3
                     row.update({
                         "forced_proposed": forced, "forced_accepted": forced_acc,
                         "forced_share_of_tokens": round(forced_acc / tokens, 4) if tokens else 0.0,
