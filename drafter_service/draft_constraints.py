@@ -18,10 +18,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 
+from model_runtime.config import ModelConfig, eos_token_ids
 from specserve_types.api import Constraint
 from specserve_types.round_messages import ProposeItem
 from verifier_service.constraint import ConstraintCompiler, RequestConstraint
@@ -107,21 +108,14 @@ class DraftConstraints:
 
 
 def tokenizer_compiler(checkpoint_dir: str, vocab_size: int) -> Callable[[], ConstraintCompiler]:
-    """A compiler over the tokenizer saved with the draft model (its end-of-sequence ids: the tokenizer's and its
-    generation config's), built when first called."""
+    """A compiler over the tokenizer saved with the draft model (its end-of-sequence ids as the engine reads a
+    checkpoint's: model_runtime.config.eos_token_ids), built when first called."""
 
     def make() -> ConstraintCompiler:
-        import json
-        from pathlib import Path
-
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
-        eos: set[int] = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        generation = Path(checkpoint_dir) / "generation_config.json"
-        if generation.exists():
-            value: Any = json.loads(generation.read_text()).get("eos_token_id")
-            eos.update(value if isinstance(value, list) else [value] if value is not None else [])
-        return ConstraintCompiler(tokenizer, vocab_size, eos)
+        config = ModelConfig.from_dir(Path(checkpoint_dir))
+        return ConstraintCompiler(tokenizer, vocab_size, eos_token_ids(Path(checkpoint_dir), config, tokenizer))
 
     return make

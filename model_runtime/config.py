@@ -77,3 +77,15 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, checkpoint_dir: str | Path) -> ModelConfig:
         return cls.from_hf_dict(json.loads((Path(checkpoint_dir) / "config.json").read_text()))
+
+
+def eos_token_ids(checkpoint_dir: Path, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+    """A checkpoint's end-of-sequence ids: its config's, its generation config's and its tokenizer's."""
+    ids = set(config.eos_token_ids)
+    gen_cfg = Path(checkpoint_dir) / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

@@ -11,6 +11,7 @@ Glossary:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -103,12 +104,12 @@ class Constraint:
       choice   `value` is a JSON list of strings: the output is exactly one of them
       grammar  `value` is a grammar in llguidance's Lark syntax (a `start` rule; `%json {...}` embeds a schema)
 
-    Frozen and hashable: the compiled grammar is cached per constraint. `field` names the request field it came
-    from (for the errors a bad one gets)."""
+    Frozen and hashable: the compiled grammar is cached per constraint (kind and value: the same schema from two
+    fields compiles once). `field` names the request field it came from (for the errors a bad one gets)."""
 
     kind: str
     value: str
-    field: str = "constraint"
+    field: str = dataclasses.field(default="constraint", compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in CONSTRAINT_KINDS:

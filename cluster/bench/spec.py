@@ -42,11 +42,9 @@ from cluster.bench.spec_settings import SpecSettings
 from cluster.bench.spec_tally import Tally, acc_rate, category_ratios, ratio, same_fraction
 from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.engine import SpecEngine
-from cluster.engine.factory import tokenize_prompt
-from cluster.engine.kv_client import LocalKV
+from cluster.engine.factory import fresh_engine, tokenize_prompt
 from cluster.engine.request_span import RequestSpan
 from cluster.engine.round_spans import RoundSpans
-from kv_manager.ledger import BlockLedger
 from model_runtime.model import CausalLM
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
 
@@ -120,21 +118,16 @@ class SpecBench:
     # ------------------------------------------------------------------ our engine
     def _fresh_engine(self, config: Config) -> SpecEngine:
         base = self.base
-        namespaces = [pool.config for pool in base.kv.inner.ledger.pools.values()]
         # the auto policy's state carried per config; else the costs the base engine measured in its warm-up
         cost, acceptance, lookup = self.policy.get(config, (copy.deepcopy(base.cost), None, None))
-        return SpecEngine(base.verifier, base.drafter, LocalKV(BlockLedger(namespaces)), base.tokenizer,
-                          tuple(base.eos_token_ids), base.vocab_size,
-                          dataclasses.replace(base.config, max_batch=config.batch,
-                                              **{"model_tree_nodes" if config.draft == "model" else "tree_nodes":
-                                                 config.tree_nodes},
-                                              **({} if config.stop_below is None
-                                                 else {"draft_stop_below": config.stop_below}),
-                                              **({} if config.lookup is None else {"draft_lookup": config.lookup}),
-                                              **({} if config.exact_rule is None else {"exact_rule": config.exact_rule})),
-                          model_name=base.model_name, draft_name=base.draft_name, dtypes=base.dtypes,
-                          observer=RoundSpans(self.tracer) if config.traced else None, cost=cost,
-                          acceptance=acceptance, lookup_acceptance=lookup)
+        engine_config = dataclasses.replace(
+            base.config, max_batch=config.batch,
+            **{"model_tree_nodes" if config.draft == "model" else "tree_nodes": config.tree_nodes},
+            **({} if config.stop_below is None else {"draft_stop_below": config.stop_below}),
+            **({} if config.lookup is None else {"draft_lookup": config.lookup}),
+            **({} if config.exact_rule is None else {"exact_rule": config.exact_rule}))
+        return fresh_engine(base, engine_config, observer=RoundSpans(self.tracer) if config.traced else None,
+                            cost=cost, acceptance=acceptance, lookup_acceptance=lookup)
 
     def _request(self, config: Config, prompt: BenchPrompt, index: int, max_tokens: int) -> GenerationRequest:
         greedy = config.temperature == 0

@@ -44,9 +44,7 @@ from typing import Any
 
 from cluster.bench.runtime import environment, progress, set_threads
 from cluster.engine.engine import SpecEngine
-from cluster.engine.factory import tokenize_prompt
-from cluster.engine.kv_client import LocalKV
-from kv_manager.ledger import BlockLedger
+from cluster.engine.factory import fresh_engine, tokenize_prompt
 from specserve_types.api import Constraint, GenerationRequest, SamplingParams, SpecParams
 
 WARMUP_TOKENS = 16
@@ -124,13 +122,9 @@ class StructuredBench:
 
     def _engine(self, config: str, temperature: float) -> SpecEngine:
         base = self.base
-        namespaces = [pool.config for pool in base.kv.inner.ledger.pools.values()]
         cost, acceptance, lookup = self.policy.get((config, temperature), (copy.deepcopy(base.cost), None, None))
-        engine_config = dataclasses.replace(base.config, constrain_drafts=config != "model-free")
-        return SpecEngine(base.verifier, base.drafter, LocalKV(BlockLedger(namespaces)), base.tokenizer,
-                          tuple(base.eos_token_ids), base.vocab_size, engine_config, model_name=base.model_name,
-                          draft_name=base.draft_name, dtypes=base.dtypes, cost=cost, acceptance=acceptance,
-                          lookup_acceptance=lookup, constraints=base.constraints)  # as a server's: built once
+        return fresh_engine(base, dataclasses.replace(base.config, constrain_drafts=config != "model-free"),
+                            cost=cost, acceptance=acceptance, lookup_acceptance=lookup)
 
     def run_ours(self, config: str, temperature: float, case: StructuredCase, index: int, warmup: bool = False) -> None:
         engine = self._engine(config, temperature)

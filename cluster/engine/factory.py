@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from drafter_service.draft_constraints import DraftConstraints, tokenizer_compil
 from drafter_service.worker import DraftWorker
 from kv_manager.ledger import BlockLedger
 from kv_manager.schema import NamespaceConfig
-from model_runtime.config import ModelConfig
+from model_runtime.config import ModelConfig, eos_token_ids
 from model_runtime.precision import draft_dtype, dtype_name, target_dtype
 from specserve_types.api import InvalidRequestError, SpecServeError
 from verifier_service.worker import LocalRunner, VerifierWorker
@@ -82,17 +81,6 @@ def tokenize_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
 
 
-def eos_token_ids(checkpoint_dir: Path, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
-    ids = set(config.eos_token_ids)
-    gen_cfg = checkpoint_dir / "generation_config.json"
-    if gen_cfg.exists():
-        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
-
-
 def check_draft_compatible(target_cfg: ModelConfig, target_tok: Any, draft_cfg: ModelConfig, draft_tok: Any) -> None:
     """Refuse before any request runs unless draft and target share tokenizer and vocabulary ids."""
     if target_cfg.vocab_size != draft_cfg.vocab_size:
@@ -132,6 +120,17 @@ def assemble_engine(
                       model_name=model, draft_name=draft,
                       dtypes={name: d for name, d in (dtypes or {}).items() if name == "target" or drafter is not None},
                       observer=observer)
+
+
+def fresh_engine(base: SpecEngine, config: EngineConfig, observer: EngineObserver | None = None,
+                 cost: Any = None, acceptance: Any = None, lookup_acceptance: Any = None) -> SpecEngine:
+    """An engine on `base`'s workers, tokenizer and constraint compiler with a fresh in-process ledger of the same pools
+    (no prefix cache carried over): a benchmark's run of one config, carrying that config's policy state."""
+    namespaces = [pool.config for pool in base.kv.inner.ledger.pools.values()]
+    return SpecEngine(base.verifier, base.drafter, LocalKV(BlockLedger(namespaces)), base.tokenizer,
+                      tuple(base.eos_token_ids), base.vocab_size, config, model_name=base.model_name,
+                      draft_name=base.draft_name, dtypes=base.dtypes, observer=observer, cost=cost,
+                      acceptance=acceptance, lookup_acceptance=lookup_acceptance, constraints=base.constraints)
 
 
 def draft_worker(runner: LocalRunner, checkpoint_dir: Path) -> DraftWorker:
