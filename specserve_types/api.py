@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+import numpy as np
 
 Contract = Literal["exact", "greedy", "typical"]
 CONTRACTS: tuple[str, ...] = ("exact", "greedy", "typical")
@@ -39,6 +42,8 @@ MAX_K = 8
 MAX_TOP_K = (1 << 31) - 1  # gRPC's int32; the round messages carry it as a MessagePack integer
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: added to the raw logits; -100 bans a token, 100 all but forces it
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (OpenAI allows 300; vLLM no bound)
+MAX_LOGPROBS = 20  # top alternatives reported per token (OpenAI's top_logprobs bound)
+LOGPROBS_MODES = ("raw", "processed")  # the target's raw logits' log-softmax, or the sampled-from distribution's
 CONSTRAINT_KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar")
 MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema, regex, grammar or the choices' JSON: larger is refused (docs/api.md)
 MAX_CHOICES = 256
@@ -138,6 +143,14 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias) pairs added to the raw logits before penalties (ids sorted, unique;
     # ids outside the vocabulary are refused at submit, where the vocabulary is known)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # log-probabilities (docs/api.md, "Log-probabilities"): each output token's, with this many top alternatives
+    # (0..MAX_LOGPROBS); None: none. `prompt_logprobs` the same for the prompt's tokens (the first one has none);
+    # with it, max_tokens may be 0 (the prompt scored, nothing generated). `logprobs_mode`: "raw" (the target's
+    # log-softmax of its raw logits, the default, as OpenAI and vLLM) or "processed" (of the distribution the token
+    # was sampled from: logit bias, penalties, constraint, temperature, top-k/top-p/min-p applied)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -159,8 +172,18 @@ class SamplingParams:
             value = getattr(self, name)
             if not (-2.0 <= value <= 2.0):
                 raise InvalidRequestError(name, f"must be in [-2, 2], got {value}")
-        if not (1 <= self.max_tokens <= MAX_TOKENS_LIMIT):
-            raise InvalidRequestError("max_tokens", f"must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(name, f"must be in [0, {MAX_LOGPROBS}] or unset, got {value!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidRequestError("logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}, "
+                                                       f"got {self.logprobs_mode!r}")
+        lowest = 0 if self.prompt_logprobs is not None else 1  # max_tokens 0 only scores the prompt
+        if not (lowest <= self.max_tokens <= MAX_TOKENS_LIMIT):
+            raise InvalidRequestError("max_tokens", f"must be in [{lowest}, {MAX_TOKENS_LIMIT}]"
+                                                    f"{' (0 only to score the prompt)' if not lowest else ''}, "
+                                                    f"got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
         for stop in self.stop:
@@ -228,6 +251,36 @@ class GenerationRequest:
             raise InvalidRequestError("prompt", "must be non-empty")
 
 
+@dataclass(frozen=True)
+class RowLogprobs:
+    """Log-probabilities of consecutive positions, as the verifier computed them (float32, the bits plain decoding
+    gives): each position's chosen token's, and its top alternatives (ids and log-probabilities, likeliest first;
+    ties in id order). `rows` positions; `top_ids` / `top_logprobs` are [rows, n], n the request's count."""
+
+    token_logprobs: np.ndarray  # [rows] float32
+    top_ids: np.ndarray  # [rows, n] int32
+    top_logprobs: np.ndarray  # [rows, n] float32
+
+    def __len__(self) -> int:
+        return int(self.token_logprobs.shape[0])
+
+    def head(self, rows: int) -> RowLogprobs:
+        """The first `rows` positions."""
+        return RowLogprobs(self.token_logprobs[:rows], self.top_ids[:rows], self.top_logprobs[:rows])
+
+    def entries(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Per position: (its token's log-probability, [(id, log-probability) of the top alternatives])."""
+        ids, values = self.top_ids.tolist(), self.top_logprobs.tolist()
+        return [(float(lp), list(zip(row_ids, row_values, strict=True)))
+                for lp, row_ids, row_values in zip(self.token_logprobs.tolist(), ids, values, strict=True)]
+
+    @staticmethod
+    def concat(parts: Sequence[RowLogprobs]) -> RowLogprobs:
+        return RowLogprobs(np.concatenate([p.token_logprobs for p in parts]),
+                           np.concatenate([p.top_ids for p in parts]),
+                           np.concatenate([p.top_logprobs for p in parts]))
+
+
 @dataclass
 class TokenChunk:
     """What one round emitted for one request, in order. `finish_reason` is set on the last chunk."""
@@ -242,6 +295,10 @@ class TokenChunk:
     stats: dict | None = None  # per-request statistics, on the final chunk only
     offset: int = 0  # where token_ids start in the completion's output (tokens sent before): a client sees a
     # skipped or repeated token from the stream alone
+    logprobs: RowLogprobs | None = None  # token_ids' log-probabilities (sampling.logprobs set), one row each
+    # the prompt's (sampling.prompt_logprobs set), on the completion's first chunk: rows for prompt tokens 1.. (the
+    # first prompt token has none)
+    prompt_logprobs: RowLogprobs | None = None
 
     @property
     def finished(self) -> bool:

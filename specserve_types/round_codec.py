@@ -57,7 +57,8 @@ METHODS: dict[str, MethodTypes] = {
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         data = np.ascontiguousarray(obj)
-        return (data.dtype.str, list(data.shape), msgspec.msgpack.Ext(_ARRAY_EXT, memoryview(data).cast("B")))
+        raw = memoryview(data).cast("B") if data.size else b""  # an empty array's view cannot be cast
+        return (data.dtype.str, list(data.shape), msgspec.msgpack.Ext(_ARRAY_EXT, raw))
     if isinstance(obj, np.integer):
         return int(obj)
     if isinstance(obj, np.floating):

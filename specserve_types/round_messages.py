@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specserve_types.api import Constraint, SamplingParams
+from specserve_types.api import Constraint, RowLogprobs, SamplingParams
 
 
 @dataclass
@@ -96,6 +96,9 @@ class VerifyItem:
     # the request's constraint (verifier_service/constraint.py): each scored row's allowed tokens along its own prefix,
     # int32 bitmask words [rows, ceil(V / 32)] (bit i of word w allows token 32 w + i); None: unconstrained
     allowed: np.ndarray | None = None
+    # score the prompt (sampling.prompt_logprobs set, the request's first round): input_ids are the whole prompt from
+    # position 0 (past_len 0), and every input row is scored, not only the last
+    score_prompt: bool = False
 
 
 @dataclass
@@ -111,6 +114,8 @@ class VerifyOutput:
     tokens: list[int]  # accepted drafts + the correction or bonus token
     bonus: bool
     accepted_path: list[int] | None = None  # a tree's accepted drafts (indices into draft_ids), root first
+    logprobs: RowLogprobs | None = None  # `tokens`' log-probabilities (sampling.logprobs set), one row each
+    prompt_logprobs: RowLogprobs | None = None  # the item's prompt's (score_prompt): rows for input tokens 1..
 
 
 @dataclass

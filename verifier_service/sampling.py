@@ -184,8 +184,15 @@ def transform_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     vocab_size = logits.shape[-1]
     if params.is_greedy:
         return F.one_hot(argmax_rows(logits), vocab_size).float()
+    return transformed_logits(logits, params).softmax(-1)
+
+
+def transformed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """A sampled request's logits [n,V] after temperature, top-k, top-p and min-p (float32, -inf for the tokens they
+    drop): `transform_logits` is their softmax."""
+    assert not params.is_greedy, "temperature 0 has no distribution to transform"
     logits = logits.float() / params.temperature
-    if 0 < params.top_k < vocab_size:
+    if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
@@ -193,7 +200,7 @@ def transform_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     if params.min_p > 0.0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
-    return logits.softmax(-1)
+    return logits
 
 
 def top_p_drop(logits: torch.Tensor, top_p: float, first_candidates: int = 64) -> torch.Tensor:

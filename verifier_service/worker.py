@@ -18,8 +18,10 @@ import torch
 
 from model_runtime.batch import SeqInput
 from model_runtime.config import ModelConfig
+from specserve_types.api import RowLogprobs
 from specserve_types.round_messages import VerifyBatch, VerifyItem, VerifyOutput, VerifyResult
 from verifier_service.contracts import Verdict, verify_exact, verify_greedy, verify_typical
+from verifier_service.logprobs import processed_rows, prompt_logprobs, row_logprobs
 from verifier_service.sampling import (
     apply_allowed,
     apply_logit_bias,
@@ -99,6 +101,19 @@ def decide(item: VerifyItem, logits: torch.Tensor, inject_bias: bool = False) ->
     return verify_exact(item.draft_ids, q, p, item.seed, first_draft_position, inject_bias, item.exact_rule)
 
 
+def emitted_logprobs(item: VerifyItem, logits: torch.Tensor, rows: list[int], tokens: list[int]
+                     ) -> RowLogprobs | None:
+    """The emitted tokens' log-probabilities (verifier_service/logprobs.py), from the rows that decided them (`rows`
+    of the item's decided logits); None where the request asks for none."""
+    params = item.sampling
+    if params.logprobs is None:
+        return None
+    if params.logprobs_mode == "raw":
+        return row_logprobs(logits[rows], tokens, params.logprobs)
+    processed = processed_logits(item, logits)  # every processor, the constraint's mask on every row
+    return row_logprobs(processed_rows(processed, params)[rows], tokens, params.logprobs)
+
+
 def tree_of(item: VerifyItem) -> TokenTree:
     assert item.draft_parents is not None, "a chain item"
     if not item.input_ids:
@@ -112,16 +127,17 @@ def seq_input(item: VerifyItem, tree: TokenTree | None) -> SeqInput:
     """The item's forward input: its inputs then its drafts, causal for a chain; for a tree (`tree_of(item)`), the
     inputs causal and each node after every input and its own ancestors, at position (the root's) + its depth."""
     tokens = item.input_ids + item.draft_ids
+    rows: str | int = "all" if item.score_prompt else len(item.draft_ids) + 1
     if tree is None:
         return SeqInput(token_ids=tokens, past_len=item.past_len, block_table=item.block_table,
-                        slot_mapping=item.slot_mapping, logits=len(item.draft_ids) + 1)
+                        slot_mapping=item.slot_mapping, logits=rows)
     inputs = len(item.input_ids)
     mask = torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril()
     mask[inputs:, inputs:] = tree.ancestor_mask()
     root = item.past_len + inputs - 1
     positions = list(range(item.past_len, root + 1)) + [root + d for d in tree.depths()]
     return SeqInput(token_ids=tokens, past_len=item.past_len, block_table=item.block_table,
-                    slot_mapping=item.slot_mapping, positions=positions, attn_mask=mask, logits=len(tree) + 1)
+                    slot_mapping=item.slot_mapping, positions=positions, attn_mask=mask, logits=rows)
 
 
 def decide_tree(item: VerifyItem, tree: TokenTree, logits: torch.Tensor, inject_bias: bool = False) -> TreeVerdict:
@@ -170,15 +186,24 @@ class VerifierWorker:
         moves_due, self._slot_moves = self._slot_moves, ()
         all_logits = self.runner.forward(seqs, copies, moves_due)
         outputs, moves = [], []
-        for item, tree, logits in zip(batch.items, trees, all_logits, strict=True):
+        for item, tree, rows in zip(batch.items, trees, all_logits, strict=True):
+            logits = rows[len(item.input_ids) - 1:] if item.score_prompt else rows  # the decided rows
+            prompt = prompt_logprobs(rows, item.input_ids, item.sampling.prompt_logprobs or 0) \
+                if item.score_prompt else None
             if tree is None:
                 verdict = decide(item, logits, self.inject_bias)
-                outputs.append(VerifyOutput(item.request_id, verdict.accepted_len, verdict.tokens, verdict.bonus))
+                emitted = list(range(len(verdict.tokens)))
+                outputs.append(VerifyOutput(item.request_id, verdict.accepted_len, verdict.tokens, verdict.bonus,
+                                            logprobs=emitted_logprobs(item, logits, emitted, verdict.tokens),
+                                            prompt_logprobs=prompt))
                 continue
             tree_verdict = decide_tree(item, tree, logits, self.inject_bias)
             leaf = not tree.children(tree_verdict.path[-1] if tree_verdict.path else -1)
+            emitted = [0, *(node + 1 for node in tree_verdict.path)]
             outputs.append(VerifyOutput(item.request_id, tree_verdict.accepted_len, list(tree_verdict.tokens), leaf,
-                                        accepted_path=list(tree_verdict.path)))
+                                        accepted_path=list(tree_verdict.path),
+                                        logprobs=emitted_logprobs(item, logits, emitted, list(tree_verdict.tokens)),
+                                        prompt_logprobs=prompt))
             moves += path_moves(item, tree_verdict.path)
         self._slot_moves = tuple(moves)
         scored = sum(len(s.token_ids) for s in seqs)

@@ -127,7 +127,11 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
         assert s.target_cached <= len(s.token_ids) and s.draft_cached <= len(s.token_ids), "cache > tokens"
         chunk = TokenChunk(s.request_id, kept, delta, proposed=counted_proposed, accepted=kept_accepted,
                            forced=counted_proposed if plan.forced else 0, finish_reason=s.finish_reason,
-                           offset=s.num_output - len(kept))
+                           offset=s.num_output - len(kept),
+                           logprobs=None if out.logprobs is None else out.logprobs.head(len(kept)),
+                           prompt_logprobs=out.prompt_logprobs)
+        if out.prompt_logprobs is not None:
+            s.prompt_scored = True
         if finished:
             chunk.stats = s.stats()
             outcome.finished.append(s)

@@ -30,6 +30,8 @@ def admit_target(kv: HeldCommitKV, state: RequestState, holder: Holder, lookahea
     items = [AdmitItem(TARGET_NAMESPACE, state.request_id, state.token_ids, holder)]
     if not kv.can_admit(items, lookahead=lookahead):
         return False  # memory pressure: wait for running requests to finish
+    if state.scores_prompt:  # it computes every prompt row: no prefix-cache hit (its first token alone fills no block)
+        items = [AdmitItem(TARGET_NAMESPACE, state.request_id, state.token_ids[:1], holder)]
     (admission,) = kv.admit(items)
     state.target_cached = admission.num_cached_tokens
     return True

@@ -138,6 +138,12 @@ class RequestState:
     constraint: RequestConstraint | None = None
     forced: int = 0  # drafts its constraint forced (planner.py)
     forced_accepted: int = 0
+    prompt_scored: bool = False  # its prompt's log-probabilities were sent (sampling.prompt_logprobs): accept.py
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its next round scores its prompt: asked for, not yet sent, and the round prefills from the start."""
+        return self.request.sampling.prompt_logprobs is not None and not self.prompt_scored and self.target_cached == 0
 
     @property
     def request_id(self) -> str:
@@ -160,6 +166,9 @@ class RequestState:
         kept: list[int] = []
         params = self.request.sampling
         delta = ""
+        if params.max_tokens == 0:  # the prompt scored, nothing generated
+            self.finish_reason, self.finished_at = "length", time.monotonic()
+            return kept, delta
         for token in new_tokens:
             self.token_ids.append(token)
             kept.append(token)

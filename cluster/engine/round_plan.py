@@ -262,4 +262,5 @@ def verify_item(plan: RoundPlan, exact_rule: str) -> VerifyItem:
         prompt_ids=prompt_ids, output_ids=output_ids, copy_blocks=list(grant.copy_on_write),
         draft_parents=list(plan.draft_parents) if plan.draft_parents is not None and drafts else None,
         exact_rule=exact_rule, allowed=plan.allowed if plan.prefill_to is None else None,
+        score_prompt=plan.prefill_to is None and s.scores_prompt,
     )

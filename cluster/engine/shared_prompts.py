@@ -28,8 +28,8 @@ from kv_manager.schema import AdmitItem, Holder
 def group_states(states: Sequence[RequestState]) -> PromptGroup | None:
     """Make `states` (the n completions of one prompt) a group; None where sharing saves nothing (one
     member, or a one-token prompt: each member computes the last prompt token itself)."""
-    if len(states) < 2 or states[0].prompt_len < 2:
-        return None
+    if len(states) < 2 or states[0].prompt_len < 2 or states[0].request.sampling.prompt_logprobs is not None:
+        return None  # a scored prompt is computed by each member (its rows are the member's first round's)
     group = PromptGroup(group_key(states[0].request_id), states[0].prompt_len - 1, len(states),
                         states[0].request_id)
     for state in states:
