@@ -254,19 +254,24 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class RowLogprobs:
     """Log-probabilities of consecutive positions, as the verifier computed them (float32, the bits plain decoding
-    gives): each position's chosen token's, and its top alternatives (ids and log-probabilities, likeliest first;
-    ties in id order). `rows` positions; `top_ids` / `top_logprobs` are [rows, n], n the request's count."""
+    gives): each position's chosen token's (and its rank), and its top alternatives (ids and log-probabilities,
+    likeliest first). `rows` positions; `top_ids` / `top_logprobs` are [rows, n], n the request's count."""
 
     token_logprobs: np.ndarray  # [rows] float32
     top_ids: np.ndarray  # [rows, n] int32
     top_logprobs: np.ndarray  # [rows, n] float32
+    ranks: np.ndarray  # [rows] int32: the chosen token's rank (1 + the tokens strictly likelier; vLLM's `rank`)
 
     def __len__(self) -> int:
         return int(self.token_logprobs.shape[0])
 
     def head(self, rows: int) -> RowLogprobs:
         """The first `rows` positions."""
-        return RowLogprobs(self.token_logprobs[:rows], self.top_ids[:rows], self.top_logprobs[:rows])
+        return self.rows(0, rows)
+
+    def rows(self, start: int, stop: int) -> RowLogprobs:
+        return RowLogprobs(self.token_logprobs[start:stop], self.top_ids[start:stop], self.top_logprobs[start:stop],
+                           self.ranks[start:stop])
 
     def entries(self) -> list[tuple[float, list[tuple[int, float]]]]:
         """Per position: (its token's log-probability, [(id, log-probability) of the top alternatives])."""
@@ -278,7 +283,8 @@ class RowLogprobs:
     def concat(parts: Sequence[RowLogprobs]) -> RowLogprobs:
         return RowLogprobs(np.concatenate([p.token_logprobs for p in parts]),
                            np.concatenate([p.top_ids for p in parts]),
-                           np.concatenate([p.top_logprobs for p in parts]))
+                           np.concatenate([p.top_logprobs for p in parts]),
+                           np.concatenate([p.ranks for p in parts]))
 
 
 @dataclass

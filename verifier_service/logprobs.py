@@ -31,14 +31,17 @@ def row_logprobs(rows: torch.Tensor, tokens: Sequence[int], top: int) -> RowLogp
     chosen = np.empty(count, np.float32)
     ids = np.empty((count, top), np.int32)
     values = np.empty((count, top), np.float32)
+    ranks = np.empty(count, np.int32)
     for i, token in enumerate(tokens):
         logprobs = torch.log_softmax(rows[i].float(), -1)
-        chosen[i] = float(logprobs[token])
+        own = logprobs[token]
+        chosen[i] = float(own)
+        ranks[i] = 1 + int((logprobs > own).sum())
         if top:
             best = torch.topk(logprobs, top)
             ids[i] = best.indices.numpy()
             values[i] = best.values.numpy()
-    return RowLogprobs(chosen, ids, values)
+    return RowLogprobs(chosen, ids, values, ranks)
 
 
 def processed_rows(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -45,8 +45,10 @@ def verify_batch(probs: np.ndarray | None = None, parents: list[int] | None = No
 
 def verify_result() -> VerifyResult:
     logprobs = RowLogprobs(np.array([-0.5, -1.25, -3.0], np.float32), np.array([[11, 3], [12, 4], [7, 99]], np.int32),
-                           np.array([[-0.5, -2.0], [-1.25, -1.5], [-0.75, -3.0]], np.float32))
-    prompt = RowLogprobs(np.array([-7.5], np.float32), np.zeros((1, 0), np.int32), np.zeros((1, 0), np.float32))
+                           np.array([[-0.5, -2.0], [-1.25, -1.5], [-0.75, -3.0]], np.float32),
+                           np.array([1, 1, 3], np.int32))
+    prompt = RowLogprobs(np.array([-7.5], np.float32), np.zeros((1, 0), np.int32), np.zeros((1, 0), np.float32),
+                         np.array([40], np.int32))
     return VerifyResult([VerifyOutput("r1", 2, [11, 12, 99], False, accepted_path=[0, 1], logprobs=logprobs),
                          VerifyOutput("r2", 0, [4], True, prompt_logprobs=prompt)], 0.05, 6, "instance-1")
 

@@ -71,6 +71,7 @@ def same_bits(a: RowLogprobs, b: RowLogprobs) -> None:
     np.testing.assert_array_equal(a.token_logprobs.view(np.int32), b.token_logprobs.view(np.int32))
     np.testing.assert_array_equal(a.top_ids, b.top_ids)
     np.testing.assert_array_equal(a.top_logprobs.view(np.int32), b.top_logprobs.view(np.int32))
+    np.testing.assert_array_equal(a.ranks, b.ranks)
 
 
 def lp_request(rid: str, prompt: list[int], draft: str, **kwargs: object):
@@ -84,7 +85,7 @@ DRAFTS = ["model", "model-tree", "ngram", "suffix"]
 
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("draft", DRAFTS)
-def test_greedy_logprobs_equal_plain_bitwise(pair, kernel_path: str, draft: str, batch: int) -> None:
+def test_greedy_logprobs_equal_plain_bitwise(pair, kernel_path: str, draft: str, batch: int) -> None:  # noqa: F811
     prompts = PROMPTS[:batch]
     plain = outputs(engine_for(pair, "none", batch), [lp_request(f"r{i}", p, "none", k=0) for i, p in
                                                       enumerate(prompts)])
@@ -95,6 +96,7 @@ def test_greedy_logprobs_equal_plain_bitwise(pair, kernel_path: str, draft: str,
         assert logprobs is not None and spec[rid][1] is not None
         same_bits(spec[rid][1], logprobs)
         assert (logprobs.top_ids[:, 0] == np.array(tokens)).all(), "greedy takes the likeliest token"
+        assert (logprobs.ranks == 1).all()
 
 
 def scored(pair, prompt: list[int], batch: int = 1, others: int = 0) -> RowLogprobs:
@@ -121,7 +123,7 @@ def hf_logprobs(target: Path, sequence: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("draft", ["model", "ngram", "suffix"])
-def test_sampled_logprobs_equal_a_scored_prompt(pair, kernel_path: str, draft: str) -> None:
+def test_sampled_logprobs_equal_a_scored_prompt(pair, kernel_path: str, draft: str) -> None:  # noqa: F811
     """Sampled (exact) speculation's tokens at batch 4: each one's log-probabilities are bit for bit those of its
     position when prompt + output is scored as one prompt (one prefill forward: the rows do not depend on how many
     rows the forward computes), and transformers' float32 log-softmax to 2e-5."""
@@ -133,14 +135,13 @@ def test_sampled_logprobs_equal_a_scored_prompt(pair, kernel_path: str, draft: s
         tokens, logprobs, _, _ = spec[f"r{i}"]
         assert logprobs is not None and len(tokens) == 12
         whole = scored(pair, prompt + tokens)
-        same_bits(logprobs, RowLogprobs(whole.token_logprobs[len(prompt) - 1:], whole.top_ids[len(prompt) - 1:],
-                                        whole.top_logprobs[len(prompt) - 1:]))
+        same_bits(logprobs, whole.rows(len(prompt) - 1, len(whole)))
         reference = hf_logprobs(pair[0], prompt + tokens)[len(prompt) - 1:-1]
         expected = reference[torch.arange(len(tokens)), torch.tensor(tokens)]
         torch.testing.assert_close(torch.from_numpy(logprobs.token_logprobs), expected, atol=2e-5, rtol=0)
 
 
-def test_scored_prompt_alone_and_in_a_batch(pair, kernel_path: str) -> None:
+def test_scored_prompt_alone_and_in_a_batch(pair, kernel_path: str) -> None:  # noqa: F811
     """A prompt's log-probabilities are the same bits alone and beside generating requests, and match
     transformers'; their sum is the prompt's log-likelihood teacher forcing gives."""
     prompt = PROMPTS[0] + PROMPTS[1]
