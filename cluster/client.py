@@ -10,6 +10,12 @@ ca_file=...))`; by default `Credentials.from_env()`: SPECSERVE_API_KEY or SPECSE
 first key), SPECSERVE_TLS_CA_FILE (PEM roots to trust; turns TLS on) or SPECSERVE_TLS=1 (TLS, system roots).
 The key travels as `authorization: Bearer KEY` metadata; a server without keys ignores it.
 
+Tool calls (docs/api.md, "Tool calls"), as the OpenAI door takes them: `client.generate(chat=True,
+messages=[...], tools=[{"type": "function", "function": {"name", "description", "parameters"}}],
+tool_choice="required", parallel_tool_calls=False)`; messages are (role, content) pairs or OpenAI's dicts (an
+assistant's `tool_calls`, a tool result's `tool_call_id`). Each chunk's `tool_calls` (IndexedChunk.tool_calls) are
+the calls its text completed; the last chunk's finish_reason may then be "tool_calls".
+
 Status codes come back as specserve errors: INVALID_ARGUMENT -> InvalidRequestError (with .field),
 RESOURCE_EXHAUSTED -> CapacityError (with .retry_after_s), anything else -> SpecServeError (with .code).
 """
@@ -176,17 +182,74 @@ def constraint_of(fields: dict[str, Any]) -> Constraint | None:
     return Constraint(name, value, name)
 
 
+def _arguments(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def message_to_proto(message: Any, index: int) -> pb.ChatMessage:
+    """A chat message: a (role, content) pair, or OpenAI's dict {"role", "content", "tool_calls": [{"id", "type":
+    "function", "function": {"name", "arguments": JSON text or an object}}], "tool_call_id"} (content None: "")."""
+    if isinstance(message, pb.ChatMessage):
+        return message
+    if not isinstance(message, Mapping):
+        role, content = message
+        return pb.ChatMessage(role=role, content=content)
+    try:
+        calls = [pb.ToolCall(id=call.get("id", ""), name=call["function"]["name"],
+                             arguments=_arguments(call["function"].get("arguments", {})))
+                 for call in message.get("tool_calls") or ()]
+        return pb.ChatMessage(role=message["role"], content=message.get("content") or "", tool_calls=calls,
+                              tool_call_id=message.get("tool_call_id") or "")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise InvalidRequestError(f"messages[{index}]", f"must be a (role, content) pair or an OpenAI message "
+                                                        f"dict ({type(exc).__name__}: {exc})") from None
+
+
+def tool_to_proto(tool: Any, index: int) -> pb.Tool:
+    """A tool: OpenAI's {"type": "function", "function": {"name", "description", "parameters": a JSON Schema (an
+    object, or its JSON text)}}, or a pb.Tool."""
+    if isinstance(tool, pb.Tool):
+        return tool
+    try:
+        function = tool["function"]
+        parameters = function.get("parameters")
+        return pb.Tool(name=function["name"], description=function.get("description") or "",
+                       parameters_json="" if parameters is None else _arguments(parameters))
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise InvalidRequestError(f"tools[{index}]", f"must be {{\"type\": \"function\", \"function\": "
+                                                     f"{{\"name\", ...}}}} ({type(exc).__name__}: {exc})") from None
+
+
+def tool_choice_to_proto(choice: Any) -> pb.ToolChoice:
+    """OpenAI's tool_choice: "none" | "auto" | "required" or {"type": "function", "function": {"name": F}}."""
+    if isinstance(choice, pb.ToolChoice):
+        return choice
+    if isinstance(choice, str):
+        return pb.ToolChoice(mode=choice)
+    if isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping) and \
+            isinstance(choice["function"].get("name"), str):
+        return pb.ToolChoice(function=choice["function"]["name"])
+    raise InvalidRequestError("tool_choice", f"must be \"none\", \"auto\", \"required\" or {{\"type\": "
+                                             f"\"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}")
+
+
 def build_request(prompt: str | Sequence[int] | None = None, **fields: Any) -> pb.GenerateRequest:
     """A GenerateRequest: `prompt` as text or token ids; None-valued fields stay unset (server defaults).
     Constrained decoding: one of `constraint=`, `json_schema=`, `json_object=True`, `regex=`, `choice=`,
-    `grammar=` (constraint_of); `logit_bias=` {token id: bias} or (id, bias) pairs."""
+    `grammar=` (constraint_of); `logit_bias=` {token id: bias} or (id, bias) pairs. Tool calls: `tools=` (OpenAI's
+    tool dicts), `tool_choice=` (OpenAI's), `parallel_tool_calls=`, and `messages=` of (role, content) pairs or
+    OpenAI's message dicts."""
     request = pb.GenerateRequest()
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt is not None:
         request.token_ids.ids.extend(int(t) for t in prompt)
-    for role, content in fields.pop("messages", None) or ():
-        request.messages.add(role=role, content=content)
+    for index, message in enumerate(fields.pop("messages", None) or ()):
+        request.messages.append(message_to_proto(message, index))
+    for index, tool in enumerate(fields.pop("tools", None) or ()):
+        request.tools.append(tool_to_proto(tool, index))
+    if (tool_choice := fields.pop("tool_choice", None)) is not None:
+        request.tool_choice.CopyFrom(tool_choice_to_proto(tool_choice))
     request.stop.extend(fields.pop("stop", None) or ())
     if (constraint := constraint_of(fields)) is not None:
         request.constraint.CopyFrom(constraint_to_proto(constraint))
@@ -220,9 +283,9 @@ class SpecServeClient:
     def generate(self, prompt: str | Sequence[int] | None = None, *, timeout_s: float | None = None,
                  **fields: Any) -> GenerateStream:
         """Stream a generation. `fields` are GenerateRequest fields (max_tokens=, temperature=, stop=,
-        contract=, k=, draft=, n=, seed=, chat=, messages=[(role, content)], request_id=, ...) and the
-        constrained decoding's (json_schema=, json_object=True, regex=, choice=, grammar= or constraint=;
-        logit_bias=): build_request."""
+        contract=, k=, draft=, n=, seed=, chat=, messages=[(role, content) or OpenAI's dicts], request_id=, ...),
+        the constrained decoding's (json_schema=, json_object=True, regex=, choice=, grammar= or constraint=;
+        logit_bias=) and the tool calls' (tools=, tool_choice=, parallel_tool_calls=): build_request."""
         request = build_request(prompt, **fields)
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         metadata = self.metadata
@@ -250,12 +313,13 @@ class SpecServeClient:
 
 def collect(stream: Iterator[IndexedChunk]) -> dict[int, dict[str, Any]]:
     """Accumulate a stream into {index: {"token_ids", "text", "finish_reason", "proposed", "accepted", "forced",
-    "stats", "contract"}}."""
+    "stats", "contract", "tool_calls"}} (tool_calls: the ToolCalls of a request with tools, in order)."""
     samples: dict[int, dict[str, Any]] = {}
     for item in stream:
         sample = samples.setdefault(item.index, {"token_ids": [], "text": "", "finish_reason": None,
                                                  "proposed": 0, "accepted": 0, "forced": 0, "stats": None,
-                                                 "contract": item.contract})
+                                                 "contract": item.contract, "tool_calls": []})
+        sample["tool_calls"].extend(item.tool_calls)
         sample["token_ids"].extend(item.chunk.token_ids)
         sample["text"] += item.chunk.text_delta
         sample["proposed"] += item.chunk.proposed

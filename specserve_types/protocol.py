@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from specserve_types.api import (
     MAX_CHOICES,
+    MAX_ID_CHARS,
     MAX_TOKENS_LIMIT,
     CapacityError,
     Constraint,
@@ -30,6 +31,14 @@ from specserve_types.api import (
     check_text,
 )
 from specserve_types.proto import specserve_pb2 as pb
+from specserve_types.tools import (
+    FUNCTION_NAME,
+    MAX_TOOLS,
+    ToolCall,
+    ToolOutput,
+    message_extra,
+    resolve_tools,
+)
 
 MAX_N = 16
 MAX_PROMPT_CHARS = 1 << 20  # a cheap bound before tokenizing; the context length is checked after
@@ -129,12 +138,14 @@ class StreamError:
 class IndexedChunk:
     """One chunk of completion `index` of a request (n > 1 interleaves completions).
 
-    `chunk.request_id` is the client's request id (not the engine's per-completion id).
+    `chunk.request_id` is the client's request id (not the engine's per-completion id). `tool_calls`: gRPC only,
+    a request with tools: the calls this chunk's text completed (GenerateChunk.tool_calls); the scheduler sends none.
     """
 
     index: int
     chunk: TokenChunk
     contract: str
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 StreamItem = IndexedChunk | StreamError
@@ -245,8 +256,84 @@ def constraint_to_proto(constraint: Constraint) -> pb.Constraint:
     return pb.Constraint(**{constraint.kind: constraint.value})
 
 
-def args_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) -> GenerateArgs:
-    """Validate a gRPC GenerateRequest; raises InvalidRequestError naming the field."""
+MAX_QUOTED_CHARS = 60  # a refused value quoted back to the client, shortened (as the HTTP door's)
+
+
+def _quoted(value: str) -> str:
+    text = ascii(value)  # escaped: one line
+    return text if len(text) <= MAX_QUOTED_CHARS else text[:MAX_QUOTED_CHARS] + "..."
+
+
+def tools_from_proto(tools: Sequence[pb.Tool]) -> list[dict[str, Any]]:
+    """A GenerateRequest's `tools` as OpenAI's dicts ({"type": "function", "function": {"name", "description",
+    "parameters"}}, empty fields left out: what the HTTP door dumps of the same tools); errors name `tools[i].FIELD`."""
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequestError("tools", f"must hold at most {MAX_TOOLS} items, got {len(tools)}")
+    out: list[dict[str, Any]] = []
+    for index, tool in enumerate(tools):
+        if not FUNCTION_NAME.fullmatch(tool.name):
+            raise InvalidRequestError(f"tools[{index}].name", f"must be 1 to 64 of [a-zA-Z0-9_-], got "
+                                                              f"{_quoted(tool.name)}")
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters_json:
+            try:
+                parameters = json.loads(tool.parameters_json)
+            except ValueError as exc:
+                raise InvalidRequestError(f"tools[{index}].parameters_json", f"is not valid JSON: {exc}") from None
+            if not isinstance(parameters, dict):
+                raise InvalidRequestError(f"tools[{index}].parameters_json", f"must be a JSON Schema object, got "
+                                                                             f"{type(parameters).__name__}")
+            function["parameters"] = parameters
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def messages_from_proto(messages: Sequence[pb.ChatMessage]) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """GenerateArgs.messages and message_extras of a request's `messages` (the extras as the HTTP door makes them
+    for the same conversation: tools.message_extra; () when no message has any); errors name `messages[i].FIELD`."""
+    out, extras = [], []
+    for index, message in enumerate(messages):
+        name = f"messages[{index}]"
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequestError(f"{name}.role", f"must be one of {CHAT_ROLES}, got {message.role!r}")
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidRequestError(f"{name}.tool_calls", "only an assistant message carries tool_calls")
+        for at, call in enumerate(message.tool_calls):
+            if not call.name:
+                raise InvalidRequestError(f"{name}.tool_calls[{at}].name", "must be non-empty")
+        if message.role == "tool":
+            if not message.tool_call_id:
+                raise InvalidRequestError(f"{name}.tool_call_id", "is required (the id of the call this is the "
+                                                                  "result of)")
+            if len(message.tool_call_id) > MAX_ID_CHARS:
+                raise InvalidRequestError(f"{name}.tool_call_id", f"longer than {MAX_ID_CHARS} characters")
+            if not message.content:
+                raise InvalidRequestError(f"{name}.content", "must be non-empty")
+        elif message.tool_call_id:
+            raise InvalidRequestError(f"{name}.tool_call_id", "only a tool message carries tool_call_id")
+        calls = [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                 for call in message.tool_calls]
+        out.append((message.role, message.content))
+        extras.append(message_extra(calls, message.tool_call_id if message.role == "tool" else None))
+    return tuple(out), (tuple(extras) if any(extras) else ())
+
+
+def tool_choice_from_proto(request: pb.GenerateRequest) -> tuple[str | None, str | None]:
+    """(mode, function) of a request's tool_choice: (None, None) unset."""
+    which = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
+    if which == "mode":
+        return request.tool_choice.mode, None
+    if which == "function":
+        return None, request.tool_choice.function
+    return None, None
+
+
+def request_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) -> tuple[GenerateArgs,
+                                                                                      ToolOutput | None]:
+    """Validate a gRPC GenerateRequest: its GenerateArgs, and how to read its output for tool calls (None: a request
+    without tools, or tool_choice "none"); raises InvalidRequestError naming the field."""
     defaults.check_model(request.model)
 
     def opt(name: str, default: float | int | None) -> float | int | None:
@@ -276,22 +363,38 @@ def args_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) -> Ge
         draft=request.draft or defaults.draft,
     )
     which = request.WhichOneof("prompt")
-    messages = tuple((m.role, m.content) for m in request.messages)
+    if request.messages and not request.chat:
+        raise InvalidRequestError("messages", "messages need chat=true")
+    messages, extras = messages_from_proto(request.messages)
     if request.chat and which == "text":
         messages = (*messages, ("user", request.text))
-    elif messages and not request.chat:
-        raise InvalidRequestError("messages", "messages need chat=true")
-    return GenerateArgs(
+        extras = (*extras, "") if extras else ()
+    if request.tools and not request.chat:
+        raise InvalidRequestError("tools", "tools need chat=true")
+    constraint = constraint_from_proto(request.constraint) if request.HasField("constraint") else None
+    mode, function = tool_choice_from_proto(request)
+    resolved = resolve_tools(tools_from_proto(request.tools), mode, [constraint] if constraint else [],
+                             function=function, parallel=opt("parallel_tool_calls", True) is not False,
+                             name_field="tools[{}].name")
+    args = GenerateArgs(
         request_id=request.request_id or new_request_id(),
         prompt_text=request.text if which == "text" and not request.chat else None,
         prompt_token_ids=tuple(request.token_ids.ids) if which == "token_ids" else None,
         messages=messages,
+        message_extras=extras,
+        tools=resolved.definitions,
         chat=request.chat,
         sampling=sampling,
         spec=spec,
         n=int(opt("n", 1)),
-        constraint=constraint_from_proto(request.constraint) if request.HasField("constraint") else None,
+        constraint=resolved.constraint,
     )
+    return args, resolved.output
+
+
+def args_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) -> GenerateArgs:
+    """Validate a gRPC GenerateRequest; raises InvalidRequestError naming the field (request_from_proto)."""
+    return request_from_proto(request, defaults)[0]
 
 
 def chunk_to_proto(item: IndexedChunk) -> pb.GenerateChunk:
@@ -308,6 +411,7 @@ def chunk_to_proto(item: IndexedChunk) -> pb.GenerateChunk:
         stats_json=json.dumps(chunk.stats, sort_keys=True, default=str) if chunk.stats is not None else "",
         contract=item.contract,
         offset=chunk.offset,
+        tool_calls=[pb.ToolCall(id=call.id, name=call.name, arguments=call.arguments) for call in item.tool_calls],
     )
 
 
@@ -323,4 +427,5 @@ def chunk_from_proto(message: pb.GenerateChunk) -> IndexedChunk:
         stats=json.loads(message.stats_json) if message.stats_json else None,
         offset=message.offset,
     )
-    return IndexedChunk(index=message.index, chunk=chunk, contract=message.contract)
+    calls = tuple(ToolCall(call.name, call.arguments, call.id) for call in message.tool_calls)
+    return IndexedChunk(index=message.index, chunk=chunk, contract=message.contract, tool_calls=calls)

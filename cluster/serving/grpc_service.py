@@ -34,14 +34,16 @@ from cluster.engine.request_span import FinalChunks, RequestSpan
 from cluster.serving.auth import ApiKeys, bearer_token
 from cluster.serving.rejections import RejectionLog
 from cluster.serving.streams import ChunkStream, DeadlineExceeded, SchedulerStreams
+from cluster.serving.tool_calls import ToolCallStream, ToolOutput, ends_in_calls
 from specserve_types.api import InvalidRequestError, SpecServeError
 from specserve_types.proto import specserve_pb2 as pb
 from specserve_types.protocol import (
     TIMEOUT_METADATA,
+    IndexedChunk,
     ServerDefaults,
     StreamError,
-    args_from_proto,
     chunk_to_proto,
+    request_from_proto,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -109,6 +111,29 @@ def check_application(metadata: Any, app_name: str = APP_NAME) -> None:
                               f"application {value!r} not found; this server serves {app_name!r}")
 
 
+class ChunkWriter:
+    """A request's GenerateChunks. With tools (`tools` not None) each completion's output is read as it streams
+    (tool_calls.ToolCallStream, one per completion index): every call goes out in `tool_calls` on the chunk whose
+    text completes its block, `text_delta` stays the raw text, and the last chunk's finish_reason is "tool_calls"
+    where the HTTP door's would be (tool_calls.ends_in_calls)."""
+
+    def __init__(self, tools: ToolOutput | None = None) -> None:
+        self.tools = tools
+        self._streams: dict[int, ToolCallStream] = {}
+
+    def chunk(self, item: IndexedChunk) -> pb.GenerateChunk:
+        if self.tools is None:
+            return chunk_to_proto(item)
+        chunk = item.chunk
+        stream = self._streams.setdefault(item.index, ToolCallStream())
+        events = stream.feed(chunk.text_delta) + (stream.finish() if chunk.finished else [])
+        calls = tuple(value for kind, value in events if kind == "call")
+        message = chunk_to_proto(dataclasses.replace(item, tool_calls=calls))
+        if chunk.finished and ends_in_calls(chunk.finish_reason, stream.calls, self.tools):
+            message.finish_reason = "tool_calls"
+        return message
+
+
 class SpecServeService:
     """The four RPCs over a SchedulerStreams; `handler()` registers them on a grpc.aio server."""
 
@@ -150,7 +175,8 @@ class SpecServeService:
             request = parse(pb.GenerateRequest, data)
             request_id = request.request_id or "-"
             timeout_s = call_timeout(metadata, self._server_timeout_s)
-            args = args_from_proto(request, self._defaults)
+            args, tools = request_from_proto(request, self._defaults)
+            writer = ChunkWriter(tools)
             request_id = args.request_id
             span = RequestSpan.start("chat" if args.chat else "text_completion", self._defaults.model, args.sampling,
                                      request_id, parent=metadata, n=args.n)
@@ -160,7 +186,7 @@ class SpecServeService:
                 self._refuse(request_id, error)
             async for item in chunks:
                 finals.add(item)
-                yield chunk_to_proto(item)
+                yield writer.chunk(item)
             span.finish(self._defaults.model, finals.stats(), finals.reasons())
         except Exception as exc:  # asyncio.CancelledError (the client left) is a BaseException: not caught
             status = self._status(request_id, exc)

@@ -66,7 +66,14 @@ from cluster.serving.openai_models import (
     Tool,
     ToolChoiceFunction,
 )
-from cluster.serving.tool_calls import ToolCallStream, parse_tool_calls, tool_call_constraint
+from cluster.serving.tool_calls import (
+    ToolCallStream,
+    ToolOutput,
+    ends_in_calls,
+    message_extra,
+    parse_tool_calls,
+    resolve_tools,
+)
 from specserve_types.api import MAX_K, Constraint, InvalidRequestError, SamplingParams, SpecParams
 from specserve_types.protocol import (
     CHAT_ROLES,
@@ -175,13 +182,6 @@ def invalid(exc: ValidationError, refused: dict[str, str] = REFUSED) -> InvalidR
 
 
 @dataclass(frozen=True)
-class ToolOutput:
-    """A chat request with tools (tool_choice other than "none"): its output is read for tool calls."""
-
-    named: bool = False  # tool_choice named a function: finish_reason stays "stop", as OpenAI's
-
-
-@dataclass(frozen=True)
 class OpenAIRequest:
     """A parsed request: what to generate, and how to answer it."""
 
@@ -243,40 +243,13 @@ def _constraint(key: str, value: Any, field_name: str) -> Constraint:
 
 def _tool_choice(request: ChatCompletionRequest, found: list[Constraint]) -> tuple[Constraint | None, str,
                                                                                    ToolOutput | None]:
-    """The constraint, the tools for the chat template (JSON) and how to read the output, of a chat request."""
-    choice, tools = request.tool_choice, request.tools or []
-    if not tools:
-        if choice not in (None, "none"):
-            raise InvalidRequestError("tool_choice", "needs tools")
-        return (found[0] if found else None), "", None
-    seen: dict[str, int] = {}
-    for index, tool in enumerate(tools):
-        if tool.function.name in seen:
-            raise InvalidRequestError(f"tools[{index}].function.name", f"{tool.function.name!r} is also "
-                                                                       f"tools[{seen[tool.function.name]}]'s name")
-        seen[tool.function.name] = index
-    if choice == "none":  # the tools are not shown, the output not read for calls
-        return (found[0] if found else None), "", None
-    definitions = json.dumps([tool.model_dump(by_alias=True, exclude_none=True) for tool in tools], ensure_ascii=False)
-    functions = [(tool.function.name, tool.function.parameters) for tool in tools]
-    parallel = request.parallel_tool_calls is not False
-    if choice in (None, "auto"):
-        if not found:
-            return None, definitions, ToolOutput()
-        if found[0].kind != "json":
-            raise InvalidRequestError(found[0].field.split(".")[0], "with tools (tool_choice \"auto\") only a JSON "
-                                                                    "format can be asked for")
-        return tool_call_constraint(functions, parallel, answer_schema=found[0].value), definitions, ToolOutput()
-    if found and found[0].field != "response_format":  # response_format is the text answer's: this turn calls
-        raise InvalidRequestError(found[0].field.split(".")[0], "cannot be combined with tool_choice \"required\" or "
-                                                                "a named function: the output is tool calls")
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in seen:
-            raise InvalidRequestError("tool_choice", f"names function {choice.function.name!r}, which is not in "
-                                                     f"tools")
-        chosen = [functions[seen[choice.function.name]]]
-        return tool_call_constraint(chosen, parallel), definitions, ToolOutput(named=True)
-    return tool_call_constraint(functions, parallel), definitions, ToolOutput()
+    """The constraint, the tools for the chat template (JSON) and how to read the output, of a chat request
+    (tool_calls.resolve_tools over the body's tools)."""
+    choice = request.tool_choice
+    function = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    tools = [tool.model_dump(by_alias=True, exclude_none=True) for tool in request.tools or []]
+    return resolve_tools(tools, None if isinstance(choice, NamedToolChoice) else choice, found, function=function,
+                         parallel=request.parallel_tool_calls is not False)
 
 
 def chat_messages(request: ChatCompletionRequest) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
@@ -286,16 +259,13 @@ def chat_messages(request: ChatCompletionRequest) -> tuple[tuple[tuple[str, str]
     for index, message in enumerate(request.messages):
         content = message.content if isinstance(message.content, str) or message.content is None else \
             "".join(part.text for part in message.content)
-        extra: dict[str, Any] = {}
-        if isinstance(message, ChatAssistantMessage) and message.tool_calls:
-            extra["tool_calls"] = [call.model_dump() for call in message.tool_calls]
-        elif not content:
+        calls = message.tool_calls if isinstance(message, ChatAssistantMessage) else None
+        if not calls and not content:
             raise InvalidRequestError(f"messages[{index}].content", "must be non-empty (or the message carry "
                                                                     "tool_calls)")
-        if isinstance(message, ChatToolMessage):
-            extra["tool_call_id"] = message.tool_call_id
         messages.append((message.role, content or ""))
-        extras.append(json.dumps(extra, ensure_ascii=False) if extra else "")
+        extras.append(message_extra([call.model_dump() for call in calls or ()],
+                                    message.tool_call_id if isinstance(message, ChatToolMessage) else None))
     return tuple(messages), (tuple(extras) if any(extras) else ())
 
 
@@ -403,8 +373,7 @@ class Collected:
 
 def openai_finish(reason: str | None, calls: int = 0, tools: ToolOutput | None = None) -> str | None:
     """OpenAI's finish_reason: "tool_calls" where the output ended with calls made (a named tool_choice: "stop")."""
-    finish = OPENAI_FINISH.get(reason or "", reason)
-    return "tool_calls" if calls and finish == "stop" and tools is not None and not tools.named else finish
+    return "tool_calls" if ends_in_calls(reason, calls, tools) else OPENAI_FINISH.get(reason or "", reason)
 
 
 def completion_body(request_id: str, model: str, collected: Collected, chat: bool,

@@ -1,5 +1,8 @@
-"""Tool calls in Qwen2.5's format, for the OpenAI front door (docs/api.md, "Tool calls"): the prompt, the grammar of
-`tool_choice: "required"` or a named function, and the output read back into OpenAI's `tool_calls`.
+"""Tool calls in Qwen2.5's format, for both front doors (docs/api.md, "Tool calls"): the prompt, the grammar of
+`tool_choice: "required"` or a named function, and the output read back into OpenAI's `tool_calls` (the HTTP
+door's `message.tool_calls`, gRPC's `GenerateChunk.tool_calls`). The grammar, `resolve_tools` (what `tools` and
+`tool_choice` make of a request) and the answer's shapes are plain data shared with the gRPC request's parsing:
+they live in specserve_types/tools.py and are re-exported here.
 
 The model is shown the tools by its chat template (`apply_chat_template(..., tools=...)`; a template that does not
 render tools, such as SmolLM2's, gets them in its system message instead, in a short version of Qwen2.5's words)
@@ -24,17 +27,35 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
 
-from specserve_types.api import Constraint, InvalidRequestError
+from specserve_types.api import InvalidRequestError
 from specserve_types.protocol import GenerateArgs
+from specserve_types.tools import (  # re-exported: the grammar, tool_choice and the answer's shapes live there
+    ANY_OBJECT,
+    CLOSE,
+    OPEN,
+    ResolvedTools,
+    ToolCall,
+    ToolOutput,
+    call_schema,
+    ends_in_calls,
+    message_extra,
+    resolve_tools,
+    tool_call_constraint,
+    tool_call_grammar,
+)
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a function without `parameters`: any object of arguments
+__all__ = [
+    "ANY_OBJECT", "CLOSE", "OPEN", "ParsedOutput", "ResolvedTools", "ToolCall", "ToolCallStream", "ToolOutput",
+    "call_schema", "chat_prompt_ids", "ends_in_calls", "in_plain_words", "message_extra", "new_call_id",
+    "parse_tool_calls", "read_call", "resolve_tools", "template_messages", "template_renders_tools",
+    "tool_call_constraint", "tool_call_grammar",
+]
 
 # For templates that do not render tools: Qwen2.5's template's words about them, shortened (104 -> 59 SmolLM2
 # tokens: a small model's context is short), the same format
@@ -44,59 +65,7 @@ TOOLS_POSTAMBLE = ("\n</tools>\n\nTo call one, answer with:\n<tool_call>\n"
 DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
-# -- the grammar --------------------------------------------------------------------------------------------
-def _rebased(value: Any, base: str) -> Any:
-    """`value` with its local `$ref`s ("#/$defs/x", "#") pointing into `base` (where it now sits)."""
-    if isinstance(value, dict):
-        return {key: (base + item[1:] if key == "$ref" and isinstance(item, str) and item.startswith("#")
-                      else _rebased(item, base)) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_rebased(item, base) for item in value]
-    return value
-
-
-def call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
-    """The JSON schema of one call's body: `{"name": name, "arguments": <parameters>}`, name first."""
-    arguments = _rebased(parameters, "#/properties/arguments") if parameters is not None else ANY_OBJECT
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
-def tool_call_grammar(functions: Sequence[tuple[str, dict[str, Any] | None]], parallel: bool = True,
-                      answer_schema: str | None = None) -> str:
-    """llguidance Lark: one call (several, newline-separated, if `parallel`) of one of `functions` (name,
-    parameters), each call's arguments matching that function's parameters; with `answer_schema` (JSON schema
-    text) the output may instead be a JSON answer matching it (tool_choice "auto" with a JSON response_format)."""
-    if not functions:
-        raise ValueError("no functions")
-    more = ' ("\\n" call)*' if parallel else ""
-    alternatives = " | ".join(f"fn_{i}" for i in range(len(functions)))
-    lines = [f"calls: call{more}", f'call: "{OPEN}\\n" ({alternatives}) "\\n{CLOSE}"']
-    lines += [f"fn_{i}: %json {json.dumps(call_schema(name, parameters))}"
-              for i, (name, parameters) in enumerate(functions)]
-    if answer_schema is not None:
-        lines = ["start: calls | answer", f"answer: %json {json.dumps(json.loads(answer_schema))}", *lines]
-    else:
-        lines = ["start: calls", *lines]
-    return "\n".join(lines) + "\n"
-
-
-def tool_call_constraint(functions: Sequence[tuple[str, dict[str, Any] | None]], parallel: bool,
-                         answer_schema: str | None = None, field_name: str = "tools") -> Constraint:
-    return Constraint("grammar", tool_call_grammar(functions, parallel, answer_schema), field_name)
-
-
 # -- reading the output -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text (OpenAI's `function.arguments`)
-    id: str = ""
-
-    def openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 

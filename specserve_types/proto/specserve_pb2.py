@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%specserve_types/proto/specserve.proto\x12\x0cspecserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x8f\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.specserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xb1\x06\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\x12\x0c\n\x04\x63hat\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x18\n\x0btemperature\x18\n \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x11 \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x12 \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x13 \x03(\t\x12\x12\n\nignore_eos\x18\x14 \x01(\x08\x12@\n\nlogit_bias\x18\x15 \x03(\x0b\x32,.specserve.v1.GenerateRequest.LogitBiasEntry\x12\x10\n\x08\x63ontract\x18\x1e \x01(\t\x12\x0e\n\x01k\x18\x1f \x01(\x05H\n\x88\x01\x01\x12\r\n\x05\x64raft\x18  \x01(\t\x12\x0e\n\x01n\x18! \x01(\x05H\x0b\x88\x01\x01\x12,\n\nconstraint\x18( \x01(\x0b\x32\x18.specserve.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x04\n\x02_kB\x04\n\x02_n\"\xda\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\ntext_delta\x18\x04 \x01(\t\x12\x10\n\x08proposed\x18\x05 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\r\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x12\n\nstats_json\x18\x08 \x01(\t\x12\x10\n\x08\x63ontract\x18\t \x01(\t\x12\x0e\n\x06offset\x18\n \x01(\r\x12\x0e\n\x06\x66orced\x18\x0b \x01(\r\"\x13\n\x11ListModelsRequest\"4\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x64raft\x18\x03 \x01(\t\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.specserve.v1.ModelInfo\"\x0f\n\rHealthRequest\",\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"&\n\x10GetStatsResponse\x12\x12\n\nstats_json\x18\x01 \x01(\t2\xb6\x02\n\tSpecServe\x12H\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1b.specserve.v1.GenerateChunk0\x01\x12O\n\nListModels\x12\x1f.specserve.v1.ListModelsRequest\x1a .specserve.v1.ListModelsResponse\x12\x43\n\x06Health\x12\x1b.specserve.v1.HealthRequest\x1a\x1c.specserve.v1.HealthResponse\x12I\n\x08GetStats\x12\x1d.specserve.v1.GetStatsRequest\x1a\x1e.specserve.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%specserve_types/proto/specserve.proto\x12\x0cspecserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"n\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.specserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x8f\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.specserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xbd\x07\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\x12\x0c\n\x04\x63hat\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x18\n\x0btemperature\x18\n \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x11 \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x12 \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x13 \x03(\t\x12\x12\n\nignore_eos\x18\x14 \x01(\x08\x12@\n\nlogit_bias\x18\x15 \x03(\x0b\x32,.specserve.v1.GenerateRequest.LogitBiasEntry\x12\x10\n\x08\x63ontract\x18\x1e \x01(\t\x12\x0e\n\x01k\x18\x1f \x01(\x05H\n\x88\x01\x01\x12\r\n\x05\x64raft\x18  \x01(\t\x12\x0e\n\x01n\x18! \x01(\x05H\x0b\x88\x01\x01\x12,\n\nconstraint\x18( \x01(\x0b\x32\x18.specserve.v1.Constraint\x12!\n\x05tools\x18) \x03(\x0b\x32\x12.specserve.v1.Tool\x12-\n\x0btool_choice\x18* \x01(\x0b\x32\x18.specserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18+ \x01(\x08H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x04\n\x02_kB\x04\n\x02_nB\x16\n\x14_parallel_tool_calls\"\x86\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\ntext_delta\x18\x04 \x01(\t\x12\x10\n\x08proposed\x18\x05 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\r\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x12\n\nstats_json\x18\x08 \x01(\t\x12\x10\n\x08\x63ontract\x18\t \x01(\t\x12\x0e\n\x06offset\x18\n \x01(\r\x12\x0e\n\x06\x66orced\x18\x0b \x01(\r\x12*\n\ntool_calls\x18\x0c \x03(\x0b\x32\x16.specserve.v1.ToolCall\"\x13\n\x11ListModelsRequest\"4\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x64raft\x18\x03 \x01(\t\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.specserve.v1.ModelInfo\"\x0f\n\rHealthRequest\",\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"&\n\x10GetStatsResponse\x12\x12\n\nstats_json\x18\x01 \x01(\t2\xb6\x02\n\tSpecServe\x12H\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1b.specserve.v1.GenerateChunk0\x01\x12O\n\nListModels\x12\x1f.specserve.v1.ListModelsRequest\x1a .specserve.v1.ListModelsResponse\x12\x43\n\x06Health\x12\x1b.specserve.v1.HealthRequest\x1a\x1c.specserve.v1.HealthResponse\x12I\n\x08GetStats\x12\x1d.specserve.v1.GetStatsRequest\x1a\x1e.specserve.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=55
   _globals['_TOKENIDS']._serialized_end=78
   _globals['_CHATMESSAGE']._serialized_start=80
-  _globals['_CHATMESSAGE']._serialized_end=124
-  _globals['_CONSTRAINT']._serialized_start=127
-  _globals['_CONSTRAINT']._serialized_end=270
-  _globals['_CHOICES']._serialized_start=272
-  _globals['_CHOICES']._serialized_end=298
-  _globals['_GENERATEREQUEST']._serialized_start=301
-  _globals['_GENERATEREQUEST']._serialized_end=1118
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=912
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=960
-  _globals['_GENERATECHUNK']._serialized_start=1121
-  _globals['_GENERATECHUNK']._serialized_end=1339
-  _globals['_LISTMODELSREQUEST']._serialized_start=1341
-  _globals['_LISTMODELSREQUEST']._serialized_end=1360
-  _globals['_MODELINFO']._serialized_start=1362
-  _globals['_MODELINFO']._serialized_end=1414
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1416
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1477
-  _globals['_HEALTHREQUEST']._serialized_start=1479
-  _globals['_HEALTHREQUEST']._serialized_end=1494
-  _globals['_HEALTHRESPONSE']._serialized_start=1496
-  _globals['_HEALTHRESPONSE']._serialized_end=1540
-  _globals['_GETSTATSREQUEST']._serialized_start=1542
-  _globals['_GETSTATSREQUEST']._serialized_end=1559
-  _globals['_GETSTATSRESPONSE']._serialized_start=1561
-  _globals['_GETSTATSRESPONSE']._serialized_end=1599
-  _globals['_SPECSERVE']._serialized_start=1602
-  _globals['_SPECSERVE']._serialized_end=1912
+  _globals['_CHATMESSAGE']._serialized_end=190
+  _globals['_TOOL']._serialized_start=192
+  _globals['_TOOL']._serialized_end=258
+  _globals['_TOOLCHOICE']._serialized_start=260
+  _globals['_TOOLCHOICE']._serialized_end=318
+  _globals['_TOOLCALL']._serialized_start=320
+  _globals['_TOOLCALL']._serialized_end=375
+  _globals['_CONSTRAINT']._serialized_start=378
+  _globals['_CONSTRAINT']._serialized_end=521
+  _globals['_CHOICES']._serialized_start=523
+  _globals['_CHOICES']._serialized_end=549
+  _globals['_GENERATEREQUEST']._serialized_start=552
+  _globals['_GENERATEREQUEST']._serialized_end=1509
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1279
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1327
+  _globals['_GENERATECHUNK']._serialized_start=1512
+  _globals['_GENERATECHUNK']._serialized_end=1774
+  _globals['_LISTMODELSREQUEST']._serialized_start=1776
+  _globals['_LISTMODELSREQUEST']._serialized_end=1795
+  _globals['_MODELINFO']._serialized_start=1797
+  _globals['_MODELINFO']._serialized_end=1849
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1851
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1912
+  _globals['_HEALTHREQUEST']._serialized_start=1914
+  _globals['_HEALTHREQUEST']._serialized_end=1929
+  _globals['_HEALTHRESPONSE']._serialized_start=1931
+  _globals['_HEALTHRESPONSE']._serialized_end=1975
+  _globals['_GETSTATSREQUEST']._serialized_start=1977
+  _globals['_GETSTATSREQUEST']._serialized_end=1994
+  _globals['_GETSTATSRESPONSE']._serialized_start=1996
+  _globals['_GETSTATSRESPONSE']._serialized_end=2034
+  _globals['_SPECSERVE']._serialized_start=2037
+  _globals['_SPECSERVE']._serialized_end=2347
 # @@protoc_insertion_point(module_scope)
