@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from specserve_types.api import CapacityError, Constraint, InvalidRequestError, SpecServeError
+from specserve_types.api import CapacityError, Constraint, InvalidRequestError, RowLogprobs, SpecServeError
 from specserve_types.proto import specserve_pb2 as pb
 from specserve_types.proto import specserve_pb2_grpc as pb_grpc
 from specserve_types.protocol import (
@@ -313,13 +313,27 @@ class SpecServeClient:
 
 def collect(stream: Iterator[IndexedChunk]) -> dict[int, dict[str, Any]]:
     """Accumulate a stream into {index: {"token_ids", "text", "finish_reason", "proposed", "accepted", "forced",
-    "stats", "contract", "tool_calls"}} (tool_calls: the ToolCalls of a request with tools, in order)."""
+    "stats", "contract", "tool_calls", "logprobs", "prompt_logprobs", "prompt_token_ids", "prompt_text", "pieces"}}
+    (tool_calls: the ToolCalls of a request with tools, in order; logprobs: the output's RowLogprobs (logprobs=N),
+    prompt_*: the prompt's (echo=True), pieces: token id -> (text, bytes) of the ids they name; None / () if not
+    asked)."""
     samples: dict[int, dict[str, Any]] = {}
+    parts: dict[int, list[RowLogprobs]] = {}
     for item in stream:
         sample = samples.setdefault(item.index, {"token_ids": [], "text": "", "finish_reason": None,
                                                  "proposed": 0, "accepted": 0, "forced": 0, "stats": None,
-                                                 "contract": item.contract, "tool_calls": []})
+                                                 "contract": item.contract, "tool_calls": [], "logprobs": None,
+                                                 "prompt_logprobs": None, "prompt_token_ids": (),
+                                                 "prompt_text": None, "pieces": {}})
         sample["tool_calls"].extend(item.tool_calls)
+        if item.chunk.logprobs is not None:
+            parts.setdefault(item.index, []).append(item.chunk.logprobs)
+            sample["logprobs"] = RowLogprobs.concat(parts[item.index])
+        if item.chunk.prompt_logprobs is not None:
+            sample["prompt_logprobs"] = item.chunk.prompt_logprobs
+        if item.prompt_token_ids:
+            sample["prompt_token_ids"], sample["prompt_text"] = item.prompt_token_ids, item.prompt_text
+        sample["pieces"].update(item.pieces)
         sample["token_ids"].extend(item.chunk.token_ids)
         sample["text"] += item.chunk.text_delta
         sample["proposed"] += item.chunk.proposed

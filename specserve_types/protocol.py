@@ -9,12 +9,15 @@ HTTP 429, internal -> INTERNAL / HTTP 500.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import numpy as np
 
 from specserve_types.api import (
     MAX_CHOICES,
@@ -23,6 +26,7 @@ from specserve_types.api import (
     CapacityError,
     Constraint,
     InvalidRequestError,
+    RowLogprobs,
     SamplingParams,
     SpecParams,
     SpecServeError,
@@ -66,6 +70,9 @@ class GenerateArgs:
     message_extras: tuple[str, ...] = ()
     tools: str = ""
     trace_context: tuple[tuple[str, str], ...] = ()  # the front door's request span (specserve_types/tracing.py)
+    # the prompt's ids and text on each completion's first chunk (OpenAI's echo; its log-probabilities are
+    # sampling.prompt_logprobs')
+    echo: bool = False
 
     def __post_init__(self) -> None:
         check_identifier("request_id", self.request_id)
@@ -146,6 +153,11 @@ class IndexedChunk:
     chunk: TokenChunk
     contract: str
     tool_calls: tuple[ToolCall, ...] = ()
+    # with log-probabilities: the text and bytes of every token id they name (cluster/serving/token_pieces.py)
+    pieces: Mapping[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    # echo, on each completion's first chunk: the prompt's ids and text
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_text: str | None = None
 
 
 StreamItem = IndexedChunk | StreamError
@@ -341,8 +353,11 @@ def request_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) ->
 
     base = SamplingParams()
     max_tokens = int(opt("max_tokens", base.max_tokens))
-    if not (1 <= max_tokens <= MAX_TOKENS_LIMIT):  # before the int32 reaches anything else
-        raise InvalidRequestError("max_tokens", f"must be in [1, {MAX_TOKENS_LIMIT}], got {max_tokens}")
+    lowest = 0 if request.echo else 1  # 0: the prompt scored, nothing generated
+    if not (lowest <= max_tokens <= MAX_TOKENS_LIMIT):  # before the int32 reaches anything else
+        raise InvalidRequestError("max_tokens", f"must be in [{lowest}, {MAX_TOKENS_LIMIT}]"
+                                                f"{'' if lowest else ' (0 only with echo)'}, got {max_tokens}")
+    logprobs = opt("logprobs", None)
     sampling = SamplingParams(
         temperature=float(opt("temperature", base.temperature)),
         top_k=int(opt("top_k", base.top_k)),
@@ -356,6 +371,9 @@ def request_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) ->
         stop=tuple(request.stop),
         ignore_eos=request.ignore_eos,
         logit_bias=logit_bias_pairs(request.logit_bias),
+        logprobs=None if logprobs is None else int(logprobs),
+        prompt_logprobs=int(logprobs or 0) if request.echo else None,
+        logprobs_mode=request.logprobs_mode or "raw",
     )
     spec = SpecParams(
         contract=request.contract or defaults.contract(sampling.temperature),
@@ -388,6 +406,7 @@ def request_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) ->
         spec=spec,
         n=int(opt("n", 1)),
         constraint=resolved.constraint,
+        echo=request.echo,
     )
     return args, resolved.output
 
@@ -412,7 +431,47 @@ def chunk_to_proto(item: IndexedChunk) -> pb.GenerateChunk:
         contract=item.contract,
         offset=chunk.offset,
         tool_calls=[pb.ToolCall(id=call.id, name=call.name, arguments=call.arguments) for call in item.tool_calls],
+        logprobs=_logprobs_to_proto(chunk.token_ids, chunk.logprobs, item.pieces),
+        prompt_logprobs=_logprobs_to_proto(item.prompt_token_ids[1:], chunk.prompt_logprobs, item.pieces),
+        prompt_token_ids=item.prompt_token_ids,
+        prompt_text=item.prompt_text or "",
     )
+
+
+def _logprobs_to_proto(token_ids: Sequence[int], rows: RowLogprobs | None,
+                       pieces: Mapping[int, tuple[str, tuple[int, ...]]]) -> list[pb.TokenLogprob]:
+    if rows is None:
+        return []
+
+    def piece(token: int) -> tuple[str, bytes]:
+        text, data = pieces.get(token, ("", ()))
+        return text, bytes(data)
+
+    out = []
+    for token, (logprob, top), rank in zip(token_ids, rows.entries(), rows.ranks.tolist(), strict=True):
+        text, data = piece(token)
+        out.append(pb.TokenLogprob(token_id=token, token=text, logprob=logprob, bytes=data, rank=rank, top_logprobs=[
+            pb.TopLogprob(token_id=t, token=piece(t)[0], logprob=lp, bytes=piece(t)[1]) for t, lp in top]))
+    return out
+
+
+def _logprobs_from_proto(entries: Sequence[pb.TokenLogprob]) -> tuple[RowLogprobs | None,
+                                                                      dict[int, tuple[str, tuple[int, ...]]]]:
+    """The rows and the pieces they name, from a chunk's TokenLogprob entries (None: none sent)."""
+    if not entries:
+        return None, {}
+    width = len(entries[0].top_logprobs)
+    pieces: dict[int, tuple[str, tuple[int, ...]]] = {}
+    for entry in entries:
+        pieces[entry.token_id] = (entry.token, tuple(entry.bytes))
+        for top in entry.top_logprobs:
+            pieces[top.token_id] = (top.token, tuple(top.bytes))
+    rows = RowLogprobs(
+        np.array([e.logprob for e in entries], np.float32),
+        np.array([[t.token_id for t in e.top_logprobs] for e in entries], np.int32).reshape(len(entries), width),
+        np.array([[t.logprob for t in e.top_logprobs] for e in entries], np.float32).reshape(len(entries), width),
+        np.array([e.rank for e in entries], np.int32))
+    return rows, pieces
 
 
 def chunk_from_proto(message: pb.GenerateChunk) -> IndexedChunk:
@@ -427,5 +486,10 @@ def chunk_from_proto(message: pb.GenerateChunk) -> IndexedChunk:
         stats=json.loads(message.stats_json) if message.stats_json else None,
         offset=message.offset,
     )
+    logprobs, pieces = _logprobs_from_proto(message.logprobs)
+    prompt_logprobs, prompt_pieces = _logprobs_from_proto(message.prompt_logprobs)
+    chunk = dataclasses.replace(chunk, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     calls = tuple(ToolCall(call.name, call.arguments, call.id) for call in message.tool_calls)
-    return IndexedChunk(index=message.index, chunk=chunk, contract=message.contract, tool_calls=calls)
+    return IndexedChunk(index=message.index, chunk=chunk, contract=message.contract, tool_calls=calls,
+                        pieces={**pieces, **prompt_pieces}, prompt_token_ids=tuple(message.prompt_token_ids),
+                        prompt_text=message.prompt_text or None)

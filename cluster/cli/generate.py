@@ -2,8 +2,9 @@
 
 Prints one JSON object with --json:
   {"model", "contract", "prompt_token_ids", "samples": [{"token_ids", "text", "finish_reason", "proposed",
-   "accepted", "forced"}], "stats"}
-otherwise streams the text to the terminal (samples one after another for --n > 1).
+   "accepted", "forced"[, "logprobs"][, "prompt_logprobs"]}], "stats"}
+otherwise streams the text to the terminal (samples one after another for --n > 1), then with --logprobs / --echo a
+table of each token's log-probability and alternatives (cluster/cli/logprob_flags.py).
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ from cluster.cli.constraint_flags import (
     logit_bias_from_args,
 )
 from cluster.cli.generate_remote import DEFAULT_MODEL, generate_via_server
+from cluster.cli.logprob_flags import add_logprob_flags, logprob_fields, print_table, prompt_entries
 from cluster.cli.tracing_flags import add_tracing_flags, tracing_fields
 from cluster.engine.request_span import RequestSpan, summed_speculation
 from cluster.engine.round_spans import RoundSpans
 from cluster.serving.config import NGRAM_DRAFT, ClusterConfig, ConfigError, make_config
+from cluster.serving.logprob_format import chat_logprobs, ids_of
+from cluster.serving.token_pieces import TokenPieces
 from specserve_types.api import (
     CONTRACTS,
     DRAFT_AUTO,
@@ -36,6 +40,7 @@ from specserve_types.api import (
     TARGET_AUTO,
     TARGET_DTYPES,
     GenerationRequest,
+    RowLogprobs,
     SamplingParams,
     SpecParams,
     SpecServeError,
@@ -83,7 +88,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--n", type=int, default=1, help="independent samples of the prompt (seeds seed, seed+1, ...), "
                    "batched; the prompt is prefilled once and its KV shared")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="0 only with --echo (the prompt scored)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object with statistics")
     p.add_argument("--server", default=None, help="HOST:PORT of a running cluster's gRPC endpoint")
@@ -92,6 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "capped by the model)")
     p.add_argument("-v", "--verbose", action="store_true")
     add_constraint_flags(p)
+    add_logprob_flags(p)
     add_tracing_flags(p)
     add_client_flags(p)
     return p
@@ -110,7 +116,7 @@ def build_requests(args: argparse.Namespace, prompt_ids: list[int], draft_kind: 
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty, seed=seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
-            logit_bias=logit_bias,
+            logit_bias=logit_bias, **logprob_fields(args),
         )
         requests.append(GenerationRequest(f"{base}-{i}", tuple(prompt_ids), sampling,
                                           SpecParams(contract=contract, k=args.k, draft=draft_kind), constraint))
@@ -177,9 +183,17 @@ def _run_in_process(args: argparse.Namespace) -> int:
                                          for r in requests}
     per_request_stats: dict[str, Any] = {}
     streaming = not args.json and args.n == 1
+    pieces = TokenPieces(engine.tokenizer)
+    logprobs: dict[str, list[RowLogprobs]] = {r.request_id: [] for r in requests}
     while engine.has_unfinished():
         for chunk in engine.step():
             sample = samples[chunk.request_id]
+            if chunk.prompt_logprobs is not None:
+                rows = chunk.prompt_logprobs
+                sample["prompt_logprobs"] = prompt_entries(prompt_ids, rows, pieces.pieces([*prompt_ids,
+                                                                                            *ids_of(rows)]))
+            if chunk.logprobs is not None:
+                logprobs[chunk.request_id].append(chunk.logprobs)
             sample["token_ids"].extend(chunk.token_ids)
             sample["text"] += chunk.text_delta
             sample["proposed"] += chunk.proposed
@@ -191,6 +205,13 @@ def _run_in_process(args: argparse.Namespace) -> int:
             if chunk.finished:
                 sample["finish_reason"] = chunk.finish_reason
                 per_request_stats[chunk.request_id] = chunk.stats
+    for r in requests:
+        if logprobs[r.request_id]:
+            sample, rows = samples[r.request_id], RowLogprobs.concat(logprobs[r.request_id])
+            sample["logprobs"] = chat_logprobs(sample["token_ids"], rows, pieces.pieces([*sample["token_ids"],
+                                                                                         *ids_of(rows)]))
+        elif r.sampling.logprobs is not None:
+            samples[r.request_id]["logprobs"] = []
     span.finish(args.model, [per_request_stats.get(r.request_id) for r in requests],
                 [samples[r.request_id]["finish_reason"] for r in requests])
     shutdown_tracing()
@@ -211,4 +232,11 @@ def _run_in_process(args: argparse.Namespace) -> int:
     else:
         for i, r in enumerate(requests):
             print(f"--- sample {i} ({samples[r.request_id]['finish_reason']})\n{samples[r.request_id]['text']}")
+    if not args.json:
+        for i, r in enumerate(requests):
+            sample = samples[r.request_id]
+            if "prompt_logprobs" in sample:
+                print_table(f"sample {i}: the prompt's log-probabilities", sample["prompt_logprobs"], sys.stdout)
+            if sample.get("logprobs"):
+                print_table(f"sample {i}: log-probabilities", sample["logprobs"], sys.stdout)
     return 0

@@ -150,14 +150,14 @@ class OpenAIFrontEnd:
         finally:
             chunks.cancel()
         collected.finish_span(span, self._defaults.model)
-        return JSONResponse(completion_body(request_id, self._defaults.model, collected, chat, parsed.tools),
+        return JSONResponse(completion_body(request_id, self._defaults.model, collected, chat, parsed.tools, parsed.view),
                             headers=headers)
 
     async def _sse(self, parsed: OpenAIRequest, chunks: ChunkStream, chat: bool,
                    span: RequestSpan) -> AsyncIterator[str]:
         request_id, model = parsed.args.request_id, self._defaults.model
         collected = Collected(n=parsed.args.n)
-        writer = SSEWriter(request_id, model, chat, parsed.include_usage, parsed.tools)
+        writer = SSEWriter(request_id, model, chat, parsed.include_usage, parsed.tools, parsed.view)
         try:
             async for item in chunks:
                 collected.add(item)

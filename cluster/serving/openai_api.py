@@ -41,12 +41,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from cluster.engine.request_span import RequestSpan, summed_speculation
+from cluster.serving.logprob_format import Pieces, chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from cluster.serving.openai_models import (
     MESSAGE_MODELS,
     REFUSED,
+    REFUSED_CHAT,
     REFUSED_COMPLETION,
     ChatAssistantMessage,
     ChatCompletionRequest,
@@ -74,7 +77,14 @@ from cluster.serving.tool_calls import (
     parse_tool_calls,
     resolve_tools,
 )
-from specserve_types.api import MAX_K, Constraint, InvalidRequestError, SamplingParams, SpecParams
+from specserve_types.api import (
+    MAX_K,
+    Constraint,
+    InvalidRequestError,
+    RowLogprobs,
+    SamplingParams,
+    SpecParams,
+)
 from specserve_types.protocol import (
     CHAT_ROLES,
     JSON_OBJECT_SCHEMA,
@@ -182,6 +192,15 @@ def invalid(exc: ValidationError, refused: dict[str, str] = REFUSED) -> InvalidR
 
 
 @dataclass(frozen=True)
+class LogprobView:
+    """What an answer shows beside the text (docs/api.md, "Log-probabilities")."""
+
+    logprobs: bool = False  # each output token's: chat's choices[].logprobs.content, completions' legacy shape
+    echo: bool = False  # completions: the prompt before the text (with logprobs, its tokens' first)
+    prompt_logprobs: bool = False  # vLLM's choices[].prompt_logprobs
+
+
+@dataclass(frozen=True)
 class OpenAIRequest:
     """A parsed request: what to generate, and how to answer it."""
 
@@ -189,6 +208,7 @@ class OpenAIRequest:
     stream: bool = False
     include_usage: bool = False
     tools: ToolOutput | None = None
+    view: LogprobView = LogprobView()
 
 
 def validated(model: type[BaseModel], body: Any, refused: dict[str, str] = REFUSED) -> Any:
@@ -269,8 +289,28 @@ def chat_messages(request: ChatCompletionRequest) -> tuple[tuple[tuple[str, str]
     return tuple(messages), (tuple(extras) if any(extras) else ())
 
 
+def logprob_fields(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
+                   ) -> tuple[dict[str, Any], LogprobView]:
+    """SamplingParams' log-probability fields and what the answer shows, from OpenAI's and vLLM's parameters:
+    completions' `logprobs` N and `echo`, chat's `logprobs` and `top_logprobs`, vLLM's `prompt_logprobs`."""
+    if isinstance(request, ChatCompletionRequest):
+        if request.top_logprobs and not request.logprobs:  # 0 without logprobs changes nothing
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        count = (request.top_logprobs or 0) if request.logprobs else None
+        echo = False
+    else:
+        count, echo = request.logprobs, bool(request.echo)
+    if max_tokens == 0 and not echo:
+        raise InvalidRequestError("max_tokens", "must be at least 1 (0 only with echo: the prompt scored, nothing "
+                                                "generated)")
+    wanted = [n for n in (request.prompt_logprobs, count if echo else None) if n is not None]
+    prompt = max(wanted) if wanted else (0 if echo and max_tokens == 0 else None)
+    return (_set(logprobs=count, prompt_logprobs=prompt, logprobs_mode=request.logprobs_mode),
+            LogprobView(logprobs=count is not None, echo=echo, prompt_logprobs=request.prompt_logprobs is not None))
+
+
 def _common(request: CompletionRequest | ChatCompletionRequest, defaults: ServerDefaults, max_tokens: int | None,
-            request_id: str) -> dict[str, Any]:
+            request_id: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if request.stream_options is not None and not request.stream:
         raise InvalidRequestError("stream_options", "is only allowed with stream: true")
     defaults.check_model(request.model or "")
@@ -280,7 +320,8 @@ def _common(request: CompletionRequest | ChatCompletionRequest, defaults: Server
         repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty, seed=request.seed, max_tokens=max_tokens, stop=stop,
         ignore_eos=request.ignore_eos,
-        logit_bias=logit_bias_pairs(request.logit_bias) if request.logit_bias is not None else None))
+        logit_bias=logit_bias_pairs(request.logit_bias) if request.logit_bias is not None else None,
+        **(logprobs or {})))
     spec = SpecParams(contract=request.contract or defaults.contract(sampling.temperature),
                       k=None if request.k in (None, "auto") else request.k, draft=request.draft or defaults.draft)
     return {"request_id": request_id, "sampling": sampling, "spec": spec, "n": request.n or 1}
@@ -291,26 +332,28 @@ def parse_request(body: Any, defaults: ServerDefaults, chat: bool, request_id: s
     request_id = request_id or new_request_id()
     tool_output: ToolOutput | None = None
     if chat:
-        request = validated(ChatCompletionRequest, body)
+        request = validated(ChatCompletionRequest, body, REFUSED_CHAT)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         messages, extras = chat_messages(request)
         constraint, tools, tool_output = _tool_choice(request, format_constraints(request))
+        fields, view = logprob_fields(request, max_tokens)
         args = GenerateArgs(messages=messages, message_extras=extras, tools=tools, chat=True, constraint=constraint,
-                            **_common(request, defaults, max_tokens, request_id))
+                            **_common(request, defaults, max_tokens, request_id, fields))
     else:
         request = validated(CompletionRequest, body, REFUSED_COMPLETION)
         prompt = request.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         found = format_constraints(request)
-        common = _common(request, defaults, request.max_tokens, request_id)
+        fields, view = logprob_fields(request, request.max_tokens)
+        common = _common(request, defaults, request.max_tokens, request_id, fields)
         constraint = found[0] if found else None
         if isinstance(prompt, str):
-            args = GenerateArgs(prompt_text=prompt, constraint=constraint, **common)
+            args = GenerateArgs(prompt_text=prompt, constraint=constraint, echo=view.echo, **common)
         else:
-            args = GenerateArgs(prompt_token_ids=tuple(prompt), constraint=constraint, **common)
+            args = GenerateArgs(prompt_token_ids=tuple(prompt), constraint=constraint, echo=view.echo, **common)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return OpenAIRequest(args, stream=bool(request.stream), include_usage=include_usage, tools=tool_output)
+    return OpenAIRequest(args, stream=bool(request.stream), include_usage=include_usage, tools=tool_output, view=view)
 
 
 def parse_completion(body: Any, defaults: ServerDefaults) -> GenerateArgs:
@@ -329,6 +372,14 @@ class Choice:
     proposed: int = 0
     accepted: int = 0
     stats: dict | None = None
+    logprobs: list[RowLogprobs] = field(default_factory=list)
+    prompt_logprobs: RowLogprobs | None = None
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_text: str = ""
+    pieces: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+
+    def rows(self) -> RowLogprobs | None:
+        return RowLogprobs.concat(self.logprobs) if self.logprobs else None
 
 
 @dataclass
@@ -346,6 +397,13 @@ class Collected:
         choice.token_ids.extend(chunk.token_ids)
         choice.proposed += chunk.proposed
         choice.accepted += chunk.accepted
+        if chunk.logprobs is not None:
+            choice.logprobs.append(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            choice.prompt_logprobs = chunk.prompt_logprobs
+        if item.prompt_token_ids:
+            choice.prompt_token_ids, choice.prompt_text = item.prompt_token_ids, item.prompt_text or ""
+        choice.pieces.update(item.pieces)
         self.contract = item.contract
         if chunk.finished:
             choice.finish_reason = chunk.finish_reason
@@ -376,26 +434,56 @@ def openai_finish(reason: str | None, calls: int = 0, tools: ToolOutput | None =
     return "tool_calls" if ends_in_calls(reason, calls, tools) else OPENAI_FINISH.get(reason or "", reason)
 
 
+def _chat_logprobs(token_ids: list[int], rows: RowLogprobs | None, pieces: Pieces) -> dict[str, Any]:
+    return {"content": chat_logprobs(token_ids, rows, pieces) if rows is not None else [], "refusal": None}
+
+
+def _completion_logprobs(token_ids: list[int], rows: RowLogprobs | None, pieces: Pieces, text_start: int,
+                         prompt: tuple[tuple[int, ...], RowLogprobs | None] | None) -> dict[str, Any]:
+    """The legacy shape; `prompt` (echo): the prompt's ids and rows, shown first when the rows came."""
+    shown = None if prompt is None or prompt[1] is None else (prompt[0], prompt[1])
+    if rows is None:
+        rows = RowLogprobs(np.zeros(0, np.float32), np.zeros((0, 0), np.int32), np.zeros((0, 0), np.float32),
+                           np.zeros(0, np.int32))
+    return completion_logprobs(token_ids, rows, pieces, text_start, shown)
+
+
+def _prompt_entry(choice: Choice, view: LogprobView) -> dict[str, Any]:
+    if not view.prompt_logprobs or choice.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": vllm_prompt_logprobs(choice.prompt_token_ids, choice.prompt_logprobs, choice.pieces)}
+
+
 def completion_body(request_id: str, model: str, collected: Collected, chat: bool,
-                    tools: ToolOutput | None = None) -> dict[str, Any]:
+                    tools: ToolOutput | None = None, view: LogprobView = LogprobView()) -> dict[str, Any]:
     """The whole answer; with `tools` (a chat with tools) each choice's output is read for tool calls."""
     choices = []
     for index in sorted(collected.choices):
         choice = collected.choices[index]
         finish = OPENAI_FINISH.get(choice.finish_reason or "", choice.finish_reason)
+        rows = choice.rows()
+        if chat:
+            logprobs = _chat_logprobs(choice.token_ids, rows, choice.pieces) if view.logprobs else None
+        else:
+            prompt = (choice.prompt_token_ids, choice.prompt_logprobs) if view.echo else None
+            start = len(choice.prompt_text) if view.echo else 0
+            logprobs = _completion_logprobs(choice.token_ids, rows, choice.pieces, start, prompt) \
+                if view.logprobs else None
         if chat and tools is not None:
             parsed = parse_tool_calls(choice.text)
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
             if parsed.calls:
                 message["tool_calls"] = [call.openai() for call in parsed.calls]
-            choices.append({"index": index, "message": message, "logprobs": None,
-                            "finish_reason": openai_finish(choice.finish_reason, len(parsed.calls), tools)})
+            choices.append({"index": index, "message": message, "logprobs": logprobs,
+                            "finish_reason": openai_finish(choice.finish_reason, len(parsed.calls), tools),
+                            **_prompt_entry(choice, view)})
         elif chat:
             choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
-                            "finish_reason": finish, "logprobs": None})
+                            "finish_reason": finish, "logprobs": logprobs, **_prompt_entry(choice, view)})
         else:
-            choices.append({"index": index, "text": choice.text, "finish_reason": finish, "logprobs": None,
-                            "token_ids": choice.token_ids})
+            text = choice.prompt_text + choice.text if view.echo else choice.text
+            choices.append({"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs,
+                            "token_ids": choice.token_ids, **_prompt_entry(choice, view)})
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": collected.usage(), "metrics": collected.metrics(),
             "specserve": collected.specserve()}
@@ -425,18 +513,40 @@ def _event(request_id: str, model: str, chat: bool, choice: dict[str, Any], spec
     return sse_data(event)
 
 
+def chunk_logprobs(item: IndexedChunk, chat: bool, view: LogprobView, text_start: int) -> dict[str, Any] | None:
+    """A chunk's `logprobs` (its tokens'; completions with echo: the prompt's first, on the first chunk) and, with
+    vLLM's prompt_logprobs, its `prompt_logprobs` entry."""
+    chunk = item.chunk
+    if not view.logprobs:
+        return None
+    if chat:
+        return _chat_logprobs(chunk.token_ids, chunk.logprobs, item.pieces)
+    prompt = (item.prompt_token_ids, chunk.prompt_logprobs) if view.echo and item.prompt_token_ids else None
+    return _completion_logprobs(chunk.token_ids, chunk.logprobs, item.pieces, text_start, prompt)
+
+
+def _prompt_field(item: IndexedChunk, view: LogprobView) -> dict[str, Any]:
+    rows = item.chunk.prompt_logprobs
+    if not view.prompt_logprobs or rows is None:
+        return {}
+    return {"prompt_logprobs": vllm_prompt_logprobs(item.prompt_token_ids, rows, item.pieces)}
+
+
 def sse_event(request_id: str, model: str, item: IndexedChunk, chat: bool, first: bool,
-              include_usage: bool = False) -> str:
+              include_usage: bool = False, view: LogprobView = LogprobView(), text_start: int = 0) -> str:
+    """One chunk's event; `text_start`: where its text starts in the choice's text (completions' text_offset)."""
     chunk = item.chunk
     finish = OPENAI_FINISH.get(chunk.finish_reason or "", chunk.finish_reason) if chunk.finished else None
+    logprobs = chunk_logprobs(item, chat, view, text_start)
     if chat:
         delta: dict[str, Any] = {"content": chunk.text_delta}
         if first:
             delta["role"] = "assistant"
-        choice: dict[str, Any] = {"index": item.index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice: dict[str, Any] = {"index": item.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
     else:
-        choice = {"index": item.index, "text": chunk.text_delta, "finish_reason": finish, "logprobs": None}
-    return _event(request_id, model, chat, choice, _spec(item), include_usage)
+        text = (item.prompt_text or "") + chunk.text_delta if view.echo else chunk.text_delta
+        choice = {"index": item.index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+    return _event(request_id, model, chat, {**choice, **_prompt_field(item, view)}, _spec(item), include_usage)
 
 
 class SSEWriter:
@@ -447,17 +557,25 @@ class SSEWriter:
     last)."""
 
     def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False,
-                 tools: ToolOutput | None = None) -> None:
+                 tools: ToolOutput | None = None, view: LogprobView = LogprobView()) -> None:
         self.request_id, self.model, self.chat, self.include_usage = request_id, model, chat, include_usage
         self.tools = tools if chat else None
+        self.view = view
         self._started: set[int] = set()
         self._streams: dict[int, ToolCallStream] = {}
+        self._offsets: dict[int, int] = {}  # completions: each choice's text so far (text_offset)
 
     def events(self, item: IndexedChunk) -> list[str]:
         first = item.index not in self._started
         self._started.add(item.index)
         if self.tools is None:
-            return [sse_event(self.request_id, self.model, item, self.chat, first, self.include_usage)]
+            if self.view.echo and item.prompt_text is not None:
+                self._offsets[item.index] = self._offsets.get(item.index, 0) + len(item.prompt_text)
+            start = self._offsets.get(item.index, 0)
+            self._offsets[item.index] = start + sum(len(item.pieces[t][0]) for t in item.chunk.token_ids) \
+                if self.view.logprobs else start
+            return [sse_event(self.request_id, self.model, item, self.chat, first, self.include_usage, self.view,
+                              start)]
         chunk = item.chunk
         stream = self._streams.setdefault(item.index, ToolCallStream())
         before = stream.calls
@@ -478,9 +596,11 @@ class SSEWriter:
         if first:
             deltas[0] = {"role": "assistant", **deltas[0]}
         finish = openai_finish(chunk.finish_reason, stream.calls, self.tools) if chunk.finished else None
+        logprobs = chunk_logprobs(item, True, self.view, 0)
         return [_event(self.request_id, self.model, True,
-                       {"index": item.index, "delta": delta, "logprobs": None,
-                        "finish_reason": finish if at == len(deltas) - 1 else None},
+                       {"index": item.index, "delta": delta, "logprobs": logprobs if at == 0 else None,
+                        "finish_reason": finish if at == len(deltas) - 1 else None,
+                        **(_prompt_field(item, self.view) if at == 0 else {})},
                        _spec(item) if at == 0 else None, self.include_usage)
                 for at, delta in enumerate(deltas)]
 

@@ -32,6 +32,7 @@ from specserve_types.api import (
     MAX_ID_CHARS,
     MAX_K,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
     MAX_TOKENS_LIMIT,
     MAX_TOP_K,
     MIN_TEMPERATURE,
@@ -44,10 +45,7 @@ INT64 = 1 << 63
 # -- the parameters specserve refuses unless they carry the value that changes nothing ------------------
 REFUSED: dict[str, str] = {
     "best_of": "is not supported by specserve (only 1)",
-    "echo": "is not supported by specserve (only false)",
     "suffix": "is not supported by specserve (only an empty suffix)",
-    "logprobs": "log probabilities are not supported by specserve",
-    "top_logprobs": "log probabilities are not supported by specserve",
     "functions": "the deprecated function calling is not supported by specserve: use tools",
     "function_call": "the deprecated function calling is not supported by specserve (only \"none\"): use "
                      "tool_choice",
@@ -56,6 +54,11 @@ REFUSED: dict[str, str] = {
     "modalities": "audio output is not supported by specserve (only [\"text\"])",
     "prediction": "predicted outputs are not supported by specserve",
     "web_search_options": "web search is not supported by specserve",
+}
+# ... on /v1/chat/completions, the completions' echo
+REFUSED_CHAT: dict[str, str] = {
+    **REFUSED,
+    "echo": "is only supported by /v1/completions (only false here)",
 }
 # ... and on /v1/completions, the chat's tool calling
 REFUSED_COMPLETION: dict[str, str] = {
@@ -197,8 +200,9 @@ class GenerationParams(Strict):
     stream: bool | None = Field(None, description="server-sent events, ending with `data: [DONE]`")
     stream_options: StreamOptions | None = Field(None, description="only with `stream: true`")
     n: Int(ge=1, le=MAX_N) | None = Field(None, description="completions to generate (default 1)")
-    max_tokens: Int(ge=1, le=MAX_TOKENS_LIMIT) | None = Field(
-        None, description="tokens to generate at most (default 64); prompt + max_tokens must fit the context")
+    max_tokens: Int(ge=0, le=MAX_TOKENS_LIMIT) | None = Field(
+        None, description="tokens to generate at most (default 64); prompt + max_tokens must fit the context; 0 only "
+                          "with echo (completions: the prompt scored, nothing generated)")
     stop: NonEmptyText | list[NonEmptyText] | None = Field(None, description="stop strings (not in the output)")
     seed: Int(ge=-INT64, le=INT64 - 1) | None = Field(
         None, description="sampling seed (completion i of n uses seed + i)")
@@ -232,6 +236,12 @@ class GenerationParams(Strict):
     guided_decoding_backend: str | None = Field(None, description="accepted; specserve's grammar engine is "
                                                                   "llguidance")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call (default true)")
+    # log-probabilities (docs/api.md, "Log-probabilities")
+    prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None, description="vLLM's: the prompt tokens' log-probabilities with this many top alternatives each")
+    logprobs_mode: Literal["raw", "processed"] | None = Field(
+        None, description="specserve: raw (the default: the target's log-softmax of its logits) or processed (of the "
+                          "distribution the token was sampled from)")
     # refused unless harmless
     guided_whitespace_pattern: None = Field(None, description="refused")
     functions: Empty | None = Field(None, description="refused")
@@ -241,9 +251,7 @@ class GenerationParams(Strict):
     prediction: None = Field(None, description="refused")
     web_search_options: None = Field(None, description="refused")
     best_of: only(1) | None = Field(None, description="refused")
-    echo: only(False) | None = Field(None, description="refused")
     suffix: only("") | None = Field(None, description="refused")
-    top_logprobs: only(0) | None = Field(None, description="refused")
 
 
 class CompletionRequest(GenerationParams):
@@ -252,7 +260,9 @@ class CompletionRequest(GenerationParams):
                          Field(min_length=1, max_length=1)]
              | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]) = Field(
         description="text, token ids, or a batch of one of these")
-    logprobs: only(0) | None = Field(None, description="refused")
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None, description="each token's log-probability with this many top alternatives (0: none)")
+    echo: bool | None = Field(None, description="the prompt before the completion (with logprobs, its tokens' too)")
     tools: Empty | None = Field(None, description="refused: chat only")
     tool_choice: only("none") | None = Field(None, description="refused: chat only")
 
@@ -315,7 +325,10 @@ class ChatCompletionRequest(GenerationParams):
                           "constrain the output to calls whose arguments match the function's parameters")
     max_completion_tokens: Int(ge=1, le=MAX_TOKENS_LIMIT) | None = Field(
         None, description="as max_tokens (and preferred over it)")
-    logprobs: only(False) | None = Field(None, description="refused")
+    logprobs: bool | None = Field(None, description="each output token's log-probability in choices[].logprobs")
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None, description="with logprobs: this many likeliest alternatives at each position")
+    echo: only(False) | None = Field(None, description="refused")
 
 
 REQUEST_MODELS: tuple[type[Strict], ...] = (CompletionRequest, ChatCompletionRequest)
@@ -357,11 +370,42 @@ class SpecserveInfo(BaseModel):
     stats: list[dict[str, Any] | None]
 
 
+class CompletionLogprobs(BaseModel):
+    """/v1/completions' log-probabilities (OpenAI's legacy shape): per token its text, log-probability (null for a
+    prompt's first token), top alternatives (text -> log-probability; null there too) and where its text starts in
+    the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's UTF-8 bytes (a token may hold part of a character)")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]  # vLLM's: per prompt token, null for the first, else token
+# id (a string) -> {logprob, rank, decoded_token} for the token itself and its top alternatives
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason | None
-    logprobs: None
+    logprobs: CompletionLogprobs | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's, with prompt_logprobs")
     token_ids: list[int] = Field(description="specserve: the generated token ids")
 
 
@@ -397,7 +441,8 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason | None
-    logprobs: None
+    logprobs: ChatLogprobs | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's, with prompt_logprobs")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -426,7 +471,8 @@ class CompletionChunkChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason | None
-    logprobs: None
+    logprobs: CompletionLogprobs | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's: on the choice's first chunk")
 
 
 class CompletionChunk(BaseModel):
@@ -466,7 +512,8 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: FinishReason | None
-    logprobs: None
+    logprobs: ChatLogprobs | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's: on the choice's first chunk")
 
 
 class ChatCompletionChunk(BaseModel):

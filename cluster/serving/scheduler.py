@@ -27,7 +27,9 @@ from cluster.engine.step_record import EngineObserver, Observers
 from cluster.serving.chunk_push import ChunkPusher, PushEnded, PushLink, PushLost, PushStarted, PushTarget
 from cluster.serving.config import ClusterConfig
 from cluster.serving.engine_loop import Engine, EngineLoop
+from cluster.serving.logprob_format import ids_of
 from cluster.serving.metrics import SpecMetrics
+from cluster.serving.token_pieces import TokenPieces
 from cluster.serving.tool_calls import chat_prompt_ids
 from specserve_types.api import (
     CapacityError,
@@ -114,12 +116,35 @@ class Scheduler(FaultHooks):
         # the chunks' way to the ingress (cluster/serving/chunk_push.py): pushed or through the Serve stream, the
         # requests whose inbox could not be reached, the requests ended by a link lost mid-way
         self._chunks = {"pushed": 0, "through_serve": 0, "push_fallbacks": 0, "push_lost": 0}
+        self._token_pieces: TokenPieces | None = None  # token texts for log-probabilities (event loop)
         self._loop.start()
         self._loop.wait_ready()  # Serve marks the replica RUNNING only once the engine is built
         if self._loop.startup_error is not None:
             raise RuntimeError(f"engine construction failed: {self._loop.startup_error!r}") \
                 from self._loop.startup_error
         logger.info("scheduler ready: model=%s draft=%s", config.model, config.draft)
+
+    def _readable(self, item: IndexedChunk, args: GenerateArgs, prompt: tuple[int, ...], started: set[int]
+                  ) -> IndexedChunk:
+        """The chunk with what a client reads beside log-probabilities: the texts of the tokens they name, and with
+        echo the prompt's ids and text on each completion's first chunk (the tokenizer is here, not at the door)."""
+        chunk, first = item.chunk, item.index not in started
+        started.add(item.index)
+        echo = args.echo and first
+        if chunk.logprobs is None and chunk.prompt_logprobs is None and not echo:
+            return item
+        ids = set(chunk.token_ids) | ids_of(chunk.logprobs) | ids_of(chunk.prompt_logprobs)
+        if chunk.prompt_logprobs is not None or echo:
+            ids |= set(prompt)
+        text = None
+        if echo:
+            text = args.prompt_text if args.prompt_text is not None else \
+                self._loop.engine.tokenizer.decode(list(prompt), skip_special_tokens=False)
+        if self._token_pieces is None:
+            self._token_pieces = TokenPieces(self._loop.engine.tokenizer)
+        return dataclasses.replace(item, pieces=self._token_pieces.pieces(ids),
+                                   prompt_token_ids=prompt if echo or chunk.prompt_logprobs is not None else (),
+                                   prompt_text=text)
 
     async def generate(self, args: GenerateArgs, push_to: PushTarget | None = None) -> AsyncIterator[Any]:
         """Stream IndexedChunk items of the n completions; a StreamError instead if refused. With `push_to` (an
@@ -170,6 +195,7 @@ class Scheduler(FaultHooks):
             if link is not None:
                 yield PushStarted()
             pushed = 0
+            started: set[int] = set()  # completions whose first chunk went out
             while pending:
                 index, chunk = await chunks.get()
                 if chunk.finished and pending.pop(chunk.request_id, None) is not None:  # aborts are counted already
@@ -177,7 +203,8 @@ class Scheduler(FaultHooks):
                     stats = {**(chunk.stats or {}), "prompt_tokens": len(prompt)}
                     chunk = dataclasses.replace(chunk, stats=stats)
                     self.metrics.finished(stats, chunk.finish_reason)
-                item = IndexedChunk(index, dataclasses.replace(chunk, request_id=args.request_id), args.spec.contract)
+                item = self._readable(IndexedChunk(index, dataclasses.replace(chunk, request_id=args.request_id),
+                                                   args.spec.contract), args, prompt, started)
                 if link is None:
                     self._chunks["through_serve"] += 1
                     yield item

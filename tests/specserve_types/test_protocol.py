@@ -113,7 +113,7 @@ def test_chat_text_becomes_the_user_message() -> None:
         ({"prompt": "x", "model": "gpt-4"}, "model"),
         ({"prompt": "x", "contract": "nope"}, "contract"),
         ({"prompt": "x", "k": "many"}, "k"),
-        ({"prompt": "x", "logprobs": 5}, "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
         ({"prompt": "x", "stop": [1]}, "stop"),
         ({"prompt": "x", "temperature": True}, "temperature"),

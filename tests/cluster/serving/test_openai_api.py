@@ -136,7 +136,8 @@ def error_of(body: Any, chat: bool = False) -> InvalidRequestError:
 @pytest.mark.parametrize(
     ("body", "field", "message"),
     [
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "must be >= 1, got 0"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "must be at least 1 (0 only with echo: the prompt scored, "
+                                                     "nothing generated)"),
         ({"prompt": "x", "top_p": 0}, "top_p", "must be > 0, got 0"),
         ({"prompt": "x", "n": "2"}, "n", "must be an integer, got '2'"),
         ({"prompt": "x", "ignore_eos": 1}, "ignore_eos", "must be a boolean, got 1"),

@@ -186,8 +186,8 @@ def test_async_bad_request_raises_the_typed_error(sdk: OpenAI) -> None:
         (False, {"max_tokens": -1}, "max_tokens"),
         (False, {"top_p": 5}, "top_p"),
         (False, {"best_of": 2}, "best_of"),
-        (False, {"logprobs": 2}, "logprobs"),
-        (False, {"echo": True}, "echo"),
+        (False, {"logprobs": 21}, "logprobs"),
+        (False, {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
         (False, {"suffix": "}"}, "suffix"),
         (False, {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         (False, {"model": "gpt-4o"}, "model"),
@@ -198,8 +198,7 @@ def test_async_bad_request_raises_the_typed_error(sdk: OpenAI) -> None:
         (True, {"tools": [{"type": "function", "function": {"name": "f f"}}]}, "tools[0].function.name"),
         (True, {"tool_choice": "required"}, "tool_choice"),  # without tools
         (True, {"functions": [{"name": "f"}]}, "functions"),
-        (True, {"logprobs": True}, "logprobs"),
-        (True, {"top_logprobs": 2}, "top_logprobs"),
+        (True, {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
         (True, {"logit_bias": {"50": 101}}, "logit_bias"),
         (True, {"logit_bias": {"4000000": 1}}, "logit_bias"),  # outside the vocabulary: the engine's refusal
         (True, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
