@@ -12,11 +12,13 @@ live_api/test_http_fuzz.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import schemathesis
 from fastapi import FastAPI, Request
@@ -39,7 +41,7 @@ from cluster.serving.openapi_docs import (
 )
 from cluster.serving.rejections import RejectionLog
 from cluster.serving.streams import ChunkStream
-from specserve_types.api import Constraint, TokenChunk
+from specserve_types.api import Constraint, RowLogprobs, TokenChunk
 from specserve_types.protocol import GenerateArgs, IndexedChunk, ServerDefaults, StreamError
 from tests.cluster.serving.live_api.fuzzing import fuzz_constraints, fuzz_schema
 
@@ -61,6 +63,33 @@ class ScriptedStream:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+PROMPT_IDS = (7, 8, 9)  # the prompt the fake scheduler says it scored
+
+
+def fake_rows(tokens: list[int], top: int) -> RowLogprobs:
+    """Log-probabilities the fake verifier reports: each token's -1 / (1 + its position), alternatives below it."""
+    values = np.array([-1.0 / (1 + i) for i in range(len(tokens))], np.float32)
+    return RowLogprobs(values, np.array([[5000 + j for j in range(top)]] * len(tokens), np.int32).reshape(
+        len(tokens), top), np.array([[v - 1 - j for j in range(top)] for v in values], np.float32).reshape(
+        len(tokens), top), np.ones(len(tokens), np.int32))
+
+
+def readable(item: IndexedChunk, args: GenerateArgs, first: bool) -> IndexedChunk:
+    """The chunk with log-probabilities where the request asks for them, as the scheduler sends it (scheduler.py
+    `_readable`): rows, the texts of the ids they name, and with echo the prompt on each completion's first chunk."""
+    s, chunk = args.sampling, item.chunk
+    rows = fake_rows(chunk.token_ids, s.logprobs) if s.logprobs is not None else None
+    prompt = fake_rows(list(PROMPT_IDS[1:]), s.prompt_logprobs) if s.prompt_logprobs is not None and first else None
+    if rows is None and prompt is None and not args.echo:
+        return item
+    ids = {*chunk.token_ids, *PROMPT_IDS, *(5000 + j for j in range(20))}
+    pieces = {t: (f"w{t} ", tuple(f"w{t} ".encode())) for t in ids}
+    echo = args.echo and first
+    return dataclasses.replace(item, chunk=dataclasses.replace(chunk, logprobs=rows, prompt_logprobs=prompt),
+                               pieces=pieces, prompt_token_ids=PROMPT_IDS if echo or prompt is not None else (),
+                               prompt_text="w7 w8 w9 " if echo else None)
 
 
 class ScriptedStreams:
@@ -92,6 +121,16 @@ class ScriptedStreams:
         return items
 
     def items(self, args: GenerateArgs) -> list[Any]:
+        seen: set[int] = set()
+        out = []
+        for item in self._items(args):
+            if isinstance(item, IndexedChunk):
+                item = readable(item, args, first=item.index not in seen)
+                seen.add(item.index)
+            out.append(item)
+        return out
+
+    def _items(self, args: GenerateArgs) -> list[Any]:
         if self.script is not None:
             return self.scripted(args)
         prompt_tokens = len(args.prompt_token_ids or ()) or len(args.prompt_text or "") or sum(
@@ -99,6 +138,9 @@ class ScriptedStreams:
         items: list[Any] = []
         for index in range(args.n):
             tokens = [100 * index + j for j in range(args.sampling.max_tokens)]
+            if not tokens:  # max_tokens 0 (echo): the prompt scored, one last chunk
+                items.append(IndexedChunk(index, TokenChunk(args.request_id, [], "", finish_reason="length", stats={
+                    "prompt_tokens": prompt_tokens, "output_tokens": 0}), args.spec.contract))
             for start in range(0, len(tokens), 2):
                 part = tokens[start:start + 2]
                 last = start + 2 >= len(tokens)
@@ -541,7 +583,7 @@ def test_schemathesis_over_the_app(streams: ScriptedStreams) -> None:
 def test_the_constraint_fields_fuzzed(client: TestClient, streams: ScriptedStreams) -> None:
     """Every request carries constraint fields, right or wrong: a 200 matching its model or a 400 naming a field."""
     streams.script = ['<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>', "plain", "<tool_c"]
-    seen = fuzz_constraints(lambda path, body: client.post(path, json=body), max_examples=150)
+    seen = fuzz_constraints(lambda path, body: client.post(path, json=body), max_examples=200)
     assert seen.get("200", 0) > 20 and seen.get("400", 0) > 20, seen
 
 

@@ -138,7 +138,7 @@ def constrained_bodies(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     body |= {"messages": [{"role": "user", "content": "Weather in Paris? Answer briefly."}]} if chat else \
         {"prompt": "The answer is"}
     formats = ["response_format", "structured_outputs", "guided"]
-    others = ["logit_bias", "tools", "history"] if chat else ["logit_bias"]
+    others = ["logit_bias", "tools", "history", "logprobs"] if chat else ["logit_bias", "logprobs"]
     fields = draw(st.sets(st.sampled_from(formats + others), min_size=1, max_size=3)) if wild else \
         {*draw(st.sets(st.sampled_from(formats), max_size=1)), *draw(st.sets(st.sampled_from(others), max_size=2))}
     if not fields:
@@ -172,6 +172,21 @@ def constrained_bodies(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
             body["parallel_tool_calls"] = draw(st.booleans())
         if not wild and body["tool_choice"] not in (None, "none", "auto"):  # a format beside required: refused
             body = {key: value for key, value in body.items() if not key.startswith(("structured", "guided"))}
+    if "logprobs" in fields:  # issue 70's fields: chat's logprobs / top_logprobs, completions' logprobs / echo
+        count = st.integers(0, 5) | (st.sampled_from([21, -1, 2.5, "3", True]) if wild else st.nothing())
+        if chat:
+            body["logprobs"] = True if not wild else draw(st.booleans() | st.just(None))
+            body["top_logprobs"] = draw(count)
+        else:
+            body["logprobs"] = draw(count)
+            body["echo"] = draw(st.booleans())
+            if body["echo"] and draw(st.booleans()):
+                body["max_tokens"] = 0  # the prompt scored only
+        if draw(st.booleans()):
+            body["prompt_logprobs"] = draw(count)
+        if draw(st.booleans()):
+            body["logprobs_mode"] = draw(st.sampled_from(["raw", "processed"]) | (
+                st.sampled_from(["logits", ""]) if wild else st.nothing()))
     if "history" in fields:
         call = {"id": "call_1", "type": "function",
                 "function": {"name": "get_weather", "arguments": draw(st.sampled_from(['{"city": "Paris"}', "{}",

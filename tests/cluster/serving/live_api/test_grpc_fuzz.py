@@ -67,9 +67,13 @@ FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
     # SmolLM2's vocabulary is 49152 ids
     "logit_bias": (st.dictionaries(st.integers(0, 49_151), st.floats(-100.0, 100.0), max_size=3),
                    st.dictionaries(INT32, FLOATS, max_size=3)),
+    # log-probabilities (issue 70): echo allows max_tokens 0
+    "logprobs": (st.integers(0, 20), INT32),
+    "echo": (st.booleans(), st.booleans()),
+    "logprobs_mode": (st.sampled_from(["", "raw", "processed"]), TEXT),
 }
 OPTIONAL = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_k",
-            "seed", "k", "n", "max_tokens", "constraint", "logit_bias"}
+            "seed", "k", "n", "max_tokens", "constraint", "logit_bias", "logprobs", "echo", "logprobs_mode"}
 
 
 @st.composite
