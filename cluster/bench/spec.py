@@ -63,6 +63,7 @@ class Config:
     stop_below: float | None = None  # "model" at k auto: the engine's draft_stop_below (None: its default)
     lookup: bool | None = None  # "model" at k auto: the engine's draft_lookup (None: its default)
     exact_rule: str | None = None  # temperature > 0: the engine's exact_rule (None: its default)
+    logprobs: int | None = None  # every request asks for its tokens' log-probabilities, this many alternatives
 
     @property
     def label(self) -> str:
@@ -75,6 +76,8 @@ class Config:
             label += " +lookup" if self.lookup else " -lookup"
         if self.exact_rule is not None:
             label += f" {self.exact_rule}"
+        if self.logprobs is not None:
+            label += f" +logprobs{self.logprobs}"
         return label + (" +traced" if self.traced else "")
 
 
@@ -132,7 +135,7 @@ class SpecBench:
     def _request(self, config: Config, prompt: BenchPrompt, index: int, max_tokens: int) -> GenerationRequest:
         greedy = config.temperature == 0
         sampling = SamplingParams(temperature=config.temperature, max_tokens=max_tokens,
-                                  seed=None if greedy else self.s.seed + index)
+                                  seed=None if greedy else self.s.seed + index, logprobs=config.logprobs)
         spec = SpecParams(contract="greedy" if greedy else "exact", k=0 if config.draft == "none" else config.k,
                           draft=config.draft)
         return GenerationRequest(f"{prompt.id}", tuple(self.prompt_ids[prompt.id]), sampling, spec)
@@ -234,6 +237,8 @@ class SpecBench:
         configs = [Config("none", 0, temperature, batch), *spec]
         if self.s.tracing_overhead:
             configs += [dataclasses.replace(c, traced=True) for c in configs]
+        if self.s.logprobs_overhead is not None:
+            configs += [dataclasses.replace(c, logprobs=self.s.logprobs_overhead) for c in configs if not c.traced]
         return configs
 
     def warm_up(self) -> None:
@@ -300,6 +305,9 @@ class SpecBench:
             row["traced"] = config.traced
             if config.traced:  # tokens/s traced / untraced, the same config in the same run
                 row["speedup_vs_untraced"] = ratio(tally, self.tallies[dataclasses.replace(config, traced=False)])
+            row["logprobs"] = config.logprobs
+            if config.logprobs is not None:  # tokens/s with log-probabilities / without, same config, same run
+                row["speedup_vs_no_logprobs"] = ratio(tally, self.tallies[dataclasses.replace(config, logprobs=None)])
             row["by_category_speedup_vs_plain"] = category_ratios(tally, plain)
             hf_plain = self.hf_tallies.get(("plain", config.temperature))
             peer = self.hf_tallies.get((HF_PEER[config.draft], config.temperature))

@@ -27,6 +27,7 @@ class SpecSettings:
     dtype: str = "auto"  # the target's: see model_runtime.precision.target_dtype
     draft_dtype: str = "auto"  # see model_runtime.precision.draft_dtype
     tracing_overhead: bool = False  # also run every config traced (every span sampled, exported to a file)
+    logprobs_overhead: int | None = None  # also run every config with `logprobs` N (log-probabilities' cost)
     llamacpp: bool = False  # also llama.cpp on the same GGUF files, greedy (cluster/bench/llamacpp.py)
     llamacpp_only: bool = False  # llama.cpp alone: neither our engine nor transformers
     llamacpp_draft_tokens: int = 4  # tokens llama.cpp's draft model proposes per round

@@ -92,6 +92,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sp.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
                     help=f"draft model precision (default auto: {DRAFT_AUTO})")
     sp.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    sp.add_argument("--logprobs-overhead", type=int, default=None, metavar="N",
+                    help="also run every config with logprobs N (each token's log-probability and N alternatives) "
+                         "and print tokens/s with vs without")
     sp.add_argument("--tracing-overhead", action="store_true",
                     help="also run every config traced (every span sampled and exported to a file) and print "
                          "tokens/s traced vs untraced")
@@ -244,6 +247,7 @@ def _run_spec(args: argparse.Namespace) -> int:
         base.setdefault("draft", "none")
         base.setdefault("drafts", ["ngram"])
     settings = SpecSettings(**base, threads=args.threads, hf=not args.no_hf, tracing_overhead=args.tracing_overhead,
+                            logprobs_overhead=args.logprobs_overhead,
                             llamacpp=args.llamacpp or args.llamacpp_only, llamacpp_only=args.llamacpp_only,
                             llamacpp_python=args.llamacpp_python)
     try:

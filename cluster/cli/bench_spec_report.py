@@ -36,6 +36,13 @@ def format_spec(result: dict[str, Any]) -> str:
         out.append(table(["T", "batch", "config", "tok/s traced", "traced / untraced"],
                          [[r["temperature"], r["batch"], r["label"], r["tokens_per_second"], r["speedup_vs_untraced"]]
                           for r in traced]))
+    with_logprobs = [r for r in result["results"] if r.get("logprobs") is not None]
+    if with_logprobs:
+        out.append("\nlog-probabilities asked for (each token's, with its top alternatives) vs not, same config, "
+                   "same run:")
+        out.append(table(["T", "batch", "config", "tok/s", "with / without"],
+                         [[r["temperature"], r["batch"], r["label"], r["tokens_per_second"],
+                           r["speedup_vs_no_logprobs"]] for r in with_logprobs]))
     if result["hf"]:
         out.append("\ntransformers (batch 1, one prompt at a time):")
         out.append(table(["T", "mode", "tok/s", "vs hf plain", "=ours plain"],
