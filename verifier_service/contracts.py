@@ -224,8 +224,34 @@ def verify_exact(
     u = request_uniforms(seed, position, k, "accept", round_start=position).view(1, k)  # fresh per round
     u_next = request_uniforms(seed, position, k + 1, "residual").view(1, k + 1)
     accept = block_accept if rule == "block" else exact_accept
+    x, q, p, ids = on_support(x, q, p)
     accepted_len, next_token = accept(x, None if q is None else q.unsqueeze(0), p.unsqueeze(0), u, u_next, inject_bias)
-    return _verdict(draft_tokens, accepted_len, next_token, "exact")
+    return _verdict(draft_tokens, accepted_len, next_token if ids is None else ids[next_token], "exact")
+
+
+SUPPORT_SHARE = 0.25  # `on_support` narrows a round whose support is at most this share of the vocabulary
+
+
+def on_support(x: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """One request's round (x [1,k] drafts, q [k,V] or None, p [k+1,V]) on the columns any of its rows can give: the
+    tokens with p > 0 or q > 0 in some row, and the drafts; and those columns' token ids (None: the round as it is,
+    its support over SUPPORT_SHARE of the vocabulary). Every other token has p = q = 0 in every row, so the rules
+    never accept, weigh or sample it: the verdict on the narrowed round, its next token mapped back through the
+    ids, is the verdict on the whole one (its sums run over the same nonzero terms; a float sum may round them in
+    another order). A constraint, top-k, top-p or min-p leaves a small support, and the round then costs its support's
+    columns, not the vocabulary's (docs/benchmarks.md, "Structured output": sampled rows)."""
+    most = SUPPORT_SHARE * p.shape[-1]
+    support = (p > 0).any(0)
+    if int(support.sum()) > most:  # a dense p (sampling without a constraint or a cut): as it is, q unread
+        return x, q, p, None
+    if q is not None:
+        support |= (q > 0).any(0)
+    support[x.flatten()] = True
+    if int(support.sum()) > most:
+        return x, q, p, None
+    ids = support.nonzero().flatten()
+    return torch.searchsorted(ids, x), None if q is None else q[:, ids], p[:, ids], ids
 
 
 def verify_greedy(draft_tokens: Sequence[int], p: torch.Tensor) -> Verdict:

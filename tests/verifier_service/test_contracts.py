@@ -35,6 +35,7 @@ from specserve_types.api import Contract, SamplingParams
 from specserve_types.round_messages import VerifyItem
 from verifier_service import contracts
 from verifier_service.contracts import (
+    block_accept,
     exact_accept,
     greedy_accept,
     residual_distribution,
@@ -346,3 +347,34 @@ def test_inject_bias_draws_the_correction_from_p_not_the_residual() -> None:
     u, u_next = torch.tensor([[0.9]]), torch.tensor([[0.1, 0.5]])  # 0.9 * q(x) >= p(x): rejected
     assert [int(t) for t in exact_accept(x, None, p, u, u_next)] == [0, 1]  # residual (p - q)+: token 1 only
     assert [int(t) for t in exact_accept(x, None, p, u, u_next, inject_bias=True)] == [0, 0]  # from p: 0.1 -> 0
+
+
+@pytest.mark.parametrize("rule", ["token", "block"])
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_a_small_support_is_verified_on_its_columns_alone(rule: str, point_mass: bool) -> None:
+    """on_support: a round whose p and q live on 60 of 4,000 tokens (a constraint's mask, top-k) gives the verdict of
+    the whole round, for every seed; a dense round is left as it is."""
+    from verifier_service.contracts import on_support
+
+    g = torch.Generator().manual_seed(5)
+    vocab, k = 4000, 4
+    columns = torch.randperm(vocab, generator=g)[:60]
+    p = torch.zeros(k + 1, vocab)
+    p[:, columns] = torch.rand(k + 1, 60, generator=g) ** 3
+    p /= p.sum(-1, keepdim=True)
+    q = None
+    if not point_mass:
+        q = torch.zeros(k, vocab)
+        q[:, columns] = torch.rand(k, 60, generator=g) ** 3
+        q /= q.sum(-1, keepdim=True)
+    drafts = [int(columns[i]) for i in (0, 3, 7, 11)]
+    for seed in range(300):
+        narrowed = verify_exact(drafts, q, p, seed, 17, rule=rule)
+        x = torch.tensor([drafts])
+        u = request_uniforms(seed, 17, k, "accept", round_start=17).view(1, k)
+        u_next = request_uniforms(seed, 17, k + 1, "residual").view(1, k + 1)
+        accept = block_accept if rule == "block" else exact_accept
+        n, token = accept(x, None if q is None else q.unsqueeze(0), p.unsqueeze(0), u, u_next)
+        assert (narrowed.accepted_len, narrowed.next_token) == (int(n[0]), int(token[0])), seed
+    dense = torch.softmax(torch.randn(k + 1, vocab, generator=g), -1)
+    assert on_support(torch.tensor([drafts]), None, dense)[3] is None
