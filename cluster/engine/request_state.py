@@ -21,6 +21,7 @@ import numpy as np
 
 from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.prompt_group import PromptGroup
+from cluster.engine.stop_strings import ROOT, stop_matcher
 from drafter_service.ngram import TokenHistory
 from specserve_types.api import FinishReason, GenerationRequest, InvalidRequestError
 from verifier_service.constraint import ConstraintCompiler, RequestConstraint, logit_bias_errors
@@ -50,6 +51,8 @@ class TextTracker:
     with a few before them as context, keeping the part past the context's own decode. Where that part cannot be
     read off (a decoder that rewrites text across the boundary), it decodes the whole output as before. So a token
     costs a decode of a few tokens, not of the output so far (docs/benchmarks.md, "A long output's Python").
+    The stop strings are one automaton (cluster/engine/stop_strings.py) fed each new character once, so a token costs
+    the same whatever they are; the text held back is the longest end of the text that could still start one.
     """
 
     tokenizer: Any
@@ -59,31 +62,46 @@ class TextTracker:
     text: str = ""
     stable: str = ""
     read: int = 0  # output tokens whose decode is `stable`
+    fed: str = ""  # the text the stop strings' automaton has read (up to a trailing U+FFFD)
+    state: int = ROOT  # the automaton's state after `fed`
 
     def update(self, token_ids: list[int]) -> tuple[str, bool]:
         """Given the full sequence, return (new text delta, stop string hit)."""
         if self.tokenizer is None:
             return "", False
         self.text = self._decoded(token_ids)
-        for s in self.stop:
-            idx = self.text.find(s, max(0, self.emitted_chars - len(s) + 1))
-            if idx != -1:
-                self.text = self.text[:idx]
-                delta = self.text[self.emitted_chars:]
-                self.emitted_chars = len(self.text)
-                return delta, True
+        hit, held = self._scan() if self.stop else (False, 0)
+        if hit:  # the first stop string (in their order) found past what was emitted: the text ends before it
+            for s in self.stop:
+                idx = self.text.find(s, max(0, self.emitted_chars - len(s) + 1))
+                if idx != -1:
+                    self.text = self.text[:idx]
+                    delta = self.text[self.emitted_chars:]
+                    self.emitted_chars = len(self.text)
+                    return delta, True
         safe = len(self.text)
         if self.text.endswith("\ufffd"):
             safe -= 1
-        for s in self.stop:  # hold back a suffix that may start a stop string
-            for n in range(min(len(s) - 1, safe), 0, -1):
-                if self.text.endswith(s[:n], 0, safe):
-                    safe -= n
-                    break
-        safe = max(safe, self.emitted_chars)
+        safe = max(safe - held, self.emitted_chars)  # hold back an end that may start a stop string
         delta = self.text[self.emitted_chars:safe]
         self.emitted_chars = safe
         return delta, False
+
+    def _scan(self) -> tuple[bool, int]:
+        """Feed the stop strings' automaton the text's new characters: (a stop string ends past what was emitted,
+        the characters at the text's end, before a trailing U+FFFD, that could still start one)."""
+        matcher, text = stop_matcher(self.stop), self.text
+        end = len(text) - 1 if text.endswith("\ufffd") else len(text)
+        if not text.startswith(self.fed):  # a decoder that rewrote text already read: read it all again
+            self.fed, self.state = "", ROOT
+        state, hit = self.state, False
+        for at in range(len(self.fed), end):
+            state = matcher.step(state, text[at])
+            hit = hit or (matcher.ends[state] and at >= self.emitted_chars)
+        self.fed, self.state = text[:end], state
+        if end < len(text):  # the U+FFFD itself (read again once its character is whole)
+            hit = hit or matcher.ends[matcher.step(state, text[end])]
+        return hit, matcher.depth[state]
 
     def _decoded(self, token_ids: list[int]) -> str:
         """The decode of the whole output (token_ids past the prompt), from `stable` and the tokens after it."""

@@ -19,7 +19,8 @@ TEXTS = ["Hello, world! Ça va? 日本語のテキスト 🤖🎉 — naïve caf
 
 @dataclass
 class WholeDecode:
-    """The tracker as it was: the whole output decoded every token (the reference; O(n) a token)."""
+    """The tracker as it was: the whole output decoded every token, each stop string searched and each of its prefixes
+    tried against the text's end (the reference; O(n) a token)."""
 
     tokenizer: Any
     prompt_len: int
@@ -39,12 +40,9 @@ class WholeDecode:
         safe = len(self.text)
         if self.text.endswith("\ufffd"):
             safe -= 1
-        for s in self.stop:
-            for n in range(min(len(s) - 1, safe), 0, -1):
-                if self.text[:safe].endswith(s[:n]):
-                    safe = min(safe, len(self.text[:safe]) - n)
-                    break
-        safe = max(safe, self.emitted_chars)
+        held = max((n for s in self.stop for n in range(1, min(len(s) - 1, safe) + 1)  # the longest end that may
+                    if self.text[:safe].endswith(s[:n])), default=0)  # start a stop string
+        safe = max(safe - held, self.emitted_chars)
         delta = self.text[self.emitted_chars:safe]
         self.emitted_chars = safe
         return delta, False
@@ -149,3 +147,48 @@ def test_a_token_decodes_a_few_tokens_not_the_output(smollm2_tokenizer: Any) -> 
         tracker.update(seen)
     assert tracker.text == smollm2_tokenizer.decode(ids, skip_special_tokens=True)
     assert tok.decoded <= 20 * len(ids), tok.decoded
+
+
+def test_many_overlapping_stop_strings_as_the_reference(smollm2_tokenizer: Any) -> None:
+    """Several stop strings that share prefixes and are suffixes of each other, cut from the output itself: the same
+    deltas, hits and text as searching each one and trying each of its prefixes."""
+    tok = smollm2_tokenizer
+    rng = random.Random(11)
+    for ids in sequences(tok, len(tok), seed=2):
+        text = tok.decode(ids, skip_special_tokens=True)
+        if len(text) < 12:
+            continue
+        for _ in range(4):
+            pieces = []
+            for _ in range(rng.randrange(2, 9)):
+                at = rng.randrange(len(text) - 3)
+                pieces.append(text[at:at + rng.randrange(1, 12)])
+            pieces += [p[1:] + "#" for p in pieces if len(p) > 1]  # shared middles, no match
+            stop = tuple(rng.sample(pieces, len(pieces)))
+            assert run(TextTracker(tok, 0, stop), [], ids) == run(WholeDecode(tok, 0, stop), [], ids), (ids, stop)
+
+
+def test_a_token_costs_the_same_whatever_the_stop_strings(smollm2_tokenizer: Any) -> None:
+    """64 stop strings of 256 characters that the output keeps almost starting ("abab..." against "aaaa..."): the
+    automaton reads each character of the output once (trying each prefix of each read 64 x 255 of them a token)."""
+    from cluster.engine import stop_strings
+
+    ids = smollm2_tokenizer.encode("a" * 4000, add_special_tokens=False)
+    stop = tuple("ab" * 127 + f"{i:02d}" for i in range(64))
+    matcher = stop_strings.stop_matcher(stop)
+    steps = 0
+    step = matcher.step
+
+    def counted(state: int, char: str) -> int:
+        nonlocal steps
+        steps += 1
+        return step(state, char)
+
+    matcher.step = counted  # type: ignore[method-assign]
+    try:
+        out = run(TextTracker(smollm2_tokenizer, 0, stop), [], ids)
+    finally:
+        del matcher.step
+    assert "".join(delta for delta, _, _ in out) == "a" * 4000 and not any(hit for _, hit, _ in out)
+    assert steps <= 4000 + len(ids), steps
+    assert all(len(delta) > 0 for delta, _, _ in out[1:-1])  # only the last "a" held back, each token
