@@ -10,12 +10,15 @@ With --once "PROMPT" it streams one generation through gRPC instead of serving (
 it arrives, then one line of statistics as JSON; cluster/cli/up_once.py) and exits 0 after shutting
 down; --json makes stdout one JSON object (addresses, text, token ids, statistics).
 
-Without --address it starts an embedded local Ray bound to loopback (dashboard on 127.0.0.1), with Ray's
-default for a local cluster: token authentication on (unless RAY_AUTH_MODE says otherwise; scripts/in-netns.sh
-turns it off for the tests' loopback-only namespace); a log line says where the token is. With --address it
-joins that cluster. Access to the front doors (--api-key-file, --tls-cert-file/--tls-key-file, the
-SPECSERVE_API_KEYS variable): docs/security.md. On exit it shuts down Serve, then Ray (a joined cluster
-keeps running; only this driver disconnects).
+Without --address it starts an embedded local Ray: its node address 127.0.0.1 with the default --host and the
+dashboard on 127.0.0.1, but not all of it on loopback (each Serve replica's own gRPC server listens on all
+interfaces, Ray's replica.py; docs/security.md lists every listener). Ray's default for a local cluster stays:
+token authentication on, its token file created 0600 (cluster/cli/ray_access.py); a log line says where the token
+is. With RAY_AUTH_MODE=disabled it starts only in a loopback-only network namespace (scripts/in-netns.sh: the
+tests') or with --allow-unauthenticated-ray, whose warning names every listener; elsewhere it exits 2 with one
+line before anything starts. With --address it joins that cluster. Access to the front doors (--api-key-file,
+--tls-cert-file/--tls-key-file, the SPECSERVE_API_KEYS variable): docs/security.md. On exit it shuts down Serve,
+then Ray (a joined cluster keeps running; only this driver disconnects).
 """
 
 from __future__ import annotations
@@ -34,13 +37,12 @@ from typing import TextIO
 
 from cluster.cli.client_flags import refuse_key_flag
 from cluster.cli.generate import parse_k
+from cluster.cli.ray_access import ALLOW_FLAG, LOOPBACK_HOSTS, ray_auth_gate, secure_token_file
 from cluster.cli.tracing_flags import add_tracing_flags, tracing_fields
 from cluster.serving.config import ClusterConfig, ConfigError, load_config
 from specserve_types.api import TARGET_AUTO, TARGET_DTYPES, SpecServeError
 
 log = logging.getLogger("specserve.up")
-
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -70,6 +72,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--k", type=parse_k, default=None, help="with --once: draft tokens per round, N or auto")
     p.add_argument("--seed", type=int, default=None, help="with --once")
     p.add_argument("--chat", action="store_true", help="with --once: apply the model's chat template")
+    p.add_argument(ALLOW_FLAG, action="store_true",
+                   help="with RAY_AUTH_MODE=disabled outside a loopback-only network namespace: start anyway (a "
+                        "warning names every listener anyone who reaches the machine may then use to run code; "
+                        "docs/security.md)")
     p.add_argument("-v", "--verbose", action="store_true")
     add_tracing_flags(p)
     return p
@@ -86,8 +92,10 @@ def init_ray(config: ClusterConfig) -> str:
         log.info("starting a local Ray (dashboard on 127.0.0.1:%d)", config.dashboard_port)
         node_ip = {"_node_ip_address": "127.0.0.1"} if config.host in LOOPBACK_HOSTS else {}
         config.local_ray_env()
+        secure_token_file(create=True)  # before Ray would write it 0644
         context = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=config.dashboard_port,
                            num_cpus=config.ray_num_cpus, **node_ip)
+    secure_token_file()  # a lax file Ray found, or one it wrote after all
     log.info("Ray authentication: %s", ray_auth_note())
     return context.dashboard_url or ""
 
@@ -97,7 +105,8 @@ def ray_auth_note(environ: Mapping[str, str] = os.environ) -> str:
     or that Ray runs without one. Read after ray.init, which turns token mode on for a new local cluster."""
     mode = environ.get("RAY_AUTH_MODE", "disabled").lower()
     if mode != "token":
-        return f"off (RAY_AUTH_MODE={mode}): anyone who reaches the dashboard or the GCS port can run code"
+        return (f"off (RAY_AUTH_MODE={mode}): anyone who reaches the GCS, the dashboard, a raylet, a worker or a Serve "
+                "replica's own gRPC port can run code")
     if environ.get("RAY_AUTH_TOKEN"):
         return "token, from the RAY_AUTH_TOKEN variable"
     path = environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
@@ -128,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
                              tls_key_file=args.tls_key_file, **tracing_fields(args))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if (refusal := ray_auth_gate(config, args.allow_unauthenticated_ray)) is not None:
+        print(refusal, file=sys.stderr)  # before anything starts
         return 2
     if args.once is None:
         if args.json:
