@@ -14,6 +14,8 @@ import argparse
 import importlib
 import sys
 
+from cluster.cli.client_flags import SecretSafeParser
+
 # subcommand name -> module exposing add_parser(subparsers) and run(args) -> int
 SUBCOMMANDS: dict[str, str] = {
     "models": "cluster.cli.models",
@@ -27,7 +29,9 @@ PLUGINS: dict[str, str] = {"chaos": "chaos.cli"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
+    # every parser below is a SecretSafeParser (no abbreviations, no value repeated in an error): add_subparsers
+    # makes each subcommand's parser, and theirs, of the root's class
+    parser = SecretSafeParser(prog="specserve", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module_name in [*SUBCOMMANDS.values(), *PLUGINS.values()]:
         module = importlib.import_module(module_name)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli.client_flags import apply_client_flags
+from cluster.cli.client_flags import apply_client_flags, redact_argparse_error
 from cluster.cli.main import build_parser
 from cluster.cli.up import ray_auth_note
 from cluster.cli.up_once import own_credentials
@@ -77,3 +77,55 @@ def test_a_key_on_the_command_line_is_refused_without_echoing_it(argv: list[str]
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert "--api-key-file PATH" in err and KEY not in err
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _parsers(sub)
+    return found
+
+
+def test_no_parser_takes_an_abbreviation() -> None:
+    parsers = _parsers(build_parser())
+    assert {"specserve up", "specserve bench serve", "specserve check exact", "specserve generate"} <= {
+        p.prog for p in parsers}
+    assert [p.prog for p in parsers if p.allow_abbrev] == []
+
+
+@pytest.mark.parametrize("argv", [["generate", "x", "--server", "h:1"], ["bench", "serve", "--server", "h:1"],
+                                  ["check", "exact", "--server", "h:1"], ["up"]])
+def test_an_abbreviated_or_misspelt_key_flag_is_an_error_without_the_key(argv: list[str],
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`--api-ke=KEY` (argparse would print it back in 'ambiguous option' or 'unrecognized arguments'), and the
+    misspellings a key lands behind: exit 2, the option named, the key nowhere."""
+    tls = "--tls-key-fil" if argv == ["up"] else "--tls-ca"
+    for flag in ([f"--api-ke={KEY}"], ["--api-ke", KEY], [f"--apikey={KEY}"], ["--api_key", KEY],
+                 [f"--api-key-fil={KEY}"], [f"{tls}={KEY}"], ["--api-ke", KEY, "--api-k", KEY]):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args([*argv, *flag])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert KEY not in err and flag[0].split("=")[0] in err, err
+        assert "not shown" in err
+
+
+def test_a_harmless_abbreviation_is_an_error_too(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--verb"])
+    assert "unrecognized arguments: --verb" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", f"-v{KEY}"])  # a short flag's glued value
+    assert KEY not in capsys.readouterr().err
+
+
+def test_argparse_errors_redacted() -> None:
+    assert redact_argparse_error(f"unrecognized arguments: --api-ke={KEY} {KEY} -x") == (
+        "unrecognized arguments: --api-ke -x (2 values not shown)")
+    assert redact_argparse_error(f"unrecognized arguments: {KEY}") == "unrecognized arguments: 1 value not shown"
+    assert redact_argparse_error(f"ambiguous option: --api-k={KEY} could match --api-key, --api-key-file") == (
+        "ambiguous option: --api-k could match --api-key, --api-key-file")
+    assert redact_argparse_error("argument --max-tokens: invalid int value: 'x'") == (
+        "argument --max-tokens: invalid int value: 'x'")  # a value of a known option stays
