@@ -15,7 +15,10 @@ bind a Serve replica's methods, and the verifier and drafter stay Serve deployme
 
 Same node (same Ray node id): a Linux abstract Unix socket, else TCP on the worker node's address with
 TCP_NODELAY. Every connection proves it holds the endpoint's secret (HMAC-SHA256 of a server nonce) before any
-frame is decoded; the secret travels only inside Ray. A frame is a length, a kind and a payload: the round's hot
+frame is decoded; the secret travels only inside Ray. Until it has, a connection is pending: at most
+MAX_PENDING_PER_PEER at once per peer (its IP address; a Unix socket's: its uid), the rest closed as they come, and
+each has HANDSHAKE_TIMEOUT_S to answer. Refused connections log one WARNING line per kind of refusal per 10 s
+(`RefusalLog`, the ingress's rate limit; the next line says how many were suppressed). A frame is a length, a kind and a payload: the round's hot
 methods (`verify`, `propose`) as typed MessagePack, everything else a pickle (specserve_types/round_codec.py).
 
 A call's reply carries the handler's own seconds, so a client knows its transport's own time: round trip minus
@@ -36,6 +39,7 @@ import logging
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -55,6 +59,9 @@ MAX_FRAME = 1 << 34  # 16 GiB: a sanity bound on a length read off the wire
 
 Handler = Callable[..., Any]  # blocking; runs on the channel's connection thread (or its FrameReader's)
 FRAME_TIMEOUT_S = 10.0  # a watched connection's frame: its rest is due within this once its first bytes are in
+MAX_PENDING_PER_PEER = 8  # connections of one peer not yet past the handshake (a caller has one per worker)
+HANDSHAKE_TIMEOUT_S = 5.0  # a connection's answer to the nonce is due within this (a caller answers in microseconds)
+REFUSAL_LOG_WINDOW_S = 10.0
 
 
 class FrameReader(Protocol):
@@ -112,6 +119,89 @@ def auth_digest(secret: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, nonce, hashlib.sha256).digest()
 
 
+def peer_of(sock: socket.socket | None, address: Any) -> str:
+    """Whom a connection counts against: a TCP peer's IP address, a Unix socket peer's uid (SO_PEERCRED)."""
+    if isinstance(address, tuple) and address:
+        return str(address[0])
+    try:
+        assert sock is not None
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return f"uid {uid}"
+    except (AssertionError, AttributeError, OSError):
+        return "unix"
+
+
+class PendingPeers:
+    """Connections that have not yet proved the secret, counted per peer: `admit` says whether one more may start
+    its handshake (at most `cap` per peer at once), `release` ends its count (exactly once per admitted one)."""
+
+    def __init__(self, cap: int = MAX_PENDING_PER_PEER) -> None:
+        self.cap = cap
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, peer: str) -> bool:
+        with self._lock:
+            count = self._counts.get(peer, 0)
+            if count >= self.cap:
+                return False
+            self._counts[peer] = count + 1
+            return True
+
+    def release(self, peer: str) -> None:
+        with self._lock:
+            count = self._counts.pop(peer, 0) - 1
+            if count > 0:
+                self._counts[peer] = count
+
+    def pending(self, peer: str) -> int:
+        with self._lock:
+            return self._counts.get(peer, 0)
+
+
+class RefusalLog:
+    """Refused connections: one WARNING line per kind of refusal per `window_s`, the next saying how many were
+    suppressed since (the ingress's RejectionLog, cluster/serving/rejections.py, locked for the channels' threads)."""
+
+    def __init__(self, logger: logging.Logger, what: str, window_s: float = REFUSAL_LOG_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._logger = logger
+        self._what = what
+        self._window_s = window_s
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.total = 0
+
+    def refused(self, peer: str, reason: str) -> bool:
+        """Record one refused connection; returns whether a line was written."""
+        with self._lock:
+            self.total += 1
+            now = self._clock()
+            last = self._last.get(reason)
+            if last is not None and now - last < self._window_s:
+                self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
+                return False
+            self._last[reason] = now
+            suppressed = self._suppressed.pop(reason, 0)
+        note = f" (+{suppressed} like it suppressed in the last {self._window_s:g}s)" if suppressed else ""
+        self._logger.warning("%s: a connection from %s refused: %s%s", self._what, peer, reason, note)
+        return True
+
+
+NO_SECRET = "it did not prove the secret"
+CLOSED = "it closed before proving the secret"
+
+
+def no_answer(timeout_s: float) -> str:
+    return f"no answer to the nonce within {timeout_s:g}s"
+
+
+def too_many(cap: int) -> str:
+    return f"{cap} of its connections already wait for their handshake"
+
+
 class ChannelServer:
     """Serves `handlers`: one listener thread per socket; each connection read by a thread of its own, or, given a
     `reader`, by that thread (the verifier's and drafter's ComputeThread: the request wakes the thread that runs
@@ -135,6 +225,9 @@ class ChannelServer:
         self._listeners: list[socket.socket] = []
         self._closed = threading.Event()
         self._lock = threading.Lock()
+        self.pending = PendingPeers()
+        self.refusals = RefusalLog(log, f"{name} channel")
+        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
 
     def start(self) -> Endpoint:
         """Listen (idempotent, thread-safe) and return the endpoint."""
@@ -167,21 +260,42 @@ class ChannelServer:
     def _accept(self, listener: socket.socket) -> None:
         while not self._closed.is_set():
             try:
-                conn, _ = listener.accept()
+                conn, address = listener.accept()
             except OSError:
                 return  # closed
+            peer = peer_of(conn, address)
+            if not self.pending.admit(peer):  # closed before it costs a thread
+                conn.close()
+                self.refusals.refused(peer, too_many(self.pending.cap))
+                continue
             if conn.family in (socket.AF_INET, socket.AF_INET6):
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name=f"{self.name}-channel", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, peer), name=f"{self.name}-channel", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        adopted = False  # handed to the reader, which closes it
+    def _handshake(self, conn: socket.socket, peer: str) -> bool:
+        """Whether the connection proved the secret within the timeout (a refusal is logged, rate-limited)."""
         try:
-            conn.settimeout(10.0)
+            conn.settimeout(self.handshake_timeout_s)
             nonce = secrets.token_bytes(NONCE_BYTES)
             conn.sendall(nonce)
-            if not hmac.compare_digest(recv_exact(conn, 32), auth_digest(self.secret, nonce)):
-                log.warning("%s channel: a connection without the secret was refused", self.name)
+            answer = recv_exact(conn, 32)
+        except TimeoutError:
+            self.refusals.refused(peer, no_answer(self.handshake_timeout_s))
+            return False
+        except OSError:  # ChannelLost included
+            self.refusals.refused(peer, CLOSED)
+            return False
+        finally:
+            self.pending.release(peer)
+        if not hmac.compare_digest(answer, auth_digest(self.secret, nonce)):
+            self.refusals.refused(peer, NO_SECRET)
+            return False
+        return True
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        adopted = False  # handed to the reader, which closes it
+        try:
+            if not self._handshake(conn, peer):
                 return
             conn.sendall(b"\1")
             if self.reader is not None:  # the worker's compute thread reads this connection's frames itself

@@ -18,8 +18,9 @@ verifier's forward, which runs meanwhile. A frame on a connected socket costs te
 Serve keeps everything else: it routes the request to a scheduler replica, carries a refusal (the first item),
 an error (a StreamError, or the exception of a dead replica) and the end with its count, and cancelling the call
 still reaches the scheduler. The connection (one per scheduler replica and ingress inbox, made on the first
-request) proves it holds the inbox's secret, as the round channels do (specserve_types/round_channel.py); the
-secret travels only inside Ray. If the scheduler cannot reach the inbox, that request's chunks go through the
+request) proves it holds the inbox's secret, as the round channels do (specserve_types/round_channel.py, with their
+caps: at most MAX_PENDING_PER_PEER connections per peer before their handshake, HANDSHAKE_TIMEOUT_S each, refusals
+logged rate-limited); the secret travels only inside Ray. If the scheduler cannot reach the inbox, that request's chunks go through the
 Serve call as before; a connection lost mid-request ends the request with an internal error (the scheduler
 aborts it), never with a silent gap: the ingress waits for `count` chunks, or END_GRACE_S after the end at most.
 
@@ -43,7 +44,19 @@ from typing import Any
 
 from specserve_types.api import SpecServeError
 from specserve_types.protocol import StreamError
-from specserve_types.round_channel import NONCE_BYTES, Endpoint, auth_digest
+from specserve_types.round_channel import (
+    CLOSED,
+    HANDSHAKE_TIMEOUT_S,
+    NO_SECRET,
+    NONCE_BYTES,
+    Endpoint,
+    PendingPeers,
+    RefusalLog,
+    auth_digest,
+    no_answer,
+    peer_of,
+    too_many,
+)
 
 log = logging.getLogger("ray.serve")
 
@@ -95,6 +108,9 @@ class ChunkInbox:
         self._queues: dict[int, asyncio.Queue[Any]] = {}
         self._servers: list[asyncio.AbstractServer] = []
         self._connections: dict[asyncio.StreamWriter, asyncio.Task[Any]] = {}
+        self.pending = PendingPeers()
+        self.refusals = RefusalLog(log, "chunk inbox")
+        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
 
     async def start(self) -> Endpoint:
         tcp = await asyncio.start_server(self._serve, self.host, 0)
@@ -139,11 +155,7 @@ class ChunkInbox:
         assert task is not None
         self._connections[writer] = task
         try:
-            nonce = secrets.token_bytes(NONCE_BYTES)
-            writer.write(nonce)
-            digest = await asyncio.wait_for(reader.readexactly(32), CONNECT_TIMEOUT_S)
-            if not hmac.compare_digest(digest, auth_digest(self._secret, nonce)):
-                log.warning("chunk inbox: a connection without the secret was refused")
+            if not await self._handshake(reader, writer):
                 return
             writer.write(b"\1")
             while True:
@@ -160,6 +172,30 @@ class ChunkInbox:
         finally:
             self._connections.pop(writer, None)
             writer.close()
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Whether the connection proved the secret in time; at most `pending.cap` per peer try at once (the rest
+        are closed as they come); each refusal logged, rate-limited."""
+        peer = peer_of(writer.get_extra_info("socket"), writer.get_extra_info("peername"))
+        if not self.pending.admit(peer):
+            self.refusals.refused(peer, too_many(self.pending.cap))
+            return False
+        try:
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            writer.write(nonce)
+            digest = await asyncio.wait_for(reader.readexactly(32), self.handshake_timeout_s)
+        except TimeoutError:
+            self.refusals.refused(peer, no_answer(self.handshake_timeout_s))
+            return False
+        except (asyncio.IncompleteReadError, OSError):
+            self.refusals.refused(peer, CLOSED)
+            return False
+        finally:
+            self.pending.release(peer)
+        if not hmac.compare_digest(digest, auth_digest(self._secret, nonce)):
+            self.refusals.refused(peer, NO_SECRET)
+            return False
+        return True
 
 
 class PushedChunks:

@@ -4,7 +4,9 @@ process, over the abstract Unix socket and over TCP on loopback."""
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import multiprocessing
+import os
 import socket
 import threading
 import time
@@ -13,7 +15,17 @@ from typing import Any
 import pytest
 
 from model_runtime.compute_thread import ComputeThread
-from specserve_types.round_channel import ChannelLost, ChannelServer, ChannelTimeout, Endpoint
+from specserve_types.round_channel import (
+    MAX_PENDING_PER_PEER,
+    NO_SECRET,
+    NONCE_BYTES,
+    ChannelLost,
+    ChannelServer,
+    ChannelTimeout,
+    Endpoint,
+    PendingPeers,
+    RefusalLog,
+)
 from specserve_types.round_channel_client import ChannelClient, ChannelLink
 
 NODE = "node-a"
@@ -195,3 +207,131 @@ def test_a_sent_call_is_answered_by_its_result_and_holds_the_client_until_then(s
     with pytest.raises(Refused):
         failing.result()
     assert client.call("echo", 1) == ((1,), {}) and client.totals.calls == 4
+
+
+# -- connections that never prove the secret ------------------------------------------------------------------
+def _raw(endpoint: Endpoint, unix: bool = False) -> socket.socket:
+    if unix:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect("\0" + str(endpoint.unix_name))
+    else:
+        sock = socket.create_connection((endpoint.host, endpoint.port))
+    sock.settimeout(5)
+    return sock
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed it (after its nonce, if it sent one)."""
+    data = b""
+    while True:
+        more = sock.recv(64)
+        if not more:
+            return True
+        data += more
+        assert len(data) <= NONCE_BYTES
+
+
+def _wait(condition: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("unix", [False, True], ids=["tcp", "unix"])
+def test_a_peers_unauthenticated_connections_are_capped_and_dropped_after_the_timeout(
+        unix: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Twenty raw connections that never answer the nonce: MAX_PENDING_PER_PEER get a nonce and a thread, the rest are
+    closed at once; the idle ones are closed after the handshake timeout; then a caller is served. Each kind of
+    refusal logs one line (rate-limited)."""
+    srv = ChannelServer({"echo": lambda x: x}, NODE, "127.0.0.1", "capped")
+    srv.handshake_timeout_s = 1.0
+    endpoint = srv.start()
+    peer = f"uid {os.getuid()}" if unix else "127.0.0.1"
+    threads_before = threading.active_count()
+    try:
+        with caplog.at_level(logging.WARNING, "specserve.channel"):
+            started = time.monotonic()
+            socks = [_raw(endpoint, unix) for _ in range(20)]
+            nonces = []
+            for sock in socks:  # a pending one gets its nonce; one over the cap is closed without it
+                try:
+                    nonces.append(len(sock.recv(NONCE_BYTES, socket.MSG_WAITALL)))
+                except ConnectionResetError:
+                    nonces.append(0)
+            assert nonces.count(NONCE_BYTES) == MAX_PENDING_PER_PEER
+            assert srv.pending.pending(peer) == MAX_PENDING_PER_PEER
+            assert threading.active_count() - threads_before <= MAX_PENDING_PER_PEER
+            assert all(_closed_by_server(sock) for sock in socks)  # the idle ones after the timeout
+            assert 1.0 <= time.monotonic() - started < 4.0
+            _wait(lambda: srv.pending.pending(peer) == 0)
+        refusals = [r.getMessage() for r in caplog.records if r.name == "specserve.channel"]
+        assert len(refusals) == 2, refusals  # 12 over the cap, 8 timed out: one line each kind
+        assert any("already wait for their handshake" in line for line in refusals)
+        assert any("no answer to the nonce within 1s" in line for line in refusals)
+        assert srv.refusals.total == 20
+        client = ChannelClient(endpoint, NODE if unix else "node-b")
+        assert client.call("echo", 5) == 5  # the peer's caller is served again
+        assert srv.pending.pending(peer) == 0  # an authenticated connection is not pending
+        client.close()
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.close()
+
+
+def test_a_wrong_answer_and_a_hangup_are_refused_and_release_their_slot() -> None:
+    srv = ChannelServer({"echo": lambda x: x}, NODE, "127.0.0.1", "wrong")
+    endpoint = srv.start()
+    try:
+        for answer in (b"x" * 32, b""):
+            sock = _raw(endpoint)
+            assert len(sock.recv(NONCE_BYTES, socket.MSG_WAITALL)) == NONCE_BYTES
+            if answer:
+                sock.sendall(answer)
+            else:
+                sock.shutdown(socket.SHUT_WR)
+            assert _closed_by_server(sock)
+            sock.close()
+        _wait(lambda: srv.refusals.total == 2)
+        assert srv.pending.pending("127.0.0.1") == 0
+    finally:
+        srv.close()
+
+
+def test_refusal_lines_are_rate_limited_per_kind() -> None:
+    lines: list[str] = []
+    logger = logging.getLogger("test.refusals")
+    logger.addHandler(handler := _ListHandler(lines))
+    now = [0.0]
+    refusals = RefusalLog(logger, "x channel", window_s=10.0, clock=lambda: now[0])
+    try:
+        assert refusals.refused("10.0.0.1", NO_SECRET)
+        assert not any(refusals.refused(f"10.0.0.{i}", NO_SECRET) for i in range(50))
+        assert refusals.refused("10.0.0.1", "another kind")
+        now[0] = 10.0
+        assert refusals.refused("10.0.0.9", NO_SECRET)
+    finally:
+        logger.removeHandler(handler)
+    assert len(lines) == 3 and refusals.total == 53
+    assert lines[2] == ("x channel: a connection from 10.0.0.9 refused: it did not prove the secret "
+                        "(+50 like it suppressed in the last 10s)")
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_pending_peers_count_each_peer_apart() -> None:
+    pending = PendingPeers(cap=2)
+    assert pending.admit("a") and pending.admit("a") and not pending.admit("a") and pending.admit("b")
+    pending.release("a")
+    assert pending.admit("a") and pending.pending("a") == 2
+    for _ in range(3):
+        pending.release("a")
+    assert pending.pending("a") == 0 and pending._counts == {"b": 1}

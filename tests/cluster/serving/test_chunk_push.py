@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import os
+import socket
 from typing import Any
 
 import pytest
@@ -22,6 +25,7 @@ from cluster.serving.chunk_push import (
 from cluster.serving.streams import SchedulerStreams
 from specserve_types.api import SpecServeError, TokenChunk
 from specserve_types.protocol import IndexedChunk, StreamError
+from specserve_types.round_channel import MAX_PENDING_PER_PEER, NONCE_BYTES
 from tests.cluster.serving.test_scheduler_loop import ScriptedEngine, args, make_scheduler, wait_until
 
 NODE = "node-a"
@@ -280,3 +284,47 @@ def test_without_an_inbox_every_chunk_comes_through_the_serve_stream() -> None:
     assert [item.chunk.token_ids for item in items] == [[3], [4], [5]]
     assert scheduler._chunks == {"pushed": 0, "through_serve": 3, "push_fallbacks": 0, "push_lost": 0}
     assert scheduler._live == 0 and not engine.held_blocks
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("unix", [False, True], ids=["tcp", "unix"])
+def test_unauthenticated_connections_are_capped_per_peer_and_time_out(unix: bool, event_loop: str,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Twenty raw connections that never answer: MAX_PENDING_PER_PEER get the nonce, the rest are closed at once, the
+    idle ones after the handshake timeout; a scheduler then links; one WARNING line per kind of refusal."""
+
+    async def scenario() -> list[int]:
+        inbox = await started_inbox()
+        inbox.handshake_timeout_s = 1.0
+        assert inbox.endpoint is not None
+        endpoint = inbox.endpoint
+        peer = f"uid {os.getuid()}" if unix else "127.0.0.1"
+
+        async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            if unix:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect("\0" + str(endpoint.unix_name))
+                sock.setblocking(False)
+                return await asyncio.open_unix_connection(sock=sock)
+            return await asyncio.open_connection(endpoint.host, endpoint.port)
+
+        started = asyncio.get_running_loop().time()
+        connections = [await connect() for _ in range(20)]
+        got = [len(await asyncio.wait_for(reader.read(), 5)) for reader, _ in connections]  # to EOF
+        assert asyncio.get_running_loop().time() - started >= 1.0  # the pending ones waited out the timeout
+        assert inbox.pending.pending(peer) == 0
+        for _, writer in connections:
+            writer.close()
+        link = await ChunkPusher(NODE if unix else "another-node").link(endpoint)  # a scheduler links again
+        link.close()
+        await inbox.close()
+        return got
+
+    run = pytest.importorskip("uvloop").run if event_loop == "uvloop" else asyncio.run
+    with caplog.at_level(logging.WARNING, "ray.serve"):
+        got = run(scenario())
+    assert sorted(got) == [0] * (20 - MAX_PENDING_PER_PEER) + [NONCE_BYTES] * MAX_PENDING_PER_PEER
+    refusals = [r.getMessage() for r in caplog.records if "chunk inbox" in r.getMessage()]
+    assert len(refusals) == 2, refusals
+    assert any("already wait for their handshake" in line for line in refusals)
+    assert any("no answer to the nonce within 1s" in line for line in refusals)
