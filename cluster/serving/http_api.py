@@ -10,6 +10,8 @@ cluster/serving/openai_api.py. Every answer that is not a 200 is OpenAI's error 
     500 internal_error         a server fault: the message holds the request id only, the log has the rest
     401 invalid_request_error  no API key, or not one of the server's (`code: invalid_api_key`, `WWW-Authenticate`);
                                checked before the body is read, so nothing reaches the scheduler (cluster/serving/auth.py)
+Open without a key: /health, /metrics (unless `metrics_require_api_key`), /openapi.json (the schema is public);
+/docs and /redoc only when the server has no keys (docs/security.md, "Open by design").
 Each answer of a generation route carries the request id in `x-specserve-request-id`. A refusal (400, 413, 429) is one
 WARNING line (cluster/serving/rejections.py); a server fault logs its traceback once. Leaving a stream early
 (the client disconnects) cancels it, which aborts the request at the scheduler.
@@ -43,6 +45,7 @@ from cluster.serving.openai_api import (
     sse_data,
     usage_event,
 )
+from cluster.serving.openapi_docs import docs_html
 from cluster.serving.rejections import RejectionLog
 from cluster.serving.streams import ChunkStream, SchedulerStreams
 from specserve_types.api import CapacityError, InvalidRequestError, SpecServeError
@@ -185,6 +188,13 @@ class OpenAIFrontEnd:
         return JSONResponse({"object": "list", "data": [{"id": m["id"], "object": "model", "created": created,
                                             "owned_by": "specserve", "role": m["role"], "draft": m["draft"]}
                                            for m in self._models() if m["role"] == "target"]})
+
+    def docs_page(self, request: Request, path: str) -> Response:
+        """/docs or /redoc: behind the key when the server has keys, like every route but the probes' (a browser
+        sends no key, so there they are closed: read the open /openapi.json with any viewer); open otherwise."""
+        if (refused := self.unauthorized(request)) is not None:
+            return refused
+        return docs_html(path, request.scope.get("root_path", ""))
 
     async def health(self) -> JSONResponse:
         try:

@@ -32,6 +32,7 @@ from cluster.serving.http_api import OpenAIFrontEnd
 from cluster.serving.openapi_docs import (
     CHAT_ROUTE,
     COMPLETIONS_ROUTE,
+    DOCS_PAGES,
     HEALTH_ROUTE,
     METRICS_ROUTE,
     MODELS_ROUTE,
@@ -56,7 +57,9 @@ async def open_inbox(config: ClusterConfig) -> ChunkInbox | None:
     return inbox
 
 
-http_app = FastAPI(title="specserve", description="OpenAI-compatible speculative-decoding server")
+# FastAPI's own /docs and /redoc are off: the routes below serve them, behind the key when the server has keys
+http_app = FastAPI(title="specserve", description="OpenAI-compatible speculative-decoding server", docs_url=None,
+                   redoc_url=None)
 
 
 @serve.ingress(http_app)
@@ -139,5 +142,13 @@ class Ingress:
     @http_app.get("/v1/stats", **STATS_ROUTE)
     async def stats(self, request: Request) -> Response:
         return await self._http.stats(request)
+
+    @http_app.get(DOCS_PAGES[0], include_in_schema=False)
+    async def docs(self, request: Request) -> Response:
+        return self._http.docs_page(request, DOCS_PAGES[0])
+
+    @http_app.get(DOCS_PAGES[1], include_in_schema=False)
+    async def redoc(self, request: Request) -> Response:
+        return self._http.docs_page(request, DOCS_PAGES[1])
 
 IngressDeployment = serve.deployment(Ingress, name="Ingress")

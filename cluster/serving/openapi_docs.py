@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
@@ -95,6 +96,19 @@ METRICS_ROUTE: dict[str, Any] = {
 STATS_ROUTE: dict[str, Any] = {"summary": "Scheduler, engine and KV statistics",
                                "responses": {200: {"model": StatsResponse}, 401: ERRORS[401],
                                              500: ERRORS[500], 503: ERRORS[503]}}
+
+
+# The browsable pages over /openapi.json (FastAPI's own are off: `docs_url=None, redoc_url=None`): served by the
+# ingress's routes, behind the API key when the server has keys (cluster/serving/http_api.py, docs_page)
+DOCS_PAGES = ("/docs", "/redoc")
+
+
+def docs_html(path: str, root_path: str = "", title: str = "specserve") -> HTMLResponse:
+    """Swagger UI (/docs) or ReDoc (/redoc) reading `root_path`/openapi.json, as FastAPI's own pages do."""
+    openapi_url = f"{root_path.rstrip('/')}/openapi.json"
+    if path == "/redoc":
+        return get_redoc_html(openapi_url=openapi_url, title=f"{title} - ReDoc")
+    return get_swagger_ui_html(openapi_url=openapi_url, title=f"{title} - Swagger UI")
 
 
 def document(app: FastAPI) -> None:

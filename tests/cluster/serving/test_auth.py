@@ -32,6 +32,7 @@ from cluster.serving.auth import ENV_API_KEYS, ApiKeys, AuthError, KeySources, b
 from cluster.serving.grpc_server import GrpcServer, read_tls_pair
 from cluster.serving.grpc_service import SpecServeService
 from cluster.serving.http_api import OpenAIFrontEnd
+from cluster.serving.openapi_docs import DOCS_PAGES
 from cluster.serving.rejections import RejectionLog
 from cluster.serving.streams import until
 from specserve_types.protocol import ServerDefaults
@@ -204,6 +205,49 @@ def test_http_health_and_metrics_stay_open_metrics_when_configured(log: tuple[lo
         assert client.get("/health").status_code == 200
         assert_401(client.get("/metrics"), missing=True)
         assert client.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def docs_app(keys: ApiKeys, logger: logging.Logger) -> FastAPI:
+    """The ingress's /docs and /redoc routes (FastAPI's own off) and its /openapi.json."""
+    front = OpenAIFrontEnd(ScriptedStreams(), ServerDefaults(MODEL, "ngram"), list,  # type: ignore[arg-type]
+                           RejectionLog(logger, window_s=0.0), retry_after_s=1, keys=keys)
+    app = FastAPI(docs_url=None, redoc_url=None)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> Response:
+        return front.docs_page(request, "/docs")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> Response:
+        return front.docs_page(request, "/redoc")
+
+    return app
+
+
+def test_the_docs_pages_ask_for_the_key_when_the_server_has_keys(log: tuple[logging.Logger, Lines]) -> None:
+    """/docs and /redoc: 401 without a key when there are keys (a browser sends none: closed there), the page with
+    one, open without keys; /openapi.json stays open (the schema is public)."""
+    with TestClient(docs_app(ApiKeys.of(KEY), log[0])) as client:
+        for path, marker in (("/docs", "swagger-ui"), ("/redoc", "redoc")):
+            assert_401(client.get(path), missing=True)
+            page = client.get(path, headers={"Authorization": f"Bearer {KEY}"})
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+            assert marker in page.text and "/openapi.json" in page.text
+        assert client.get("/openapi.json").status_code == 200
+    with TestClient(docs_app(ApiKeys.of(), log[0])) as client:
+        assert [client.get(path).status_code for path in DOCS_PAGES] == [200, 200]
+
+
+def test_the_served_app_serves_its_own_docs_pages_not_fastapis() -> None:
+    from cluster.serving.ingress import IngressDeployment
+
+    init = IngressDeployment.func_or_class.__init__
+    cells = dict(zip(init.__code__.co_freevars, (cell.cell_contents for cell in init.__closure__ or ()), strict=True))
+    served = cells["frozen_app_or_func"]
+    assert (served.docs_url, served.redoc_url) == (None, None)
+    paths = {getattr(route, "path", None) for item in served.routes  # the class's routes: an included router
+             for route in (item.original_router.routes if hasattr(item, "original_router") else [item])}
+    assert set(DOCS_PAGES) <= paths and "/docs/oauth2-redirect" not in paths
 
 
 class TlsServer:
