@@ -8,7 +8,13 @@ import pytest
 
 from specserve_types.api import InvalidRequestError, RowLogprobs, TokenChunk
 from specserve_types.proto import specserve_pb2 as pb
-from specserve_types.protocol import IndexedChunk, ServerDefaults, chunk_from_proto, chunk_to_proto, request_from_proto
+from specserve_types.protocol import (
+    IndexedChunk,
+    ServerDefaults,
+    chunk_from_proto,
+    chunk_to_proto,
+    request_from_proto,
+)
 
 DEFAULTS = ServerDefaults("tiny", "ngram")
 

@@ -1,4 +1,4 @@
-"""Log-probabilities through the live cluster (live_api/conftest.py: SmolLM2 drafting for itself, a TP=3 verifier),
+"""Log-probabilities through the live cluster (live_api/conftest.py: SmolLM2 drafting for itself, bf16),
 as the official `openai` SDK and the gRPC client read them:
 
 - completions' `logprobs` N and chat's `logprobs` / `top_logprobs`, whole and streamed (the same figures);
