@@ -168,11 +168,67 @@ def new_request_id() -> str:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """The most one request may ask of this server, where its cost grows with a field's size: refused at the front
+    doors (INVALID_ARGUMENT / HTTP 400 naming the field) before anything is reserved or tokenized. The server's
+    policy: ClusterConfig's fields of these names (cluster/serving/config.py; docs/api.md, "Limits"). The bounds of
+    every server (MAX_PROMPT_CHARS, MAX_N, api.MAX_LOGIT_BIAS, ...) are checked where the fields are read."""
+
+    max_context: int = 1 << 20  # a prompt of token ids: its ids + max_tokens at most this many
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 256  # each
+    max_stop_chars: int = 4096  # all of a request's together
+    max_messages: int = 2048
+    max_request_tokens: int = 16384  # n x max_tokens
+
+    def check_stop(self, stop: Sequence[str]) -> None:
+        """Stop strings: how many, how long each, and in all (the automaton that matches them grows with them)."""
+        if len(stop) > self.max_stop_strings:
+            raise InvalidRequestError("stop", f"at most {self.max_stop_strings} stop strings, got {len(stop)}")
+        longest = max(map(len, stop), default=0)
+        if longest > self.max_stop_string_chars:
+            raise InvalidRequestError("stop", f"each stop string at most {self.max_stop_string_chars} characters, "
+                                              f"got one of {longest}")
+        total = sum(map(len, stop))
+        if total > self.max_stop_chars:
+            raise InvalidRequestError("stop", f"at most {self.max_stop_chars} characters of stop strings in all, "
+                                              f"got {total}")
+
+    def check_messages(self, count: int) -> None:
+        if count > self.max_messages:
+            raise InvalidRequestError("messages", f"at most {self.max_messages} messages, got {count}")
+
+    def check_prompt_ids(self, count: int, max_tokens: int = 0) -> None:
+        """A prompt of token ids longer than the context can hold (the engine checks the model's own context)."""
+        if count + max_tokens > self.max_context:
+            raise InvalidRequestError("prompt", f"prompt ({count} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                                f"context of {self.max_context} tokens" if max_tokens else
+                                                f"prompt ({count} tokens) exceeds the context of {self.max_context} "
+                                                "tokens")
+
+    def check_tokens(self, n: int, max_tokens: int) -> None:
+        """The tokens a request may generate in all (n completions of max_tokens each)."""
+        if n * max_tokens > self.max_request_tokens:
+            raise InvalidRequestError("max_tokens" if n == 1 else "n",
+                                      f"n ({n}) x max_tokens ({max_tokens}) = {n * max_tokens} exceeds the "
+                                      f"{self.max_request_tokens} tokens a request may generate on this server")
+
+    def check(self, args: GenerateArgs) -> None:
+        """Every limit of a parsed request (each door also checks the counts before it builds the request)."""
+        self.check_stop(args.sampling.stop)
+        self.check_messages(len(args.messages))
+        if args.prompt_token_ids is not None:
+            self.check_prompt_ids(len(args.prompt_token_ids), args.sampling.max_tokens)
+        self.check_tokens(args.n, args.sampling.max_tokens)
+
+
+@dataclass(frozen=True)
 class ServerDefaults:
-    """What an unset request field means on this server."""
+    """What an unset request field means on this server, and what a request may ask of it."""
 
     model: str  # the served target
     draft: str = "model"  # SpecParams.draft for requests that name none: "model", or "ngram" without a draft model
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def check_model(self, requested: str) -> None:
         if requested:
@@ -357,6 +413,12 @@ def request_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) ->
     if not (lowest <= max_tokens <= MAX_TOKENS_LIMIT):  # before the int32 reaches anything else
         raise InvalidRequestError("max_tokens", f"must be in [{lowest}, {MAX_TOKENS_LIMIT}]"
                                                 f"{'' if lowest else ' (0 only with echo)'}, got {max_tokens}")
+    limits = defaults.limits  # the sizes first, before anything is built of them
+    limits.check_stop(request.stop)
+    limits.check_messages(len(request.messages) + (1 if request.chat and request.WhichOneof("prompt") == "text"
+                                                   else 0))
+    if request.WhichOneof("prompt") == "token_ids":
+        limits.check_prompt_ids(len(request.token_ids.ids), max_tokens)
     logprobs = opt("logprobs", None)
     sampling = SamplingParams(
         temperature=float(opt("temperature", base.temperature)),
@@ -408,6 +470,7 @@ def request_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) ->
         constraint=resolved.constraint,
         echo=request.echo,
     )
+    limits.check(args)
     return args, resolved.output
 
 

@@ -29,7 +29,8 @@ from pydantic import (
 
 from cluster.serving.cpu_binding import AUTO_SERVICE_CPUS, CpuPlan, own_cpus, plan_cpus
 from cluster.serving.cpu_quota import available_cpus
-from specserve_types.api import DRAFT_AUTO, TARGET_AUTO, ExactRule
+from specserve_types.api import DRAFT_AUTO, MAX_TOKENS_LIMIT, TARGET_AUTO, ExactRule
+from specserve_types.protocol import MAX_N, RequestLimits
 from specserve_types.tracing import ENV_OTLP_ENDPOINT, OTEL_ENDPOINT_VARS, TracingSettings
 
 if TYPE_CHECKING:
@@ -103,6 +104,17 @@ class ClusterConfig(BaseModel):
     queue_capacity: int = Field(256, ge=1, le=100_000, description="requests admitted (waiting+running)")
     max_batch: int = Field(16, ge=1, le=4096, description="requests per engine round")
     max_context: int = Field(2048, ge=16, le=1 << 20, description="prompt + max_tokens limit (capped by the model)")
+    # what one request may ask (docs/api.md, "Limits"): more is refused at the front doors, the field named, before
+    # anything is reserved or tokenized (specserve_types.protocol.RequestLimits)
+    max_stop_strings: int = Field(64, ge=0, le=4096, description="stop strings a request (OpenAI allows 4)")
+    max_stop_string_chars: int = Field(256, ge=1, le=1 << 16, description="characters of each stop string")
+    max_stop_chars: int = Field(4096, ge=1, le=1 << 20, description="characters of a request's stop strings in all")
+    max_messages: int = Field(2048, ge=1, le=1 << 20, description="messages of a chat request")
+    max_request_tokens: int = Field(16384, ge=1, le=MAX_N * MAX_TOKENS_LIMIT, description="tokens a request may "
+                                    "generate in all: n x max_tokens")
+    tokenizer_threads: int = Field(1, ge=1, le=64, description="the scheduler's threads that tokenize prompts "
+                                   "longer than a few KiB, the longest last (the shorter ones have a thread of "
+                                   "their own): off its event loop")
     warm_up: bool = Field(True, description="before serving, time verify for k = 0..k_max and the draft step "
                                             "through the real round path, so auto speculation starts from measured "
                                             "costs (cluster/engine/warmup.py)")
@@ -198,6 +210,12 @@ class ClusterConfig(BaseModel):
     tls_cert_file: str | None = Field(None, description="PEM certificate (chain) of both front doors: gRPC and "
                                       "Serve's HTTP proxy serve TLS only (with tls_key_file)")
     tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file")
+
+    def request_limits(self) -> RequestLimits:
+        """What one request may ask (the front doors refuse more, naming the field)."""
+        return RequestLimits(max_context=self.max_context, max_stop_strings=self.max_stop_strings,
+                             max_stop_string_chars=self.max_stop_string_chars, max_stop_chars=self.max_stop_chars,
+                             max_messages=self.max_messages, max_request_tokens=self.max_request_tokens)
 
     def key_sources(self) -> KeySources:
         from cluster.serving.auth import KeySources

@@ -71,7 +71,8 @@ class Ingress:
         self._inbox = await open_inbox(config)
         streams = SchedulerStreams(scheduler, self._inbox)
         self._streams = streams
-        defaults = ServerDefaults(config.model, "model" if config.uses_draft_model else config.draft)
+        defaults = ServerDefaults(config.model, "model" if config.uses_draft_model else config.draft,
+                                  config.request_limits())
         rejections = RejectionLog(logger)
         self._keys = ApiKeys(config.key_sources())  # AuthError (unreadable file, short key) fails the replica
         logger.info("API keys: %s", f"{len(self._keys)} accepted" if self._keys.enabled else "none (open)")
