@@ -4,7 +4,9 @@ One replica owns one engine (continuous batching over all admitted requests); th
 Drafter and Verifier deployments through handle adapters (cluster/serving/remote_backends.py) from its own thread.
 
 Admission is bounded: more than `queue_capacity` live completions -> CapacityError at once (the
-ingress answers RESOURCE_EXHAUSTED / HTTP 429; nothing waits in a hidden queue). A stream whose
+ingress answers RESOURCE_EXHAUSTED / HTTP 429; nothing waits in a hidden queue). A prompt too long in bytes for the
+context is refused before that, and prompts are tokenized on threads, not on the event loop
+(cluster/serving/prompt_tokens.py). A stream whose
 consumer goes away (client disconnect, deadline, ingress cancel) aborts its unfinished completions
 in the engine, which rolls back their KV reservations.
 """
@@ -24,11 +26,13 @@ from ray import serve
 
 from cluster.engine.round_spans import RoundSpans
 from cluster.engine.step_record import EngineObserver, Observers
+from cluster.engine.stop_strings import stop_matcher
 from cluster.serving.chunk_push import ChunkPusher, PushEnded, PushLink, PushLost, PushStarted, PushTarget
 from cluster.serving.config import ClusterConfig
 from cluster.serving.engine_loop import Engine, EngineLoop
 from cluster.serving.logprob_format import ids_of
 from cluster.serving.metrics import SpecMetrics
+from cluster.serving.prompt_tokens import PromptBound, PromptEncoder
 from cluster.serving.token_pieces import TokenPieces
 from cluster.serving.tool_calls import chat_prompt_ids
 from specserve_types.api import (
@@ -122,7 +126,11 @@ class Scheduler(FaultHooks):
         if self._loop.startup_error is not None:
             raise RuntimeError(f"engine construction failed: {self._loop.startup_error!r}") \
                 from self._loop.startup_error
-        logger.info("scheduler ready: model=%s draft=%s", config.model, config.draft)
+        tokenizer = self._loop.engine.tokenizer
+        self._prompt_bound = PromptBound.of(tokenizer)  # the vocabulary read once (a second for 150k tokens)
+        self._encoder = PromptEncoder(lambda args: encode_prompt(tokenizer, args), config.tokenizer_threads)
+        logger.info("scheduler ready: model=%s draft=%s, a token at most %s bytes of a prompt", config.model,
+                    config.draft, self._prompt_bound.bytes_per_token)
 
     def _readable(self, item: IndexedChunk, args: GenerateArgs, prompt: tuple[int, ...], started: set[int]
                   ) -> IndexedChunk:
@@ -151,6 +159,12 @@ class Scheduler(FaultHooks):
         ingress's chunk inbox, cluster/serving/chunk_push.py) an admitted request's chunks go over that socket: the
         stream then yields PushStarted, and PushEnded(count) after the last chunk (or a StreamError)."""
         completion_ids = args.completion_ids()
+        try:  # before anything is reserved or tokenized
+            self._prompt_bound.check(args, self._max_context())
+        except InvalidRequestError as exc:
+            self._counters["rejected_invalid"] += 1
+            yield StreamError.of(exc)
+            return
         if self._live + len(completion_ids) > self._config.queue_capacity:
             self._counters["rejected_capacity"] += 1
             yield StreamError("capacity", f"server is full: {self._live} requests in flight, "
@@ -165,7 +179,8 @@ class Scheduler(FaultHooks):
         self._pending[args.request_id] = pending
         try:
             try:
-                prompt = encode_prompt(self._loop.engine.tokenizer, args)
+                stop = args.sampling.stop  # its automaton built on that thread too, not the engine's
+                prompt = await self._encoder.encode(args, also=(lambda: stop_matcher(stop)) if stop else None)
             except InvalidRequestError as exc:
                 self._counters["rejected_invalid"] += 1
                 yield StreamError.of(exc)
@@ -226,6 +241,10 @@ class Scheduler(FaultHooks):
             self._abort_pending(pending)
             if self._pending.get(args.request_id) is pending:
                 del self._pending[args.request_id]
+
+    def _max_context(self) -> int:
+        """The engine's context (the config's, capped by the model's)."""
+        return getattr(getattr(self._loop.engine, "config", None), "max_context", self._config.max_context)
 
     async def _push_link(self, push_to: PushTarget | None) -> PushLink | None:
         """The link to the ingress's inbox; None (the chunks go through the Serve stream) without one or if it
@@ -338,6 +357,8 @@ class Scheduler(FaultHooks):
             loop.stop(timeout_s=self._config.graceful_shutdown_timeout_s)
         if (pusher := getattr(self, "_pusher", None)) is not None:
             pusher.close()
+        if (encoder := getattr(self, "_encoder", None)) is not None:
+            encoder.close()
         shutdown_tracing()
 
 

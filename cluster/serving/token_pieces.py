@@ -50,6 +50,10 @@ class TokenPieces:
     def pieces(self, ids: Iterable[int]) -> dict[int, tuple[str, tuple[int, ...]]]:
         return {token_id: self.piece(token_id) for token_id in set(ids)}
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token adds to a decode, not remembered (cluster/serving/prompt_tokens.py reads them all)."""
+        return self._bytes(token_id)
+
     def _bytes(self, token_id: int) -> bytes:
         if token_id in self._special:  # shown as itself (its text is not in the output)
             return self._tokenizer.decode([token_id]).encode()
