@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build native llama.cpp (the peer a CPU user runs: llama-bench, llama-cli, llama-speculative-simple, llama-server)
+# Build native llama.cpp (the peer a CPU user runs: llama-bench, llama-cli, llama-speculative-simple, llama-server,
+# llama-perplexity)
 # from the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp, once, into a cache folder; print where the binaries are.
 # Not part of `make setup` or CI (~9 min on 2 cores). `specserve bench spec --llamacpp` finds them there.
 #
@@ -19,8 +20,9 @@ SUFFIX=""
 [ "$AMX" = "OFF" ] && SUFFIX="-noamx"
 ROOT="${SPECSERVE_CACHE:-$HOME/.cache/specserve}/llamacpp/$VERSION-native-$NATIVE$SUFFIX"
 BIN="$ROOT/build/bin"
-TARGETS=(llama-bench llama-cli llama-speculative-simple llama-server)
-if [ -f "$ROOT/build-info.txt" ] && for t in "${TARGETS[@]}"; do [ -x "$BIN/$t" ] || exit 1; done; then
+TARGETS=(llama-bench llama-cli llama-speculative-simple llama-server llama-perplexity)
+all_built() { local t; for t in "${TARGETS[@]}"; do [ -x "$BIN/$t" ] || return 1; done; }
+if [ -f "$ROOT/build-info.txt" ] && all_built; then
   echo "llama.cpp (native=$NATIVE) already built: $BIN" >&2
   echo "$BIN"
   exit 0
@@ -44,7 +46,8 @@ fi
 echo "configuring: cmake ${FLAGS[*]}" >&2
 cmake -S "$ROOT/src/vendor/llama.cpp" -B "$ROOT/build" "${FLAGS[@]}" > "$ROOT/cmake-configure.log" 2>&1 \
   || { tail -30 "$ROOT/cmake-configure.log" >&2; exit 1; }
-echo "building ${TARGETS[*]} with $(nproc) jobs (~9 min on 2 cores); log: $ROOT/cmake-build.log" >&2
+# an earlier build's targets are up to date: cmake builds only what is missing (a target added to TARGETS since)
+echo "building ${TARGETS[*]} with $(nproc) jobs (~9 min on 2 cores from scratch); log: $ROOT/cmake-build.log" >&2
 cmake --build "$ROOT/build" -j"$(nproc)" --target "${TARGETS[@]}" > "$ROOT/cmake-build.log" 2>&1 \
   || { tail -30 "$ROOT/cmake-build.log" >&2; exit 1; }
 COMMIT="$(grep -m1 -oE 'LLAMA_BUILD_COMMIT[^)]*' "$ROOT/build/common/build-info.cpp" 2>/dev/null || true)"

@@ -1,4 +1,5 @@
-"""`specserve bench runtime | spec | serve | kv`: benchmark figures, printed as tables and written as JSON.
+"""`specserve bench runtime | spec | serve | structured | perplexity | kv`: benchmark figures, printed as tables
+and written as JSON.
 
     bench runtime   forward-pass step times and multi-token scoring ratios, ours vs transformers
                     (cluster/bench/runtime.py)
@@ -11,6 +12,8 @@
                     llama-server's json_schema (cluster/bench/structured.py)
     bench kv        the KV-block manager: ledger rounds in process, and the actor's round trip through
                     RemoteKV (cluster/bench/kv.py; starts Ray: run it under scripts/in-netns.sh)
+    bench perplexity  a shipped text's perplexity in process and through a running server (--server), per dtype,
+                    beside native llama.cpp's llama-perplexity on the same GGUF (cluster/bench/perplexity.py)
 
 Figures only, never timed assertions. Progress lines go to stderr, tables to stdout (bench_tables.py; the spec
 and serve reports: bench_spec_report.py, bench_serve_report.py).
@@ -39,7 +42,8 @@ def _at_least_one(value: str) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="benchmarks: runtime | spec | serve | structured | kv (figures and JSON)")
+    p = subparsers.add_parser("bench", help="benchmarks: runtime | spec | serve | structured | perplexity | kv "
+                                             "(figures and JSON)")
     benches = p.add_subparsers(dest="bench", required=True)
 
     rt = benches.add_parser("runtime", help="decode step time, k-token scoring ratio, ours vs transformers")
@@ -170,6 +174,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                                                           "costs only); default unseeded, as most clients send them")
     _common(st)
     st.set_defaults(_bench_run=_run_structured)
+
+    pp = benches.add_parser("perplexity", help="a shipped text's perplexity, windowed as llama-perplexity: in "
+                                               "process and through a server, beside llama.cpp's on the same GGUF")
+    pp.add_argument("--model", default=None, help="model name or HF dir (default qwen2.5-coder-1.5b)")
+    pp.add_argument("--dtype", nargs="+", choices=("bf16", "q4", "bfloat16", "float32"), default=None,
+                    help="in-process precisions (default bf16 q4; q4: the GGUF's own codes)")
+    pp.add_argument("--n-ctx", type=int, default=None, help="tokens per window, llama-perplexity's -c (default 512)")
+    pp.add_argument("--text", type=Path, default=None,
+                    help="the text (default cluster/bench/prompts/perplexity_text.txt)")
+    pp.add_argument("--server", default=None, metavar="HOST:PORT",
+                    help="also score through a running server's HTTP /v1/completions (echo, logprobs 0, max_tokens "
+                         "0), e.g. `specserve up`'s 127.0.0.1:8000; its dtype is read from its /v1/stats")
+    pp.add_argument("--llamacpp", action="store_true",
+                    help="also native llama-perplexity on the model's GGUF (build it with scripts/build-llamacpp.sh)")
+    pp.add_argument("--llamacpp-bin", type=Path, default=None, help="llama.cpp's bin folder (default: the build "
+                                                                    "script's)")
+    add_client_flags(pp)
+    _common(pp)
+    pp.set_defaults(_bench_run=_run_perplexity)
 
     kv = benches.add_parser("kv", help="the KV-block manager's benchmark (cluster/bench/kv.py); its actor part "
                                        "starts Ray: run it under scripts/in-netns.sh")
@@ -308,6 +331,31 @@ def _run_serve(args: argparse.Namespace) -> int:
     result = run_serve_bench(settings)
     write_json(result, args.json_out)
     print(format_serve(result))
+    return 0
+
+
+# ---------------------------------------------------------------------- perplexity
+def _run_perplexity(args: argparse.Namespace) -> int:
+    from cluster.bench.llamacpp import LlamaCppMissingError
+    from cluster.bench.perplexity import (
+        DTYPE_NAMES,
+        PerplexitySettings,
+        format_perplexity,
+        run_perplexity_bench,
+    )
+
+    apply_client_flags(args)  # --server's credentials
+    flags = {"model": args.model, "n_ctx": args.n_ctx, "text": args.text, "llamacpp_bin": args.llamacpp_bin,
+             "dtypes": None if args.dtype is None else tuple(dict.fromkeys(DTYPE_NAMES[d] for d in args.dtype))}
+    settings = PerplexitySettings(**{key: value for key, value in flags.items() if value is not None},
+                                  server=args.server, llamacpp=args.llamacpp, threads=args.threads)
+    try:
+        result = run_perplexity_bench(settings)
+    except LlamaCppMissingError as exc:
+        print(f"specserve bench perplexity: {exc}", file=sys.stderr)
+        return 2
+    write_json(result, args.json_out)
+    print(format_perplexity(result))
     return 0
 
 
