@@ -137,7 +137,10 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int = 64
+    # None (unset): until the model ends the answer (EOS, a stop string) or the context ends it: the tokens the
+    # context leaves beside the prompt, at most MAX_TOKENS_LIMIT; set once the prompt's length is known, where it is
+    # tokenized (cluster/engine/request_state.py `resolve_max_tokens`), as OpenAI's chat and vLLM do
+    max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     # OpenAI's logit_bias: (token id, bias) pairs added to the raw logits before penalties (ids sorted, unique;
@@ -180,7 +183,7 @@ class SamplingParams:
             raise InvalidRequestError("logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}, "
                                                        f"got {self.logprobs_mode!r}")
         lowest = 0 if self.prompt_logprobs is not None else 1  # max_tokens 0 only scores the prompt
-        if not (lowest <= self.max_tokens <= MAX_TOKENS_LIMIT):
+        if self.max_tokens is not None and not (lowest <= self.max_tokens <= MAX_TOKENS_LIMIT):
             raise InvalidRequestError("max_tokens", f"must be in [{lowest}, {MAX_TOKENS_LIMIT}]"
                                                     f"{' (0 only to score the prompt)' if not lowest else ''}, "
                                                     f"got {self.max_tokens}")
@@ -242,11 +245,15 @@ class GenerationRequest:
     spec: SpecParams = field(default_factory=SpecParams)
     constraint: Constraint | None = None  # the output must match it (None: free text)
     trace_context: tuple[tuple[str, str], ...] = ()  # W3C traceparent/tracestate of the caller's span (tracing.py)
+    # whose request it is, for fair admission (cluster/engine/fair_share.py): an API key's or a connection's id, never a
+    # key; "" = the one shared tenant (in-process use)
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if not self.request_id:
             raise InvalidRequestError("request_id", "must be non-empty")
         check_identifier("request_id", self.request_id)
+        check_identifier("tenant", self.tenant)
         if len(self.prompt_token_ids) == 0:
             raise InvalidRequestError("prompt", "must be non-empty")
 

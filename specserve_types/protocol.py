@@ -73,9 +73,14 @@ class GenerateArgs:
     # the prompt's ids and text on each completion's first chunk (OpenAI's echo; its log-probabilities are
     # sampling.prompt_logprobs')
     echo: bool = False
+    # who sent it (set by the ingress, never by a client): an API key's id, or without keys the connection's
+    # (cluster/serving/auth.py `client_id`), never the key itself; "" = unidentified. The scheduler's per-client
+    # limits and the engine's fair order go by it (cluster/serving/client_shares.py)
+    client: str = ""
 
     def __post_init__(self) -> None:
         check_identifier("request_id", self.request_id)
+        check_identifier("client", self.client)
         if not (1 <= self.n <= MAX_N):
             raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {self.n}")
         if self.chat:
@@ -179,7 +184,7 @@ class RequestLimits:
     max_stop_string_chars: int = 256  # each
     max_stop_chars: int = 4096  # all of a request's together
     max_messages: int = 2048
-    max_request_tokens: int = 16384  # n x max_tokens
+    max_request_tokens: int = 16384  # n x max_tokens (an unset max_tokens is resolved within it: the scheduler)
 
     def check_stop(self, stop: Sequence[str]) -> None:
         """Stop strings: how many, how long each, and in all (the automaton that matches them grows with them)."""
@@ -198,17 +203,21 @@ class RequestLimits:
         if count > self.max_messages:
             raise InvalidRequestError("messages", f"at most {self.max_messages} messages, got {count}")
 
-    def check_prompt_ids(self, count: int, max_tokens: int = 0) -> None:
-        """A prompt of token ids longer than the context can hold (the engine checks the model's own context)."""
-        if count + max_tokens > self.max_context:
+    def check_prompt_ids(self, count: int, max_tokens: int | None = 0) -> None:
+        """A prompt of token ids longer than the context can hold (the engine checks the model's own context); an
+        unset max_tokens (None) asks for one token at least."""
+        if max_tokens is None and count >= self.max_context:
+            raise InvalidRequestError("prompt", f"prompt ({count} tokens) leaves no room to generate in the context "
+                                                f"of {self.max_context} tokens")
+        if max_tokens is not None and count + max_tokens > self.max_context:
             raise InvalidRequestError("prompt", f"prompt ({count} tokens) + max_tokens ({max_tokens}) exceeds the "
                                                 f"context of {self.max_context} tokens" if max_tokens else
                                                 f"prompt ({count} tokens) exceeds the context of {self.max_context} "
                                                 "tokens")
 
-    def check_tokens(self, n: int, max_tokens: int) -> None:
-        """The tokens a request may generate in all (n completions of max_tokens each)."""
-        if n * max_tokens > self.max_request_tokens:
+    def check_tokens(self, n: int, max_tokens: int | None) -> None:
+        """The tokens a request may generate in all (n completions of max_tokens each; unset: resolved within it)."""
+        if max_tokens is not None and n * max_tokens > self.max_request_tokens:
             raise InvalidRequestError("max_tokens" if n == 1 else "n",
                                       f"n ({n}) x max_tokens ({max_tokens}) = {n * max_tokens} exceeds the "
                                       f"{self.max_request_tokens} tokens a request may generate on this server")
@@ -408,9 +417,9 @@ def request_from_proto(request: pb.GenerateRequest, defaults: ServerDefaults) ->
         return getattr(request, name) if request.HasField(name) else default
 
     base = SamplingParams()
-    max_tokens = int(opt("max_tokens", base.max_tokens))
+    max_tokens = request.max_tokens if request.HasField("max_tokens") else None  # unset: until the model ends
     lowest = 0 if request.echo else 1  # 0: the prompt scored, nothing generated
-    if not (lowest <= max_tokens <= MAX_TOKENS_LIMIT):  # before the int32 reaches anything else
+    if max_tokens is not None and not (lowest <= max_tokens <= MAX_TOKENS_LIMIT):  # before the int32 reaches anything
         raise InvalidRequestError("max_tokens", f"must be in [{lowest}, {MAX_TOKENS_LIMIT}]"
                                                 f"{'' if lowest else ' (0 only with echo)'}, got {max_tokens}")
     limits = defaults.limits  # the sizes first, before anything is built of them

@@ -38,6 +38,7 @@ from cluster.engine.admission import admit_draft, admit_target, running
 from cluster.engine.backends import DrafterBackend, VerifierBackend
 from cluster.engine.catch_up import observe_propose
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
+from cluster.engine.fair_share import FairOrder, awaits_prefill
 from cluster.engine.give_back import abort_now, check_commits, preempt, recover_verifier, restart_draft_caches
 from cluster.engine.held_commit import Ahead, HeldCommitKV
 from cluster.engine.inbox import RequestInbox
@@ -219,15 +220,32 @@ class SpecEngine:
         return [chunk for rid in aborts for chunk in abort_now(self, rid)]
 
     def _admit(self) -> None:
+        """Waiting requests join the batch, tenants in turn (fair_share.py): the one with the fewest requests
+        running goes first, and a full batch yields a slot to a tenant short of its share."""
         cfg = self.config
-        while self.waiting and len(self.running) < cfg.max_batch:
-            state = self.waiting[0]
+        if not self.waiting:
+            return
+        order = FairOrder(self.waiting, self.running)
+        in_flight: set[str] | None = None
+        for _ in range(len(self.waiting) + cfg.max_batch):  # each pass admits, yields or passes over one
+            if len(self.running) >= cfg.max_batch:  # full: a slot yielded to a tenant short of its share, then filled
+                in_flight = self.mode.in_flight_ids() if in_flight is None else in_flight
+                if (victim := order.to_yield(self.running, in_flight)) is None:
+                    break
+                preempt(self, victim, "fair share: a slot for another tenant")
+                order.yielded(victim)
+            if (state := order.next()) is None:
+                break
+            if awaits_prefill(state):
+                order.pass_over(state)  # its group's prompt is being prefilled: other tenants may go first
+                continue
             forked = self.shared.fork(state, cfg.k_max + 1, self.health.verifier_holder)  # a group's member
             if forked is False:
-                break  # its group's prompt is being prefilled, or memory is short
+                break  # memory is short
             if forked is None and not admit_target(self.kv, state, self.health.verifier_holder, cfg.k_max + 1):
                 break  # memory pressure: wait for running requests to finish
-            self.waiting.popleft()
+            order.admitted(state)
+            self.waiting.remove(state)
             sizes = [sum(1 for r in self.running if r.group == g) for g in (0, 1)]
             running(state, 0 if sizes[0] <= sizes[1] else 1)
             self.running.append(state)

@@ -4,7 +4,8 @@
                           refused draft commit restarts that request's draft cache
     restart_draft_caches  the drafter's epoch changed: every request re-enters the draft namespace
     recover_verifier      the target KV is gone: every running request is requeued and re-prefills
-    preempt               out of blocks: one request gives all its KV back and is requeued
+    preempt               out of blocks, or a slot for another tenant: one request gives all its KV back and is
+                          requeued
     abort_now             an abort: a running request releases its KV; a waiting one holds none
 
 Nothing emitted is ever lost: tokens are the truth, caches are rebuilt from them. Owner: the engine thread.
@@ -32,6 +33,7 @@ from specserve_types.api import TokenChunk
 from specserve_types.faults import FAULTS
 
 log = logging.getLogger("specserve.engine")
+OUT_OF_BLOCKS = "out of KV blocks"
 
 
 class ModeHooks(Protocol):
@@ -99,15 +101,17 @@ def recover_verifier(engine: EngineParts, reason: str) -> None:
     engine.shared.target_lost(engine.waiting)
 
 
-def preempt(engine: EngineParts, state: RequestState) -> None:
-    """Give all of a request's KV back and requeue it; it re-prefills from its tokens (nothing is lost)."""
-    log.warning("preempting %s: out of KV blocks", state.request_id)
-    engine.trace.rollback(state, "preempted: out of KV blocks")
+def preempt(engine: EngineParts, state: RequestState, reason: str = OUT_OF_BLOCKS) -> None:
+    """Give all of a request's KV back and requeue it; it re-prefills from its tokens (nothing is lost). `reason`:
+    out of blocks, or a slot yielded to another tenant (fair_share.py)."""
+    log.log(logging.WARNING if reason == OUT_OF_BLOCKS else logging.INFO, "preempting %s: %s", state.request_id, reason)
+    engine.trace.rollback(state, f"preempted: {reason}")
     engine.kv.release(state.request_id, engine.namespaces)
     engine.running.remove(state)
     state.forget_kv()
     engine.waiting.appendleft(state)
-    engine.fallback_events.append({"at": time.time(), "request_id": state.request_id, "event": "preempted"})
+    engine.fallback_events.append({"at": time.time(), "request_id": state.request_id, "event": "preempted",
+                                   "reason": reason})
 
 
 def abort_now(engine: EngineParts, request_id: str) -> list[TokenChunk]:

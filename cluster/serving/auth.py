@@ -12,22 +12,76 @@
               `metrics_require_api_key`; server reflection (it lists the schema, which is public)
 
 A key never leaves this module: refusals say "missing" or "invalid", never which key was sent.
+
+    client    who a request is, for the scheduler's per-client shares (cluster/serving/client_shares.py) and the
+              engine's fair order: `client_id` = "key-" and 12 hex digits of a SHA-256 of the key it passed with,
+              or, with no key configured, "peer-" and those of its connection's peer address and port (HTTP: the
+              connection's client (host, port); gRPC: `context.peer()`, one channel = one client): without keys
+              a connection is the only identity there is. The id goes into GenerateArgs, stats and metric labels;
+              the key itself never leaves this module. 48 bits of a key of 16+ characters give nothing back; a
+              peer's id can be matched against guessed addresses (addresses are not secret)
 Owner: the ingress replica's event loop (`reload` runs from its health check).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote
 
-__all__ = ["ENV_API_KEYS", "ApiKeys", "AuthError", "KeySources", "bearer_token", "parse_key_file"]
+__all__ = ["ENV_API_KEYS", "ApiKeys", "AuthError", "KeySources", "bearer_token", "client_id", "grpc_peer",
+           "http_peer", "parse_key_file"]
 
 ENV_API_KEYS = "SPECSERVE_API_KEYS"
 MIN_KEY_CHARS = 16  # a key short enough to guess is a configuration error, not a key
 BEARER = "bearer "
+
+
+CLIENT_ID_HEX = 12
+
+
+def client_id(key: str | None, peer: str | None) -> str:
+    """A request's client: its API key's id where it passed with one (the server has keys), else its connection's
+    (`peer`: "host:port", as `http_peer` / `grpc_peer` spell it)."""
+    if key is not None:
+        return "key-" + hashlib.sha256(b"specserve api key\0" + key.encode()).hexdigest()[:CLIENT_ID_HEX]
+    return "peer-" + hashlib.sha256(b"specserve peer\0" + (peer or "unknown").encode()).hexdigest()[:CLIENT_ID_HEX]
+
+
+def _normal_host(host: str) -> str:
+    """One spelling per address (an IPv4 address mapped into IPv6 is the IPv4 one); other names as they are."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
+def http_peer(client: tuple[str, int] | None) -> str | None:
+    """An ASGI scope's `client` (host, port) as "host:port" (None: unknown, e.g. a Unix socket)."""
+    if client is None:
+        return None
+    host, port = client
+    return f"{_normal_host(host)}:{port}"
+
+
+def grpc_peer(peer: str | None) -> str | None:
+    """grpc.aio's `context.peer()` as "host:port": "ipv4:127.0.0.1:5000" -> "127.0.0.1:5000", "ipv6:[::1]:5000"
+    (or percent-encoded) -> "::1:5000", "unix:/path" as it is."""
+    if not peer:
+        return None
+    kind, _, rest = unquote(peer).partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return peer
+    host, _, port = rest.rpartition(":")
+    return f"{_normal_host(host)}:{port}" if host and port.isdigit() else rest
 
 
 class AuthError(ValueError):
@@ -112,6 +166,11 @@ class ApiKeys:
         for key in self._keys:  # every key compared, match or not
             matched |= hmac.compare_digest(candidate, key)
         return matched
+
+    def client(self, presented: str | None, peer: str | None) -> str:
+        """The client id of a request that passed `accepts` (`client_id`): its key's id when the server has keys,
+        else its connection's."""
+        return client_id(presented if self._keys else None, peer)
 
     def reload(self) -> bool:
         """Re-read the key file if it changed since it was read; returns whether the keys were replaced. A file

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from cluster.engine.factory import LocalRuntime
     from cluster.engine.overlap_policy import OverlapDecision
     from cluster.serving.auth import KeySources
+    from cluster.serving.client_shares import ClientLimits
 
 __all__ = ["ENGINE_OPTIONS", "MODEL_FREE_DRAFTS", "NGRAM_DRAFT", "ClusterConfig", "ConfigError", "load_config", "make_config"]
 
@@ -104,6 +105,12 @@ class ClusterConfig(BaseModel):
     queue_capacity: int = Field(256, ge=1, le=100_000, description="requests admitted (waiting+running)")
     max_batch: int = Field(16, ge=1, le=4096, description="requests per engine round")
     max_context: int = Field(2048, ge=16, le=1 << 20, description="prompt + max_tokens limit (capped by the model)")
+    # each client's share (an API key, or a connection where there are no keys; cluster/serving/client_shares.py):
+    # past it a capacity refusal (429); a client holding nothing is always within it
+    max_client_completions: int | None = Field(None, ge=1, le=100_000, description="completions one client may have "
+                                               "in flight (null: half of queue_capacity)")
+    max_client_tokens: int | None = Field(None, ge=1, le=1 << 40, description="prompt + n x max_tokens summed over "
+                                          "one client's live requests (null: half of max_batch x max_context)")
     # what one request may ask (docs/api.md, "Limits"): more is refused at the front doors, the field named, before
     # anything is reserved or tokenized (specserve_types.protocol.RequestLimits)
     max_stop_strings: int = Field(64, ge=0, le=4096, description="stop strings a request (OpenAI allows 4)")
@@ -216,6 +223,13 @@ class ClusterConfig(BaseModel):
         return RequestLimits(max_context=self.max_context, max_stop_strings=self.max_stop_strings,
                              max_stop_string_chars=self.max_stop_string_chars, max_stop_chars=self.max_stop_chars,
                              max_messages=self.max_messages, max_request_tokens=self.max_request_tokens)
+
+    def client_limits(self) -> ClientLimits:
+        """What one client may hold at once (cluster/serving/client_shares.py), the defaults filled in."""
+        from cluster.serving.client_shares import ClientLimits
+
+        default = ClientLimits.defaults(self.queue_capacity, self.max_batch, self.max_context)
+        return ClientLimits(self.max_client_completions or default.completions, self.max_client_tokens or default.tokens)
 
     def key_sources(self) -> KeySources:
         from cluster.serving.auth import KeySources

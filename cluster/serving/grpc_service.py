@@ -31,7 +31,7 @@ from google.protobuf.message import DecodeError, Message
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from cluster.engine.request_span import FinalChunks, RequestSpan
-from cluster.serving.auth import ApiKeys, bearer_token
+from cluster.serving.auth import ApiKeys, bearer_token, grpc_peer
 from cluster.serving.rejections import RejectionLog
 from cluster.serving.streams import ChunkStream, DeadlineExceeded, SchedulerStreams
 from cluster.serving.tool_calls import ToolCallStream, ToolOutput, ends_in_calls
@@ -91,6 +91,12 @@ def call_timeout(metadata: Any, server_limit: float | None) -> float | None:
             raise InvalidRequestError(TIMEOUT_METADATA, f"must be a positive number of seconds, got {value!r}")
         limit = seconds if limit is None else min(limit, seconds)
     return limit
+
+
+def api_key(metadata: Any) -> str | None:
+    """The KEY of the call's `authorization: Bearer KEY` metadata, if any."""
+    header = next((value for key, value in metadata or () if key == AUTHORIZATION_METADATA), None)
+    return bearer_token(header if isinstance(header, str) else None)
 
 
 def check_api_key(metadata: Any, keys: ApiKeys) -> None:
@@ -180,7 +186,8 @@ class SpecServeService:
             request_id = args.request_id
             span = RequestSpan.start("chat" if args.chat else "text_completion", self._defaults.model, args.sampling,
                                      request_id, parent=metadata, n=args.n)
-            args = dataclasses.replace(args, trace_context=span.carrier())
+            client = self._keys.client(api_key(metadata), grpc_peer(context.peer()))  # a key's id, or the channel's
+            args = dataclasses.replace(args, trace_context=span.carrier(), client=client)
             error, chunks = await self._streams.open(args, timeout_s)
             if error is not None:
                 self._refuse(request_id, error)

@@ -31,7 +31,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from starlette.requests import ClientDisconnect
 
 from cluster.engine.request_span import RequestSpan
-from cluster.serving.auth import ApiKeys, bearer_token
+from cluster.serving.auth import ApiKeys, bearer_token, http_peer
 from cluster.serving.json_body import BodyError, parse_json, read_body
 from cluster.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from cluster.serving.openai_api import (
@@ -131,7 +131,10 @@ class OpenAIFrontEnd:
             parsed = parse_request(body, self._defaults, chat, request_id)
             span = RequestSpan.start("chat" if chat else "text_completion", self._defaults.model,
                                      parsed.args.sampling, request_id, parent=request.headers.items(), n=parsed.args.n)
-            parsed = dataclasses.replace(parsed, args=dataclasses.replace(parsed.args, trace_context=span.carrier()))
+            client = self._keys.client(bearer_token(request.headers.get("authorization")),  # a key's id, or
+                                       http_peer(request.client))  # the connection's
+            parsed = dataclasses.replace(parsed, args=dataclasses.replace(parsed.args, trace_context=span.carrier(),
+                                                                          client=client))
             error, chunks = await self._streams.open(parsed.args)
             if error is not None:
                 raise error.to_exception()

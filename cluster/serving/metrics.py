@@ -30,6 +30,8 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 PHASE_SPLIT = {"draft.propose": "draft", "verify.forward": "verify", "kv.reserve": "kv", "kv.commit": "kv"}
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MAX_CLIENT_LABELS = 1024  # clients with refusal series of their own; the rest count as OTHER_CLIENTS
+OTHER_CLIENTS = "other"
 
 # name -> (kind, help, labels, buckets); prometheus name = key, Ray name = RAY_NAMES.get(key, key)
 DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None]] = {
@@ -46,7 +48,8 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None
     "specserve_prompt_tokens": ("counter", "prompt tokens of finished completions", (), None),
     "specserve_generation_tokens": ("counter", "tokens emitted", (), None),
     "specserve_fallback_events": ("counter", "engine fallback events by kind", ("reason",), None),
-    "specserve_preemptions": ("counter", "requests preempted for KV memory", (), None),
+    "specserve_preemptions": ("counter", "requests preempted: for KV memory, or a slot yielded to another client",
+                              (), None),
     "specserve_round_phase_seconds": ("counter", "time of the rounds' phases: draft, verify, kv, other",
                                       ("phase",), None),
     "specserve_rounds": ("counter", "engine steps that verified something", (), None),
@@ -55,6 +58,12 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...] | None
     "specserve_speculation_k": ("gauge", "mean k of the last step's rounds", (), None),
     "specserve_kv_blocks": ("gauge", "KV blocks by namespace and state", ("namespace", "state"), None),
     "specserve_worker_busy_fraction": ("gauge", "share of round time the worker computed", ("worker",), None),
+    # per client (cluster/serving/client_shares.py): the label is an API key's id or a connection's, never a key
+    "specserve_client_completions": ("gauge", "completions in flight per client", ("client",), None),
+    "specserve_client_tokens": ("gauge", "tokens in flight per client (prompt + n x max_tokens of its live "
+                                "requests)", ("client",), None),
+    "specserve_client_refusals": ("counter", "requests refused past a client's limit, by client and limit "
+                                  "(completions, tokens)", ("client", "limit"), None),
     "specserve_time_to_first_token_seconds": ("histogram", "time to first token", (), TTFT_BUCKETS),
     "specserve_time_per_output_token_seconds": ("histogram", "time per output token after the first", (),
                                                 TPOT_BUCKETS),
@@ -90,6 +99,15 @@ class _Both:
                                                      tag_keys=labels)
         self.kind = kind
 
+    def forget(self, **labels: str) -> None:
+        """A gauge's series goes (Prometheus; Ray's is set to 0): labels of clients that come and go stay bounded."""
+        try:
+            self.prom.remove(*(labels[name] for name in self.labels))
+        except KeyError:  # never set
+            pass
+        if self.ray is not None:
+            self.ray.set(0, tags=labels)
+
     def add(self, value: float, **labels: str) -> None:
         if value == 0 and self.kind == "counter":
             return
@@ -115,6 +133,7 @@ class SpecMetrics:
     def __init__(self, ray_metrics: bool = True) -> None:
         self.registry = CollectorRegistry()
         self._m = {name: _Both(name, self.registry, ray_metrics) for name in DEFINITIONS}
+        self._refused_clients: set[str] = set()  # the clients with a refusals series of their own
 
     def begin(self, record: StepRecord, traced: list[tuple[str, Carrier]]) -> None:
         """Metrics begin nothing (EngineObserver)."""
@@ -173,6 +192,24 @@ class SpecMetrics:
             for state in ("free", "reserved", "committed"):
                 if state in counts:
                     m["specserve_kv_blocks"].add(int(counts[state]), namespace=namespace, state=state)
+
+    def client_share(self, client: str, completions: int, tokens: int) -> None:
+        """A client's completions and tokens in flight (its series go when it holds nothing)."""
+        for name, value in (("specserve_client_completions", completions), ("specserve_client_tokens", tokens)):
+            if completions or tokens:
+                self._m[name].add(value, client=client)
+            else:
+                self._m[name].forget(client=client)
+
+    def client_refused(self, client: str, limit: str) -> None:
+        """A request refused past `limit` of its client's; at most MAX_CLIENT_LABELS clients get a series of their
+        own (a connection's id is cheap to change), the rest count under "other"."""
+        if client not in self._refused_clients:
+            if len(self._refused_clients) >= MAX_CLIENT_LABELS:
+                client = OTHER_CLIENTS
+            else:
+                self._refused_clients.add(client)
+        self._m["specserve_client_refusals"].add(1, client=client, limit=limit)
 
     def text(self) -> bytes:
         """The registry in Prometheus text format (what `GET /metrics` answers)."""

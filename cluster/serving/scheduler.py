@@ -6,7 +6,9 @@ Drafter and Verifier deployments through handle adapters (cluster/serving/remote
 Admission is bounded: more than `queue_capacity` live completions -> CapacityError at once (the
 ingress answers RESOURCE_EXHAUSTED / HTTP 429; nothing waits in a hidden queue). A prompt too long in bytes for the
 context is refused before that, and prompts are tokenized on threads, not on the event loop
-(cluster/serving/prompt_tokens.py). A stream whose
+(cluster/serving/prompt_tokens.py). Each client (an API key's id, or a connection's: GenerateArgs.client) may hold at most
+its share, in completions and in tokens (cluster/serving/client_shares.py; past it a capacity refusal too), and the
+engine admits the clients' requests in turn (cluster/engine/fair_share.py). A stream whose
 consumer goes away (client disconnect, deadline, ingress cancel) aborts its unfinished completions
 in the engine, which rolls back their KV reservations.
 """
@@ -24,10 +26,12 @@ import ray
 from jinja2 import TemplateError
 from ray import serve
 
+from cluster.engine.request_state import resolve_max_tokens
 from cluster.engine.round_spans import RoundSpans
 from cluster.engine.step_record import EngineObserver, Observers
 from cluster.engine.stop_strings import stop_matcher
 from cluster.serving.chunk_push import ChunkPusher, PushEnded, PushLink, PushLost, PushStarted, PushTarget
+from cluster.serving.client_shares import ClientShares, Share
 from cluster.serving.config import ClusterConfig
 from cluster.serving.engine_loop import Engine, EngineLoop
 from cluster.serving.logprob_format import ids_of
@@ -36,6 +40,7 @@ from cluster.serving.prompt_tokens import PromptBound, PromptEncoder
 from cluster.serving.token_pieces import TokenPieces
 from cluster.serving.tool_calls import chat_prompt_ids
 from specserve_types.api import (
+    MAX_TOKENS_LIMIT,
     CapacityError,
     GenerationRequest,
     InvalidRequestError,
@@ -113,8 +118,12 @@ class Scheduler(FaultHooks):
         self._loop = EngineLoop(build)
         self._live = 0  # admitted completions not yet finished or aborted
         self._pending: dict[str, dict[str, int]] = {}  # client request id -> unfinished engine ids (event loop)
-        self._counters = {"admitted": 0, "rejected_capacity": 0, "rejected_invalid": 0, "aborted": 0,
-                          "finished": 0, "errored": 0}
+        self._counters = {"admitted": 0, "rejected_capacity": 0, "rejected_client_share": 0, "rejected_invalid": 0,
+                          "aborted": 0, "finished": 0, "errored": 0}
+        self._shares = ClientShares(config.client_limits(),  # each client's completions and tokens (event loop)
+                                    lambda client, share: self.metrics.client_share(client, share.completions,
+                                                                                    share.tokens),
+                                    self.metrics.client_refused)
         self._started_at = time.time()
         self._pusher: ChunkPusher | None = None  # links to the ingresses' chunk inboxes (made on this event loop)
         # the chunks' way to the ingress (cluster/serving/chunk_push.py): pushed or through the Serve stream, the
@@ -174,21 +183,39 @@ class Scheduler(FaultHooks):
             self._counters["rejected_invalid"] += 1
             yield StreamError("invalid", f"request id {args.request_id!r} is already in flight", "request_id")
             return
+        if (refused := self._shares.take_completions(args.client, len(completion_ids))) is not None:
+            self._counters["rejected_client_share"] += 1
+            yield StreamError("capacity", refused)
+            return
         self._live += len(completion_ids)  # taken before the first await: admission cannot overshoot
+        taken = Share(completions=len(completion_ids))  # given back in the `finally`
         pending: dict[str, int] = {}  # engine request id -> completion index, until its final chunk
         self._pending[args.request_id] = pending
         try:
             try:
                 stop = args.sampling.stop  # its automaton built on that thread too, not the engine's
                 prompt = await self._encoder.encode(args, also=(lambda: stop_matcher(stop)) if stop else None)
+                args = self._resolved(args, len(prompt))  # an unset max_tokens: what the context leaves
             except InvalidRequestError as exc:
                 self._counters["rejected_invalid"] += 1
                 yield StreamError.of(exc)
                 return
+            if len(prompt) + args.sampling.max_tokens > (max_context := self._max_context()):  # as the engine would
+                self._counters["rejected_invalid"] += 1
+                yield StreamError("invalid", f"prompt ({len(prompt)} tokens) + max_tokens ({args.sampling.max_tokens})"
+                                  f" exceeds the context of {max_context} tokens", "prompt")
+                return
+            tokens = len(prompt) + len(completion_ids) * args.sampling.max_tokens  # the KV it may come to hold
+            if (refused := self._shares.take_tokens(args.client, tokens)) is not None:
+                self._counters["rejected_client_share"] += 1
+                yield StreamError("capacity", refused)
+                return
+            taken = Share(len(completion_ids), tokens)
             chunks: asyncio.Queue[tuple[int, TokenChunk]] = asyncio.Queue()
             event_loop = asyncio.get_running_loop()
             requests = [GenerationRequest(engine_id, prompt, completion_sampling(args.sampling, index), args.spec,
-                                          constraint=args.constraint, trace_context=args.trace_context)
+                                          constraint=args.constraint, trace_context=args.trace_context,
+                                          tenant=args.client)
                         for index, engine_id in enumerate(completion_ids)]
 
             def sink(index: int) -> Callable[[TokenChunk], None]:
@@ -238,6 +265,7 @@ class Scheduler(FaultHooks):
             yield StreamError("internal", f"internal server error (request id {args.request_id})")
         finally:
             self._live -= len(completion_ids)
+            self._shares.give_back(args.client, taken.completions, taken.tokens)
             self._abort_pending(pending)
             if self._pending.get(args.request_id) is pending:
                 del self._pending[args.request_id]
@@ -245,6 +273,19 @@ class Scheduler(FaultHooks):
     def _max_context(self) -> int:
         """The engine's context (the config's, capped by the model's)."""
         return getattr(getattr(self._loop.engine, "config", None), "max_context", self._config.max_context)
+
+    def _resolved(self, args: GenerateArgs, prompt_len: int) -> GenerateArgs:
+        """`args` with max_tokens set where the request left it unset: the context left beside the prompt, within
+        MAX_TOKENS_LIMIT and the request's share of max_request_tokens (n completions), so that the checks below
+        and the client's share count what it may come to hold, and a request that sets nothing is never refused
+        for its default (resolve_max_tokens)."""
+        if args.sampling.max_tokens is not None:
+            return args
+        most = min(MAX_TOKENS_LIMIT, self._config.max_request_tokens // args.n)
+        if most < 1:  # n alone is more than a request may generate
+            self._config.request_limits().check_tokens(args.n, 1)
+        return dataclasses.replace(args, sampling=resolve_max_tokens(args.sampling, prompt_len, self._max_context(),
+                                                                     most))
 
     async def _push_link(self, push_to: PushTarget | None) -> PushLink | None:
         """The link to the ingress's inbox; None (the chunks go through the Serve stream) without one or if it
@@ -286,6 +327,7 @@ class Scheduler(FaultHooks):
             "kv": {"counts": {ns: dataclasses.asdict(c) for ns, c in audit.counts.items()},
                    "leaked_blocks": len(audit.leaked_blocks), "errors": list(audit.errors)},
             "scheduler": {**self._counters, "live": self._live, "rounds": self._loop.rounds,
+                          "clients": {client: dataclasses.asdict(share) for client, share in self._shares.clients().items()},
                           "failed_rounds": self._loop.failed_rounds,
                           "uptime_s": round(time.time() - self._started_at, 3)},
             "chunks": dict(self._chunks),

@@ -25,6 +25,9 @@ def cluster_config(**overrides: object) -> ClusterConfig:
         queue_capacity=QUEUE_CAPACITY, max_batch=16, max_context=MAX_CONTEXT, grpc_port=GRPC_PORT,
         http_port=HTTP_PORT, health_check_period_s=1.0, health_check_timeout_s=10.0,
         graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=2.0,
+        # one gRPC channel (one client, the server has no keys) fills the whole queue in test_serve_cluster.py: the
+        # per-client shares at the queue's size (test_fair_shares_live.py tests them, with keys)
+        max_client_completions=QUEUE_CAPACITY, max_client_tokens=QUEUE_CAPACITY * MAX_CONTEXT,
         # drafting for itself in its own precision: every greedy draft survives (test_serve_cluster.py); pinned,
         # as auto may run q4 (model_runtime/precision.py) on one rank and bfloat16 on the TP=3 verifier
         **{"dtype": "bfloat16", "draft_dtype": "bfloat16", **overrides},
