@@ -88,7 +88,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--n", type=int, default=1, help="independent samples of the prompt (seeds seed, seed+1, ...), "
                    "batched; the prompt is prefilled once and its KV shared")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=64, help="0 only with --echo (the prompt scored)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens to generate at most (default: until the model ends the answer, at most what the "
+                        "context leaves beside the prompt); 0 only with --echo (the prompt scored)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object with statistics")
     p.add_argument("--server", default=None, help="HOST:PORT of a running cluster's gRPC endpoint")
@@ -139,11 +141,14 @@ def run(args: argparse.Namespace) -> int:
 GENERATE_MAX_BATCH = 256  # completions per round: the verify's logits rows (x k+1) stay a few hundred MB
 
 
-def generate_kv_blocks(batch: int, max_tokens: int, max_context: int, k_max: int, block_size: int) -> int:
+def generate_kv_blocks(batch: int, max_tokens: int | None, max_context: int, k_max: int,
+                       block_size: int) -> int:
     """Blocks per KV pool for `generate`: one full context for the prompt (shared by the completions of a
-    prompt group, or one request's own) and, per completion running at once, its own tokens: max_tokens +
-    the round's k_max + 1 slots, plus its copy of the prompt's partial last block and a block boundary."""
-    own = -(-(max_tokens + k_max + 1) // block_size) + 2
+    prompt group, or one request's own) and, per completion running at once, its own tokens: max_tokens (unset:
+    up to the context) + the round's k_max + 1 slots, plus its copy of the prompt's partial last block and a block
+    boundary."""
+    tokens = max_context if max_tokens is None else max_tokens
+    own = -(-(tokens + k_max + 1) // block_size) + 2
     return -(-max_context // block_size) + batch * own + 16
 
 

@@ -67,7 +67,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--once", default=None, metavar="PROMPT",
                    help="generate for PROMPT through gRPC, print its statistics, shut down and exit")
     p.add_argument("--json", action="store_true", help="with --once: stdout is one JSON object")
-    p.add_argument("--max-tokens", type=int, default=64, help="with --once (default 64)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="with --once (default: until the model ends the answer, at most what the context leaves)")
     p.add_argument("--temperature", type=float, default=0.0, help="with --once (default 0: greedy)")
     p.add_argument("--k", type=parse_k, default=None, help="with --once: draft tokens per round, N or auto")
     p.add_argument("--seed", type=int, default=None, help="with --once")
@@ -228,7 +229,7 @@ def run_once(config: ClusterConfig, args: argparse.Namespace, addresses: dict[st
               "chat": args.chat or None}
     if not args.json:
         print_addresses(addresses, out)
-    log.info("generating once (max %d tokens)", args.max_tokens)
+    log.info("generating once (max_tokens %s)", "unset" if args.max_tokens is None else args.max_tokens)
     result = generate_once(config, args.once, fields, out=None if args.json else out)
     if args.json:
         print(json.dumps({**addresses, "prompt": args.once, **result}), file=out)

@@ -38,8 +38,10 @@ class RequestSpan:
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": operation, "gen_ai.request.model": model, "gen_ai.response.id": request_id,
             "gen_ai.request.temperature": sampling.temperature, "gen_ai.request.top_p": sampling.top_p,
-            "gen_ai.request.max_tokens": sampling.max_tokens, "gen_ai.request.choice.count": n,
+            "gen_ai.request.choice.count": n,
         }
+        if sampling.max_tokens is not None:  # unset: until the model ends the answer
+            attributes["gen_ai.request.max_tokens"] = sampling.max_tokens
         if sampling.seed is not None:
             attributes["gen_ai.request.seed"] = sampling.seed
         span = (tracer_ or tracer()).start_span(f"{operation} {model}", context=extract(parent), kind=SpanKind.SERVER,

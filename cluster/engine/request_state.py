@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,13 @@ from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.prompt_group import PromptGroup
 from cluster.engine.stop_strings import ROOT, stop_matcher
 from drafter_service.ngram import TokenHistory
-from specserve_types.api import FinishReason, GenerationRequest, InvalidRequestError
+from specserve_types.api import (
+    MAX_TOKENS_LIMIT,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+)
 from verifier_service.constraint import ConstraintCompiler, RequestConstraint, logit_bias_errors
 
 log = logging.getLogger("specserve.engine")
@@ -261,11 +267,32 @@ class RequestState:
         }
 
 
+def resolve_max_tokens(sampling: SamplingParams, prompt_len: int, max_context: int,
+                       most: int = MAX_TOKENS_LIMIT) -> SamplingParams:
+    """`sampling` with max_tokens set: as asked, or where the request left it unset (None) the tokens the context
+    leaves beside the prompt, at most `most` (MAX_TOKENS_LIMIT; the scheduler's a request's share of
+    max_request_tokens too): the answer then ends where the model ends it (EOS, a stop string), as plain decoding
+    would, or where the context does ("length"). Done once, where the prompt's length is first known: the scheduler
+    (its limits and client shares count the value) or, in process, the engine's submit. A prompt that leaves no
+    room raises InvalidRequestError naming the prompt."""
+    if sampling.max_tokens is not None:
+        return sampling
+    room = max_context - prompt_len
+    if room < 1:
+        raise InvalidRequestError("prompt", f"prompt ({prompt_len} tokens) leaves no room to generate in the "
+                                            f"context of {max_context} tokens")
+    return replace(sampling, max_tokens=min(room, most))
+
+
 def new_request_state(request: GenerationRequest, tokenizer: Any, eos_token_ids: frozenset[int], vocab_size: int,
                       max_context: int, has_drafter: bool,
                       constraints: ConstraintCompiler | None = None) -> RequestState:
-    """A submitted request's state; raises InvalidRequestError (naming the field) for what this engine can't run."""
+    """A submitted request's state; raises InvalidRequestError (naming the field) for what this engine can't run.
+    An unset max_tokens is resolved here (`resolve_max_tokens`): the state's request carries the value."""
     prompt_len = len(request.prompt_token_ids)
+    if request.sampling.max_tokens is None:
+        request = replace(request, sampling=resolve_max_tokens(request.sampling, prompt_len, max_context))
+    assert request.sampling.max_tokens is not None
     if prompt_len + request.sampling.max_tokens > max_context:
         raise InvalidRequestError(
             "prompt", f"prompt ({prompt_len} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds the "

@@ -19,7 +19,9 @@ Constrained decoding (docs/api.md, "Structured output and tool calls"), at most 
                          output is read back into `message.tool_calls` (streamed as OpenAI streams them)
 Each Constraint names the field it came from, so the engine's refusal of one that does not compile is a 400
 naming that field. Defaults are
-specserve's (specserve_types.api.SamplingParams: greedy, max_tokens 64), not OpenAI's. Each response carries
+specserve's (specserve_types.api.SamplingParams: greedy), not OpenAI's, but for max_tokens: as OpenAI and vLLM, a chat
+generates until the model ends the answer (at most what the context leaves beside the prompt) and a completion 16
+tokens (null: as a chat). Each response carries
 `specserve`: the contract used, proposed/accepted draft tokens and per-choice statistics.
 
 Bodies are validated by the pydantic models of cluster/serving/openai_models.py (strict types, the server's

@@ -2,7 +2,8 @@
 schema /openapi.json publishes is exactly what the server accepts (cluster/serving/openai_api.py parses with them).
 
 Requests: strict types (no coercion: "5" is not an integer, true is not 1), every bound the server enforces
-(max_tokens in [1, 8192], n in [1, 16], k in [0, 8] or "auto", top_p in (0, 1], ...), `null` meaning unset,
+(max_tokens in [1, 8192], n in [1, 16], k in [0, 8] or "auto", top_p in (0, 1], ...), `null` meaning unset
+(completions' max_tokens: absent is 16, null until the model ends, as vLLM),
 and unknown fields allowed and ignored (`additionalProperties: true`), as OpenAI's own clients send fields a
 server may not know. Parameters specserve does not implement are declared with the one value that changes
 nothing (REFUSED: best_of 1, echo false, functions [], ...), so any other value is refused with a 400 naming the
@@ -41,6 +42,7 @@ from specserve_types.api import (
 from specserve_types.protocol import CHAT_ROLES, MAX_N, MAX_PROMPT_CHARS
 
 INT64 = 1 << 63
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' max_tokens when absent: OpenAI's legacy completions' default, and vLLM's
 
 # -- the parameters specserve refuses unless they carry the value that changes nothing ------------------
 REFUSED: dict[str, str] = {
@@ -193,7 +195,8 @@ MAX_TOOLS = 128
 
 
 class GenerationParams(Strict):
-    """What /v1/completions and /v1/chat/completions share; defaults are specserve's (greedy, 64 tokens)."""
+    """What /v1/completions and /v1/chat/completions share; defaults are specserve's (greedy) but for max_tokens,
+    OpenAI's and vLLM's: a chat generates until the model ends the answer, a completion 16 tokens."""
 
     model: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = Field(
         None, description="the served model (GET /v1/models); empty or absent = the served model")
@@ -201,8 +204,8 @@ class GenerationParams(Strict):
     stream_options: StreamOptions | None = Field(None, description="only with `stream: true`")
     n: Int(ge=1, le=MAX_N) | None = Field(None, description="completions to generate (default 1)")
     max_tokens: Int(ge=0, le=MAX_TOKENS_LIMIT) | None = Field(
-        None, description="tokens to generate at most (default 64); prompt + max_tokens must fit the context; 0 only "
-                          "with echo (completions: the prompt scored, nothing generated)")
+        None, description="tokens to generate at most; unset: until the model ends the answer (EOS, a stop string), "
+                          "at most what the context leaves beside the prompt; prompt + max_tokens must fit the context")
     stop: NonEmptyText | list[NonEmptyText] | None = Field(None, description="stop strings (not in the output)")
     seed: Int(ge=-INT64, le=INT64 - 1) | None = Field(
         None, description="sampling seed (completion i of n uses seed + i)")
@@ -260,6 +263,10 @@ class CompletionRequest(GenerationParams):
                          Field(min_length=1, max_length=1)]
              | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]) = Field(
         description="text, token ids, or a batch of one of these")
+    max_tokens: Int(ge=0, le=MAX_TOKENS_LIMIT) | None = Field(
+        COMPLETION_MAX_TOKENS, description=f"tokens to generate at most (default {COMPLETION_MAX_TOKENS}, OpenAI's and "
+        "vLLM's); null: until the model ends the answer, at most what the context leaves beside the prompt (vLLM); "
+        "prompt + max_tokens must fit the context; 0 only with echo (the prompt scored, nothing generated)")
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
         None, description="each token's log-probability with this many top alternatives (0: none)")
     echo: bool | None = Field(None, description="the prompt before the completion (with logprobs, its tokens' too)")

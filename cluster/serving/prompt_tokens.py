@@ -2,7 +2,8 @@
 
     PromptBound    refuses, before tokenizing, a prompt too long in bytes for the context: a token stands for at most
                    `bytes_per_token` bytes of text (the vocabulary's longest token, read once at startup), so a prompt
-                   of more than (max_context - max_tokens) x that many cannot fit, whatever it tokenizes to
+                   of more than (max_context - max_tokens) x that many (max_tokens unset: 1) cannot fit, whatever it
+                   tokenizes to
     PromptEncoder  tokenizes on threads, not on the event loop: prompts of at most SHORT_PROMPT_BYTES on one thread of
                    their own (in order), longer ones on `tokenizer_threads` threads, the shortest first; after a long
                    one the C heap's free memory goes back to the system (the tokenizer's output is not kept)
@@ -118,16 +119,17 @@ class PromptBound:
         only add tokens), each without its leading and trailing blanks (which a template may trim)."""
         if self.bytes_per_token is None or args.prompt_token_ids is not None:
             return
-        room = max(0, max_context - args.sampling.max_tokens)
+        asked = args.sampling.max_tokens
+        room = max(0, max_context - (1 if asked is None else asked))  # unset: the prompt leaves one token at least
         most = int(room * self.bytes_per_token)
         if args.chat:
             field_name, size = "messages", sum(len(content.strip().encode()) for _, content in args.messages)
         else:
             field_name, size = "prompt", len((args.prompt_text or "").encode())
         if size > most:
+            beside = "one token to generate" if asked is None else f"max_tokens ({asked})"
             raise InvalidRequestError(field_name, f"{size} bytes of text cannot fit the {room} tokens the context "
-                                                  f"of {max_context} leaves beside max_tokens "
-                                                  f"({args.sampling.max_tokens}): at most {most} bytes")
+                                                  f"of {max_context} leaves beside {beside}: at most {most} bytes")
 
 
 def _most_bytes(text: str) -> int:

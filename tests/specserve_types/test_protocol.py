@@ -46,7 +46,7 @@ def test_unset_fields_take_server_defaults() -> None:
     args = args_from_proto(build_request([1, 2, 3]), DEFAULTS)
     assert args.prompt_token_ids == (1, 2, 3)
     assert (args.spec.k, args.spec.contract, args.spec.draft) == (None, "greedy", "ngram")  # k unset = auto
-    assert args.sampling.max_tokens == 64 and args.sampling.top_p == 1.0
+    assert args.sampling.max_tokens is None and args.sampling.top_p == 1.0  # unset: until the model ends the answer
     sampled = args_from_proto(build_request("x", temperature=0.7), ServerDefaults("m"))
     assert (sampled.spec.contract, sampled.spec.draft) == ("exact", "model")
 

@@ -1,8 +1,12 @@
 """`specserve generate` in process: its engine settings come from a ClusterConfig built from the flags
 (a batch of --n up to GENERATE_MAX_BATCH, KV pools for the tokens that batch holds, never more than --n
-full contexts, warm-up only under auto k); a bad model is a one-line error, exit status 2."""
+full contexts, warm-up only under auto k); a bad model is a one-line error, exit status 2; without --max-tokens
+the answer ends where the model ends it."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +51,20 @@ def test_unknown_model_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -
     assert main(["generate", "hello", "--model", "no-such-model", "--draft", "ngram"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "unknown model 'no-such-model'" in err
+
+
+def test_without_max_tokens_the_pools_hold_a_context_per_completion() -> None:
+    assert build_parser().parse_args(["generate", "hello"]).max_tokens is None
+    assert generate_kv_blocks(3, None, 2048, 4, 16) == generate_kv_blocks(3, 2048, 2048, 4, 16)
+    assert settings_for().local_runtime().num_blocks == 1 * (128 + 1) + 16  # one full context, as before
+
+
+def test_the_answer_ends_where_the_model_ends_it(smollm2_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's quick start, on SmolLM2: no --max-tokens, and the answer runs to the model's end of sequence (the
+    default of 64 tokens cut the quick start's answer mid-sentence)."""
+    assert main(["generate", "What is 2 + 2?", "--chat", "--model", "smollm2-135m", "--draft", "ngram",
+                 "--max-context", "256", "--no-warm-up", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    (sample,) = result["samples"]
+    assert sample["finish_reason"] == "eos" and "4" in sample["text"]
+    assert len(sample["token_ids"]) < 256 - len(result["prompt_token_ids"])

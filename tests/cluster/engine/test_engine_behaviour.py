@@ -1,5 +1,5 @@
-"""Engine behaviour: seeds, stop conditions inside/at/after a fully accepted round, sampling sets,
-abort, bad input. Every test ends with the ledger audit showing zero leaked blocks."""
+"""Engine behaviour: seeds, stop conditions inside/at/after a fully accepted round (and an unset max_tokens: EOS
+or the context's end), sampling sets, abort, bad input. Every test ends with the ledger audit showing zero leaked blocks."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from specserve_types.api import CapacityError, InvalidRequestError
 from tests.cluster.engine.engine_helpers import (
     fake_engine,
+    fake_greedy,
     load_target,
     local_engine,
     plain_greedy,
@@ -193,3 +194,26 @@ def test_each_chunk_carries_its_offset_in_the_output() -> None:
         assert sent == 17 + int(rid[1:])
     engine.kv.audit().assert_no_leaks()
     engine.check_ledger()
+
+
+def test_an_unset_max_tokens_runs_until_eos_or_the_context() -> None:
+    """max_tokens unset (None): the answer ends where the model ends it (EOS), as plain decoding, or where the context
+    does (1024 tokens in all, "length"); a prompt that fills the context is refused, naming the prompt."""
+    prompt = [5, 6, 7]
+    reference = fake_greedy(prompt, 40)
+    eos = reference[30]
+    engine = fake_engine()
+    engine.eos_token_ids = frozenset({eos})
+    engine.submit(request("e", prompt, max_tokens=None, k=3))
+    chunks = engine.run_to_completion()["e"]
+    assert [t for c in chunks for t in c.token_ids] == reference[:reference.index(eos) + 1]
+    assert chunks[-1].finish_reason == "eos"
+    engine.kv.audit().assert_no_leaks()
+
+    engine = fake_engine()  # no EOS: the context's end
+    context = engine.config.max_context
+    tokens = run(engine, [request("c", prompt, max_tokens=None, k=3)])["c"]
+    assert tokens == fake_greedy(prompt, context - len(prompt))
+    with pytest.raises(InvalidRequestError, match="prompt .1024 tokens. leaves no room") as refused:
+        engine.submit(request("full", [1] * context, max_tokens=None))
+    assert refused.value.field == "prompt"

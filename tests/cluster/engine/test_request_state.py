@@ -1,4 +1,5 @@
-"""The text tracker: incremental detokenization that reads exactly as decoding the whole output each token did."""
+"""The text tracker: incremental detokenization that reads exactly as decoding the whole output each token did; and
+what an unset max_tokens comes to (resolve_max_tokens)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from cluster.engine.request_state import TextTracker
+from cluster.engine.request_state import TextTracker, resolve_max_tokens
+from specserve_types.api import MAX_TOKENS_LIMIT, InvalidRequestError, SamplingParams
 
 TEXTS = ["Hello, world! Ça va? 日本語のテキスト 🤖🎉 — naïve café.\n\tdef f(x):\n        return x ** 2\n",
          "Stop here. STOP. The end!!! ... ?? \u00a0 ok", "ü" * 30 + "🙂" * 20 + " spaces   and\n\nnewlines"]
@@ -192,3 +194,16 @@ def test_a_token_costs_the_same_whatever_the_stop_strings(smollm2_tokenizer: Any
     assert "".join(delta for delta, _, _ in out) == "a" * 4000 and not any(hit for _, hit, _ in out)
     assert steps <= 4000 + len(ids), steps
     assert all(len(delta) > 0 for delta, _, _ in out[1:-1])  # only the last "a" held back, each token
+
+
+def test_an_unset_max_tokens_is_what_the_context_leaves() -> None:
+    """resolve_max_tokens: a value set stays; unset, the context's room beside the prompt, within `most`."""
+    asked = SamplingParams(max_tokens=7)
+    assert resolve_max_tokens(asked, 100, 128) is asked
+    assert resolve_max_tokens(SamplingParams(), 100, 128).max_tokens == 28
+    assert resolve_max_tokens(SamplingParams(), 1, 1 << 20).max_tokens == MAX_TOKENS_LIMIT
+    assert resolve_max_tokens(SamplingParams(), 1, 2048, most=512).max_tokens == 512
+    assert resolve_max_tokens(SamplingParams(), 127, 128).max_tokens == 1
+    with pytest.raises(InvalidRequestError, match=r"prompt \(128 tokens\) leaves no room") as refused:
+        resolve_max_tokens(SamplingParams(), 128, 128)
+    assert refused.value.field == "prompt"

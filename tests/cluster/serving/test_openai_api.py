@@ -102,12 +102,26 @@ def test_every_parameter_reaches_the_request() -> None:
 
 
 def test_null_means_unset() -> None:
-    names = set(CompletionRequest.model_fields) - {"prompt"}
+    """Every field but completions' max_tokens, whose absence is OpenAI's and vLLM's 16 and whose null is vLLM's
+    "until the model ends" (test_max_tokens_defaults_are_openais_and_vllms)."""
+    names = set(CompletionRequest.model_fields) - {"prompt", "max_tokens"}
     parsed = parse_request({"prompt": "x", **dict.fromkeys(names)}, DEFAULTS, chat=False)
     default = parse_request({"prompt": "x"}, DEFAULTS, chat=False)
     assert parsed.args.sampling == default.args.sampling and parsed.args.spec == default.args.spec
     assert default.args.spec == default.args.spec.__class__(contract="greedy", k=None, draft="ngram")
     assert not parsed.stream and not parsed.include_usage and parsed.args.n == 1
+
+
+def test_max_tokens_defaults_are_openais_and_vllms() -> None:
+    """A chat without max_tokens (or max_completion_tokens) generates until the model ends the answer (None: the
+    context's room, resolved once the prompt is tokenized); a completion without it 16 tokens, with null as a chat."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_request(chat, DEFAULTS, chat=True).args.sampling.max_tokens is None
+    assert parse_request({**chat, "max_tokens": None, "max_completion_tokens": None}, DEFAULTS,
+                         chat=True).args.sampling.max_tokens is None
+    assert parse_request({**chat, "max_completion_tokens": 5}, DEFAULTS, chat=True).args.sampling.max_tokens == 5
+    assert parse_request({"prompt": "x"}, DEFAULTS, chat=False).args.sampling.max_tokens == 16
+    assert parse_request({"prompt": "x", "max_tokens": None}, DEFAULTS, chat=False).args.sampling.max_tokens is None
 
 
 def test_prompt_forms_and_integral_numbers() -> None:

@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,8 +16,10 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from cluster.serving import prompt_tokens
+from cluster.serving.config import load_config
 from cluster.serving.prompt_tokens import SHORT_PROMPT_BYTES, PromptBound, bytes_per_token
-from specserve_types.api import SamplingParams
+from cluster.serving.scheduler import Scheduler
+from specserve_types.api import InvalidRequestError, SamplingParams
 from specserve_types.protocol import GenerateArgs, IndexedChunk, StreamError
 from tests.cluster.serving.test_scheduler_loop import ScriptedEngine, ScriptedTokenizer, drain, make_scheduler
 
@@ -63,6 +66,32 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized() -
     fits = asyncio.run(drain(scheduler, GenerateArgs("fits", prompt_text="x" * (4 * 2038),
                                                      sampling=SamplingParams(max_tokens=10))))
     assert fits[-1].chunk.finish_reason == "length" and tokenizer.calls == 1
+
+
+def test_an_unset_max_tokens_is_what_the_tokenized_prompt_leaves() -> None:
+    """max_tokens unset: before tokenizing, the bound leaves the prompt all but one token of the context; once
+    tokenized, the request asks for what the engine's context leaves beside the prompt, within max_request_tokens / n,
+    and the engine (and every check after tokenizing) gets that value."""
+    bound = PromptBound(4)
+    bound.check(GenerateArgs("fits", prompt_text="x" * (4 * 2047)), max_context=2048)
+    with pytest.raises(InvalidRequestError, match="cannot fit the 2047 tokens .* beside one token to generate"):
+        bound.check(GenerateArgs("big", prompt_text="x" * (4 * 2047 + 1)), max_context=2048)
+
+    def scheduler_of(engine: ScriptedEngine, **fields: Any) -> Scheduler:
+        engine.config = SimpleNamespace(max_context=engine.max_context)  # the context the scheduler reads off it
+        config = load_config(model="smollm2-135m", draft="ngram", queue_capacity=8, max_batch=1, **fields)
+        return Scheduler(config, None, None, engine_builder=lambda cfg, drafter, verifier, observer: engine)
+
+    engine = ScriptedEngine(max_context=20)
+    items = asyncio.run(drain(scheduler_of(engine), GenerateArgs("d", prompt_text="abc")))
+    assert [r.sampling.max_tokens for r in engine.requests.values()] == [17]
+    assert len(items) == 17 and items[-1].chunk.finish_reason == "length"
+    engine = ScriptedEngine(max_context=20)
+    asyncio.run(drain(scheduler_of(engine, max_request_tokens=10), GenerateArgs("n", prompt_text="abc", n=2)))
+    assert [r.sampling.max_tokens for r in engine.requests.values()] == [5, 5]  # 10 tokens a request, in all
+    (refused,) = asyncio.run(drain(scheduler_of(ScriptedEngine(), max_request_tokens=1),
+                                   GenerateArgs("many", prompt_text="abc", n=2)))
+    assert isinstance(refused, StreamError) and refused.field == "n"
 
 
 def test_tokenizing_a_long_prompt_leaves_the_event_loop_and_short_prompts_free() -> None:
