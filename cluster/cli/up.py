@@ -16,7 +16,9 @@ interfaces, Ray's replica.py; docs/security.md lists every listener). Ray's defa
 token authentication on, its token file created 0600 (cluster/cli/ray_access.py); a log line says where the token
 is. With RAY_AUTH_MODE=disabled it starts only in a loopback-only network namespace (scripts/in-netns.sh: the
 tests') or with --allow-unauthenticated-ray, whose warning names every listener; elsewhere it exits 2 with one
-line before anything starts. With --address it joins that cluster. Access to the front doors (--api-key-file,
+line before anything starts, as does a configuration the replicas could not start with (an API key under 16
+characters, an unreadable key file, TLS files that are not a pair, a port that cannot be bound:
+cluster/serving/start_checks.py). With --address it joins that cluster. Access to the front doors (--api-key-file,
 --tls-cert-file/--tls-key-file, the SPECSERVE_API_KEYS variable): docs/security.md. On exit it shuts down Serve,
 then Ray (a joined cluster keeps running; only this driver disconnects).
 """
@@ -40,6 +42,7 @@ from cluster.cli.generate import parse_k
 from cluster.cli.ray_access import ALLOW_FLAG, LOOPBACK_HOSTS, ray_auth_gate, secure_token_file
 from cluster.cli.tracing_flags import add_tracing_flags, tracing_fields
 from cluster.serving.config import ClusterConfig, ConfigError, load_config
+from cluster.serving.start_checks import start_problems
 from specserve_types.api import TARGET_AUTO, TARGET_DTYPES, SpecServeError
 
 log = logging.getLogger("specserve.up")
@@ -138,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
                              tls_key_file=args.tls_key_file, **tracing_fields(args))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if problems := start_problems(config):  # what the replicas would fail to start on, read here first
+        print(f"error: {'; '.join(problems)}", file=sys.stderr)
         return 2
     if (refusal := ray_auth_gate(config, args.allow_unauthenticated_ray)) is not None:
         print(refusal, file=sys.stderr)  # before anything starts

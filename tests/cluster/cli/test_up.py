@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -124,6 +125,69 @@ def test_up_refuses_a_bad_config(tmp_path: Path, config_text: str, message: str)
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     assert "Started a local Ray" not in result.stderr
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def port_flags() -> list[str]:
+    grpc_port, http_port, dashboard_port = free_ports(3)
+    return ["--grpc-port", str(grpc_port), "--http-port", str(http_port), "--dashboard-port", str(dashboard_port)]
+
+
+def test_a_short_api_key_is_one_line_and_exit_2_before_ray_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A key the ingress would refuse at start (under 16 characters) once crash-looped the ingress replica after
+    Ray and Serve had started; `up` now reads the keys first. In process, with ray.init a spy."""
+    import ray
+
+    from cluster.cli import up
+    from cluster.cli.main import main
+
+    monkeypatch.delenv("SPECSERVE_API_KEYS", raising=False)
+    started: list[Any] = []
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append(a) or pytest.fail("ray.init was called"))
+    monkeypatch.setattr(up, "preflight", lambda config: pytest.fail("up went on to the models"))
+    key_file = tmp_path / "keys"
+    key_file.write_text("short-key-1234\n")
+    assert main(["up", "--model", "smollm2-135m", "--draft", "ngram", "--api-key-file", str(key_file),
+                 *port_flags()]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and not started
+    assert err.startswith("error: API keys must have at least 16 characters") and str(key_file) in err
+    assert "short-key-1234" not in err
+
+
+def test_a_bad_config_is_refused_in_one_line_before_ray_starts(tmp_path: Path) -> None:
+    """As a user runs it: a short key and a certificate with another's key are one line naming both, exit 2, and no
+    Ray session was made (RAY_TMPDIR stays empty)."""
+    from tests.cluster.serving.tls_certs import self_signed
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("short-key-1234\n")
+    ours, theirs = self_signed(tmp_path / "ours", "ours"), self_signed(tmp_path / "theirs", "theirs")
+    ray_tmp = tmp_path / "ray"
+    ray_tmp.mkdir()
+    env = {key: value for key, value in os.environ.items() if key != "SPECSERVE_API_KEYS"}
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "up", "--model", "smollm2-135m", "--draft", "ngram", "--api-key-file",
+         str(key_file), "--tls-cert-file", str(ours.cert), "--tls-key-file", str(theirs.key), *port_flags()],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={**env, "RAY_TMPDIR": str(ray_tmp)})
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: API keys must have at least 16")
+    assert f"tls_key_file {theirs.key} is not the key of tls_cert_file {ours.cert}" in result.stderr
+    assert not list(ray_tmp.iterdir())
+
+
+def test_up_once_leaves_max_tokens_unset_unless_given() -> None:
+    from cluster.cli.main import build_parser
+
+    assert build_parser().parse_args(["up", "--once", "hi"]).max_tokens is None
 
 
 @pytest.fixture(scope="module")
