@@ -93,6 +93,19 @@ def test_an_unset_max_tokens_is_what_the_tokenized_prompt_leaves() -> None:
                                    GenerateArgs("many", prompt_text="abc", n=2)))
     assert isinstance(refused, StreamError) and refused.field == "n"
 
+    async def two_at_once(scheduler: Scheduler) -> tuple[list[Any], list[Any]]:
+        first = asyncio.create_task(drain(scheduler, GenerateArgs("first", prompt_text="abc")))
+        while scheduler._shares.of("").tokens != 3 + 17:  # until admitted, holding its prompt and resolved max_tokens
+            await asyncio.sleep(0.005)
+        second = await drain(scheduler, GenerateArgs("second", prompt_text="abc"))
+        return await first, second
+
+    # the client's share counts the value: alone past max_client_tokens it runs (a client holding nothing is within
+    # its share), beside its first request it is refused
+    first, second = asyncio.run(two_at_once(scheduler_of(ScriptedEngine(max_context=20), max_client_tokens=10)))
+    assert len(first) == 17 and first[-1].chunk.finish_reason == "length"
+    assert isinstance(second[0], StreamError) and second[0].code == "capacity" and "this request's 20" in second[0].message
+
 
 def test_tokenizing_a_long_prompt_leaves_the_event_loop_and_short_prompts_free() -> None:
     """A long prompt whose tokenizer does not return: meanwhile another request is admitted, tokenized and answered
