@@ -12,7 +12,7 @@ from typing import Any
 from cluster.serving.auth import ApiKeys, client_id, grpc_peer, http_peer
 from cluster.serving.client_shares import ClientLimits, ClientShares, Share
 from cluster.serving.metrics import MAX_CLIENT_LABELS, OTHER_CLIENTS, SpecMetrics
-from specserve_types.protocol import GenerateArgs, IndexedChunk, StreamError
+from specserve_types.protocol import IndexedChunk, StreamError
 from tests.cluster.serving.test_scheduler_loop import ScriptedEngine, args, drain, make_scheduler, wait_until
 
 KEY = "sk-test-0123456789abcdef"
