@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test lint bench-runtime bench-spec bench-serve
+.PHONY: setup test test-multinode lint bench-runtime bench-spec bench-serve
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ setup:
 test:
 	$(BIN)/lint-imports
 	scripts/in-netns.sh $(BIN)/python -m pytest -q tests
+
+# several Ray nodes, each in a network namespace of its own (tests/cluster/multinode; opt-in: ~3 minutes)
+test-multinode:
+	SPECSERVE_MULTINODE=1 scripts/in-netns.sh $(BIN)/python -m pytest -q tests/cluster/multinode
 
 lint:
 	$(BIN)/ruff check .

@@ -15,6 +15,7 @@ RAY_FIXTURES = frozenset({"ray_session"})
 # tests that do so without those fixtures: path under tests/ (a folder ends in "/") -> test-name prefixes
 RAY_TESTS: dict[str, tuple[str, ...]] = {
     "deploy/": ("",),  # builds the Serve application the RayService runs
+    "cluster/multinode/": ("",),  # several Ray nodes in network namespaces of their own (opt-in)
     "cluster/serving/live_api/": ("",),  # one live deployment for the package (live_api/conftest.py)
     "cluster/cli/test_up.py": ("test_up_serves", "test_up_once"),  # `specserve up` subprocesses: Ray + servers
 }
