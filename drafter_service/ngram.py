@@ -10,7 +10,7 @@ probabilities: verify it with the exact contract as a point mass (q = None), or 
 
 One vector compare of the history against its last token finds every candidate end, and each longer n keeps the
 candidates whose earlier tokens match too. A request's history lives in a `TokenHistory` (an array appended to as
-its tokens grow), so a round costs that compare, not a conversion of the whole list (docs/benchmarks.md, "A long
+its tokens grow), so a round costs that compare, not a conversion of the whole list (docs/forward.md, "A long
 output's Python").
 """
 

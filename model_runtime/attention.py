@@ -85,7 +85,7 @@ def _causal_rows_by_width(offset: int, kv_slots: torch.Tensor, n: int
                           ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """`_seq_rows_by_width` of a causal chain's mask (n new rows after L - n past keys, row r sees the first
     L - n + r + 1), from its row ends in Python ints: the same tensors, without building and scanning the mask
-    (most of a decode step's batch building: docs/benchmarks.md, "The greedy token: argmax rows")."""
+    (most of a decode step's batch building: docs/forward.md, "The greedy token: argmax rows")."""
     length = kv_slots.shape[0]
     assert 0 < n <= length
     ends = range(length - n + 1, length + 1)

@@ -4,7 +4,7 @@ it with `munmap`. A verify of many rows allocates its float32 logits that way ev
 ids: 9.7 MB, 32 rows: 19.4 MB), and the kernel zeroes every page of it again at first touch: in `perf` 6-7% of a
 16- or 32-row forward of the 1.5B q4 was `clear_page_erms`. `keep_large_allocations()` raises the mmap threshold to
 its maximum (32 MiB) and the trim threshold above it, so such blocks come from the heap and return to it, their
-pages kept: a 32-row forward 173-181 -> 142-157 ms (docs/benchmarks.md, "q4 verify rows on AMX block tiles").
+pages kept: a 32-row forward 173-181 -> 142-157 ms (docs/forward.md, "q4 verify rows on AMX block tiles").
 Larger allocations (the weights, the KV pool) keep their own mappings. The package's `__init__` calls it, so every
 process that loads a model (the CLI, the Ray workers) has it. The values computed are the same (allocation only).
 

@@ -5,7 +5,7 @@ package's `__init__` calls it, so every process that loads weights (the CLI, the
 
 Why: a decode step streams every weight once, and with 4 KiB pages that is one page walk per 4 KiB (a 1.5B q4
 step: ~250,000). Measured (`bench runtime --contexts 128 --dtype q4`, Xeon-AMX, 2 threads, alternating runs,
-docs/benchmarks.md): Qwen2.5-Coder-1.5B q4 decode 61.1-61.2 ms -> 52.5-53.1 ms, 0.5B q4 27.7 -> 23.9 ms; bfloat16
+docs/forward.md): Qwen2.5-Coder-1.5B q4 decode 61.1-61.2 ms -> 52.5-53.1 ms, 0.5B q4 27.7 -> 23.9 ms; bfloat16
 (the AMX kernel, already at the copy bandwidth) unchanged within 1%. Where the kernel's THP setting is `never`
 the advice is ignored and nothing changes. The values computed are the same either way (memory layout only).
 """

@@ -24,10 +24,10 @@ without --n, `bench spec --batches 1`: a round scores 1 + k rows, k <= 8, or a t
 measured row costs) and bfloat16 for a batching one (a server, `generate --n`).
 An int8 draft (W8A8 on AMX tiles) streams half a bf16 draft's bytes: its 0.5B step measured 50 against 68 ms
 inside `bench spec`, with the same survival per draft position (k=3: 0.78/0.64/0.51 against 0.77/0.63/0.51;
-docs/benchmarks.md), so it is the draft's default where the kernel runs. Where the kernel then fails to
+docs/speculation.md), so it is the draft's default where the kernel runs. Where the kernel then fails to
 build or load, the draft runs bfloat16 and says so (model_runtime/model.py).
 The weights are converted once at load (model_runtime/weights.py). Greedy outputs are exact per dtype (equal
-to plain greedy decoding of the same dtype); fp32 and bf16 outputs differ from each other (docs/benchmarks.md).
+to plain greedy decoding of the same dtype); fp32 and bf16 outputs differ from each other (docs/forward.md).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ ISAS = {  # compiler flags and the /proc/cpuinfo flags they need, fastest first
 }
 _MODULES: dict[str, tuple[ModuleType | None, str]] = {}
 # Q4_K, Q6_K: the fewest rows the amx build's tiles take (block tiles), and where its planes take over (prompts, wide
-# batches); measured on Sapphire Rapids (docs/benchmarks.md, "q4 verify rows on AMX block tiles", "The planes made
+# batches); measured on Sapphire Rapids (docs/forward.md, "q4 verify rows on AMX block tiles", "The planes made
 # cheaper")
 AMX_MIN_ROWS = (8, 8)
 AMX_PLANE_ROWS = (33, 28)

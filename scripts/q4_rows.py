@@ -10,7 +10,7 @@ the same bits; model_runtime/kernels/quant_amx.h). Needs a CPU with AMX and the 
         planes from 9 / 48 rows, the vector kernel below) against the current ones, alternating in one process;
         the median ratio to each one's 1-row forward
 
-Figures: docs/benchmarks.md, "q4 verify rows on AMX block tiles".
+Figures: docs/forward.md, "q4 verify rows on AMX block tiles".
 """
 
 from __future__ import annotations

@@ -240,7 +240,7 @@ def on_support(x: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor
     never accept, weigh or sample it: the verdict on the narrowed round, its next token mapped back through the
     ids, is the verdict on the whole one (its sums run over the same nonzero terms; a float sum may round them in
     another order). A constraint, top-k, top-p or min-p leaves a small support, and the round then costs its support's
-    columns, not the vocabulary's (docs/benchmarks.md, "Structured output": sampled rows)."""
+    columns, not the vocabulary's (docs/speed.md, "Structured output")."""
     most = SUPPORT_SHARE * p.shape[-1]
     support = (p > 0).any(0)
     if int(support.sum()) > most:  # a dense p (sampling without a constraint or a cut): as it is, q unread

@@ -169,7 +169,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax over its last dimension, the token plain greedy decoding takes: the first maximum (ties ->
     the lowest token id; a NaN counts as the maximum), the same index `torch.argmax` gives. Through
     `torch.max(dim)`, which returns that index too at about a third of the CPU argmax kernel's cost; greedy rounds
-    and draft steps take one per row they read (docs/benchmarks.md, "The greedy token: argmax rows")."""
+    and draft steps take one per row they read (docs/forward.md, "The greedy token: argmax rows")."""
     return logits.max(-1).indices
 
 

@@ -29,7 +29,7 @@ from specserve_types.api import SpecServeError
 PIN = "llama-cpp-python==0.3.36"
 INSTALL_HINT = (
     f"llama-cpp-python is optional and not installed: `.venv/bin/pip install -e '.[llamacpp]'` ({PIN}; pip "
-    "compiles llama.cpp from source: it needs cmake and a C++ compiler; docs/benchmarks.md gives the CMAKE_ARGS "
+    "compiles llama.cpp from source: it needs cmake and a C++ compiler; docs/speed.md gives the CMAKE_ARGS "
     "for x86 CPUs whose AMX kernels fail). Native llama.cpp, as its users run it: scripts/build-llamacpp.sh")
 MODES = ("plain", "draft_model", "prompt_lookup")
 PLAIN = "plain"

@@ -318,7 +318,7 @@ def load_inprocess_engine(s: ServeBenchSettings, cpus: Sequence[int] | None) -> 
     start from measured costs, so with speculation on both sides choose k alike), built on `cpus`, the CPUs its
     rounds run on (run_in_process). Built on the service CPUs instead, among Ray's processes, its warm-up read a
     SmolLM2 verify of 2 rows at 1.31x one (its rounds: ~1.05x) and its auto decoded plainly in 4 of 6 runs
-    (docs/benchmarks.md "The chunks' own socket, and the q4 default at concurrency 1")."""
+    (docs/cluster-cost.md "The chunks' own socket, and the q4 default at concurrency 1")."""
     from cluster.engine.factory import build_local_engine
     from cluster.serving.config import make_config
 

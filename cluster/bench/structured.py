@@ -1,7 +1,7 @@
 """`specserve bench structured`: constrained decoding (JSON schemas) with and without speculation, and native
 llama.cpp's `llama-server` on the same GGUF files with the same schemas (`json_schema`), in one run.
 
-Glossary (figures in the JSON; docs/benchmarks.md "Structured output"):
+Glossary (figures in the JSON; docs/speed.md "Structured output"):
   case            a chat prompt and the JSON schema its output must match (cluster/bench/prompts/structured.jsonl:
                   five shapes: a flat object, nested objects, an array of objects, enums and bounded numbers, a
                   code signature)

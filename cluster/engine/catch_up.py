@@ -6,7 +6,7 @@ one or two tokens is part of every round's draft step (CostModel.draft_token); e
 CostModel.draft_catch_up_row more, measured from the propose calls that carried such a catch-up. Where the draft
 model's forward is compute-bound for many rows (no AMX tiles: a q4 0.5B prefills at ~5 ms a token on an AVX2 CPU
 without VNNI, ~0.4 ms on AMX) a prompt's catch-up can cost more than drafting then saves over the whole request:
-docs/benchmarks.md, "The draft cache's catch-up, priced".
+docs/speculation.md, "The draft cache's catch-up, priced".
 
     extra  = (catch-up tokens - 2) * draft_catch_up_row
     saved  = tokens_left * (1 / rate(0) - 1 / max_k rate(k))     rates at the steady state (the target catching up

@@ -56,7 +56,7 @@ class TextTracker:
     the first `read` output tokens, ending on a whole character, and each update decodes only the tokens after it
     with a few before them as context, keeping the part past the context's own decode. Where that part cannot be
     read off (a decoder that rewrites text across the boundary), it decodes the whole output as before. So a token
-    costs a decode of a few tokens, not of the output so far (docs/benchmarks.md, "A long output's Python").
+    costs a decode of a few tokens, not of the output so far (docs/forward.md, "A long output's Python").
     The stop strings are one automaton (cluster/engine/stop_strings.py) fed each new character once, so a token costs
     the same whatever they are; the text held back is the longest end of the text that could still start one.
     """

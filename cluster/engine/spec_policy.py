@@ -1,7 +1,7 @@
 """Speculation policy: how many draft tokens k each request proposes this round.
 
 Fixed k, or auto. Auto maximises expected tokens per second with the measured quantities of
-docs/ARCHITECTURE.md §5:
+docs/contracts.md:
 
     E[Y](k) = 1 + sum_{i=1..k} s_i                  (s_i measured per request, per position)
     t_cycle(k) = k * t_draft_token + t_verify(n + k) (online cost model, n = catch-up tokens; t_verify fitted
@@ -66,7 +66,7 @@ class NominalCosts:
         return self.verify[rows - 1] if rows <= len(self.verify) else rows / self.rows_per_unit
 
 
-# float32 target, float16 draft (docs/benchmarks.md, Qwen2.5-Coder-1.5B on CPU, batch 1): scoring 2/3/4 tokens
+# float32 target, float16 draft (docs/forward.md, Qwen2.5-Coder-1.5B on CPU, batch 1): scoring 2/3/4 tokens
 # 0.94-1.01x / 1.13-1.30x / 1.16-1.42x one token, 5-8 tokens ~2x; a float16 0.5B draft step 28 ms against a
 # ~200 ms verify.
 FLOAT32_COSTS = NominalCosts("float32", (1.0, 1.0, 1.2, 1.3, 2.0, 2.0, 2.0, 2.0), 4, 0.14)
@@ -266,8 +266,8 @@ def choose_k(inputs: AutoInputs) -> AutoDecision:
         return AutoDecision(min(2, cap), "warm-up: measuring draft and verify cost")
     # at a prompt's round (catch_up > 1) drafts look cheap next to the prefill, so the round drafts at nearly any
     # acceptance: that is the request's look at its own acceptance. Pricing them at the steady rate instead (kept
-    # out, docs/benchmarks.md "A prompt's round and the last probe") kept a code prompt after a prose one from ever
-    # drafting: the engine-wide rate said no, and the request never measured its own (what the look costs in the
+    # out, docs/speculation.md "A prompt's round and the last probe") kept a code prompt after a prose one from
+    # ever drafting: the engine-wide rate said no, and the request never measured its own (what the look costs in the
     # draft cache's catch-up is priced apart: catch_up.py)
     rates = expected_rates(inputs, cap, catch_up)
     # PLAIN_MARGIN keeps speculating while plain decoding is not clearly faster; a request that speculated and fell

@@ -126,7 +126,7 @@ def tree_size_seeded(k: int, limit: int, own: AcceptanceStats, costs: NominalCos
     times or the batch of the moment: the tree's shape decides which uniforms its accept tests draw. The rows are
     those of a full batch, `max_batch` requests of catch-up 1 (the engine's setting: the command's, so a seed still
     gives the same tokens): a tree sized as if alone cost a full batch of them 0.78x its chains (Qwen pair, batch
-    8, T=0.7, docs/benchmarks.md). A draft step of that many rows is read off the same table."""
+    8, T=0.7, docs/speculation.md). A draft step of that many rows is read off the same table."""
     rows = costs.verify_cost(max_batch)
     draft = k * costs.draft_token * rows if model_draft else 0.0
     growth = draft * (costs.tree_level_factor - 1.0)
