@@ -8,7 +8,8 @@ precision changes only how often its tokens are accepted, never the output).
 Why our own kernel: on this project's 2-core Sapphire Rapids CPU, oneDNN's bf16 F.linear streams Qwen-1.5B's
 [8960, 1536] weight at ~15-19 GB/s and gives one row different bits than 2..32 rows, while this kernel streams
 it at ~27-29 GB/s (fp32 MKL's rate) for 1..16 rows alike and gives a row the same bits for any row count
-(`python -m model_runtime.amx_kernel` builds it and prints its status; figures in docs/ARCHITECTURE.md §9).
+(`python -m model_runtime.amx_kernel` builds it and prints its status; the design in docs/precision.md, figures
+in docs/forward.md).
 
 The build uses torch's C++ extension loader (a C++ compiler and ninja; the ninja wheel is a dependency) into
 `$SPECSERVE_CACHE/kernels` (default ~/.cache/specserve/kernels); torch's lock lets concurrent processes wait for

@@ -1,8 +1,8 @@
 """Constraints: the request's output must match a JSON schema, a regex, one of several strings or a grammar.
 
-A constraint is a per-position logits processor along a row's history, beside the penalties (docs/ARCHITECTURE.md
-§5, "Constraints"): at each position the target's distribution is the request's transform applied to the logits
-with every token the constraint forbids removed. It is compiled once per request at submit (llguidance: its
+A constraint is a per-position logits processor along a row's history, beside the penalties (docs/contracts.md,
+"Constraints and logit bias"): at each position the target's distribution is the request's transform applied to
+the logits with every token the constraint forbids removed. It is compiled once per request at submit (llguidance: its
 tokenizer built once per engine, each grammar compiled once and cached, a request's matcher a copy of the cached
 one), carried on the RequestState, and used by three phases, all on the engine thread:
 

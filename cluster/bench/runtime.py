@@ -1,6 +1,6 @@
 """`specserve bench runtime`: the forward-pass costs that decide whether speculation pays.
 
-For each model and context length c (docs/ARCHITECTURE.md §5 needs t_1 and t_verify(k)):
+For each model and context length c (docs/contracts.md needs t_1 and t_verify(k)):
 
     prefill_ms     our prefill of the c-token context itself (one forward of c rows; a prompt's cost before its
                    first token), and prefill_tok_s = c / prefill_ms

@@ -1,6 +1,6 @@
 """`specserve bench spec`: end-to-end speculative decoding against plain decoding and transformers.
 
-Glossary (figures in the JSON; docs/ARCHITECTURE.md §5):
+Glossary (figures in the JSON; docs/contracts.md):
   config          one engine setting: draft ("none" = plain decoding, "model", "ngram", "suffix"), k (int or
                   auto), temperature (0 -> greedy contract, > 0 -> exact), batch (concurrent requests); for
                   "suffix" and "model" also the tree limit (tree_nodes: 0 = chains only, N = token trees of up to

@@ -6,7 +6,7 @@
 
 Statistics (glossary in cluster/engine/acceptance_stats.py):
   acceptance                 rounds that drafted, drafts proposed / accepted, s_k per draft position
-  expected_tokens_per_round  E[Y] = 1 + sum_k s_k over the positions drafted (docs/ARCHITECTURE.md §5)
+  expected_tokens_per_round  E[Y] = 1 + sum_k s_k over the positions drafted (docs/contracts.md)
   mean_tokens_per_round      output tokens / rounds actually run (plain rounds count 1)
   time_split_seconds         the request's engine time drafting / verifying / reconciling; `other`
                              is the rest of the client-side wall time (queueing, transport, planning)

@@ -12,7 +12,7 @@ Glossary:
   tree rounds  rounds whose drafts were a token tree (suffix drafting): `proposed` counts the tree's depth (the
                chain it stands for), `tree_nodes` its nodes; `accepted_by_rank[r]` = accepted nodes that were
                their parent's r-th candidate (0: the proposer's first choice, which a chain would have held).
-  E[Y]         expected tokens per round at k = gamma: 1 + sum_{k=1..gamma} s_k (docs/ARCHITECTURE.md §5);
+  E[Y]         expected tokens per round at k = gamma: 1 + sum_{k=1..gamma} s_k (docs/contracts.md);
                `mean_tokens_per_round` is the measured mean over the rounds actually run (mixed k).
 """
 

@@ -9,7 +9,7 @@ its own gRPC server on its own port (a client naming the other application gets 
 In float32: TP splits the o and down projections' sums over the ranks and adds the partials in an all-reduce,
 so in bfloat16 (each partial rounded to 8 bits of mantissa before the sum) TP=2 and TP=1 are different
 computations whose greedy tokens part ways (measured: this test's prompts diverge); greedy output equals
-plain decoding of the same dtype *and* TP size (docs/ARCHITECTURE.md §9).
+plain decoding of the same dtype *and* TP size (docs/precision.md).
 Run inside the loopback-only namespace: scripts/in-netns.sh .venv/bin/python -m pytest -q tests/cluster
 """
 

@@ -10,7 +10,7 @@ sums what the server sends (each float32 as its shortest decimal, added left to 
 
 They are asserted equal bit for bit. The live verifier here runs one rank (tensor_parallel_size 1, the package's
 config; the TP=3 check in test_serve_cluster.py deploys its own verifier), the same batch-invariant bfloat16
-kernels as the in-process engine (docs/ARCHITECTURE.md §9): a prompt's rows do not depend on the batch, the
+kernels as the in-process engine (docs/precision.md): a prompt's rows do not depend on the batch, the
 thread count or whether one more token is generated after them (lm-eval asks `max_tokens` 1 with `echo` and drops
 that token's row), and a scored prompt takes no prefix-cache hit. Measured on a 2-vCPU AMD EPYC (avx512 kernels):
 max |live - in process| = 0.0 over 40 continuations."""
