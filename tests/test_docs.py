@@ -6,7 +6,8 @@
     - every command of the README's quick start is one the CLI accepts (the `specserve` argument parser, in
       process: nothing runs, Ray is not started) or a Makefile target; every `.venv/bin/specserve ...` command
       shown in a code block of the docs parses too;
-    - the README stays short (<= 200 lines).
+    - the README stays short (<= 200 lines), and so does every page in docs/ (<= 400 lines: a page answers one
+      question and opens with its latest figures; history goes to git, reference to pages of its own).
 
 Fast (about a second) and marked `unit`.
 """
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_LINES = 200
+DOCS_PAGE_MAX_LINES = 400
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 DOCS_PATH = re.compile(r"(?<![\w/.$~-])docs/[\w./-]*")
@@ -126,6 +128,15 @@ def quick_start_blocks() -> list[str]:
 def test_readme_is_short() -> None:
     lines = README.read_text(encoding="utf-8").count("\n")
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}); move detail to docs/"
+
+
+@pytest.mark.parametrize("page", PAGES[1:], ids=page_ids(PAGES[1:]))
+def test_docs_page_is_short(page: Path) -> None:
+    lines = page.read_text(encoding="utf-8").count("\n")
+    assert lines <= DOCS_PAGE_MAX_LINES, (
+        f"{page.relative_to(ROOT)} has {lines} lines (at most {DOCS_PAGE_MAX_LINES}): split it by the question each "
+        "part answers, summarise old runs in a line each (their detail stays in git history), or move reference "
+        "sections to a page of their own and link them")
 
 
 def test_quick_start_commands_parse() -> None:
