@@ -9,7 +9,8 @@ Graph: ingress(own gRPC server + HTTP via Serve's proxy) -> scheduler -> {drafte
     Drafter    the draft model and its KV pool (absent with `draft: ngram`: n-gram drafts in process)
     Verifier   the target model; TP > 1 = rank actors in the replica's placement group, rank 0 answers
 
-`ClusterConfig` (cluster/serving/config.py) is the only configuration; everything here derives from it.
+`ClusterConfig` (cluster/serving/config.py) is the only configuration; everything here derives from it, where each
+part runs included (`placement`: Ray node labels / custom resources; docs/ARCHITECTURE.md, "Multi-node placement").
 """
 
 from __future__ import annotations
@@ -57,11 +58,19 @@ def bind_verifier(config: ClusterConfig, cpu_plan: CpuPlan | None = None) -> ser
                                **_common_options(config)}
     gpus = config.gpus_per_worker if config.uses_gpu else 0.0
     bundles = placement_bundles(config.tensor_parallel_size, gpus)
+    placement = config.placement
     if bundles is None:  # TP = 1: the replica holds the model (and its GPU)
-        options["ray_actor_options"] = {"num_cpus": 0, "num_gpus": gpus, **_tracing_env(config)}
-    else:  # the replica only drives; rank r runs in bundle 1 + r
+        options["ray_actor_options"] = {"num_cpus": 0, "num_gpus": gpus, **placement.verifier.actor_options(),
+                                        **_tracing_env(config)}
+    else:  # the replica only drives; rank r runs in bundle 1 + r, on the nodes placement.rank(r) names
+        selectors = [placement.verifier] + [placement.rank(r) for r in range(config.tensor_parallel_size)]
+        bundles = [bundle | dict(selector.resources) for bundle, selector in zip(bundles, selectors, strict=True)]
         options |= {"placement_group_bundles": bundles, "placement_group_strategy": "PACK",
                     "ray_actor_options": {"num_cpus": bundles[0]["CPU"], **_tracing_env(config)}}
+        if placement.verifier.resources:  # the replica's own resources must fit its bundle (bundle 0)
+            options["ray_actor_options"]["resources"] = dict(placement.verifier.resources)
+        if any(selector.labels for selector in selectors):
+            options["placement_group_bundle_label_selector"] = [dict(selector.labels) for selector in selectors]
     return VerifierDeployment.options(**options).bind(
         config.model, config.kv_pool_blocks, config.block_size, config.device, config.tensor_parallel_size,
         config.threads_per_worker, gpus, config.dtype, config.round_transport,
@@ -75,7 +84,7 @@ def bind_drafter(config: ClusterConfig, cpu_plan: CpuPlan | None = None) -> serv
     return DrafterDeployment.options(
         num_replicas=config.drafter_replicas, max_ongoing_requests=4,
         ray_actor_options={"num_cpus": 0, "num_gpus": config.gpus_per_worker if config.uses_gpu else 0.0,
-                           **_tracing_env(config)},
+                           **config.placement.drafter.actor_options(), **_tracing_env(config)},
         **_common_options(config),
     ).bind(config.draft, config.kv_pool_blocks, config.block_size, config.device, config.threads_per_worker,
            config.draft_dtype, cpu_plan.drafter if cpu_plan is not None else None)
@@ -91,11 +100,11 @@ def build_app(config: ClusterConfig, engine_builder: EngineBuilder | None = None
     streams = config.queue_capacity + CONTROL_CALLS
     scheduler = SchedulerDeployment.options(
         num_replicas=config.scheduler_replicas, max_ongoing_requests=streams,
-        ray_actor_options={"num_cpus": 0}, **common,
+        ray_actor_options={"num_cpus": 0, **config.placement.scheduler.actor_options()}, **common,
     ).bind(config, bind_drafter(config, cpu_plan), bind_verifier(config, cpu_plan), engine_builder)
     return IngressDeployment.options(
         num_replicas=config.ingress_replicas, max_ongoing_requests=streams,
-        ray_actor_options={"num_cpus": 0}, **common,
+        ray_actor_options={"num_cpus": 0, **config.placement.ingress.actor_options()}, **common,
     ).bind(config, scheduler)
 
 

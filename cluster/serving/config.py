@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from cluster.serving.auth import KeySources
     from cluster.serving.client_shares import ClientLimits
 
-__all__ = ["ENGINE_OPTIONS", "MODEL_FREE_DRAFTS", "NGRAM_DRAFT", "ClusterConfig", "ConfigError", "load_config", "make_config"]
+__all__ = ["ENGINE_OPTIONS", "MODEL_FREE_DRAFTS", "NGRAM_DRAFT", "ClusterConfig", "ConfigError", "NodeSelector",
+           "Placement", "load_config", "make_config"]
 
 NGRAM_DRAFT = "ngram"  # `draft` value: n-gram (prompt lookup) drafting, no draft model
 MODEL_FREE_DRAFTS = (NGRAM_DRAFT, "suffix")  # `draft` values without a draft model ("suffix": token trees)
@@ -62,6 +63,63 @@ def _check_model_name(value: str) -> str:
     except UnknownModelError as exc:
         raise ValueError(str(exc)) from None
     return value
+
+
+RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")  # Ray's own: set from the config's sizes
+
+
+class NodeSelector(BaseModel):
+    """Which Ray nodes may host one part of the application (docs/ARCHITECTURE.md, "Multi-node placement").
+    Empty: any node with room. Both kinds may be combined; the part goes only where both hold."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources the part asks for, e.g. {specserve-verifier: 1}: only a "
+        "node that advertises them hosts it (`ray start --resources '{\"specserve-verifier\": 100}'`, a KubeRay "
+        "group's `resources`); ask for a small share of what a node advertises")
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Ray node label selector, e.g. {specserve.io/role: verifier}: only a node "
+        "with these labels hosts the part (`ray start --labels specserve.io/role=verifier`, a KubeRay group's "
+        "`labels`; Ray's selector syntax: '!v' not v, 'in(a,b)')")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, value: dict[str, float]) -> dict[str, float]:
+        reserved = sorted(set(value) & set(RESERVED_RESOURCES))
+        if reserved:
+            raise ValueError(f"{reserved} are Ray's own resources, set from the config's sizes; name custom ones")
+        if any(amount <= 0 for amount in value.values()):
+            raise ValueError(f"amounts must be > 0, got {value}")
+        return value
+
+    def actor_options(self) -> dict[str, Any]:
+        """Ray actor options (Serve's ray_actor_options, an actor's .options): only what is set."""
+        return ({"resources": dict(self.resources)} if self.resources else {}) | (
+            {"label_selector": dict(self.labels)} if self.labels else {})
+
+
+class Placement(BaseModel):
+    """Where each part runs, by Ray node labels or custom resources (in production, KubeRay worker groups that
+    advertise them). Unset parts go wherever Ray finds room."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ingress: NodeSelector = Field(default_factory=NodeSelector, description="the Ingress replicas (gRPC, HTTP): "
+                                  "Serve's HTTP proxy runs on every node, the gRPC servers only where these are")
+    scheduler: NodeSelector = Field(default_factory=NodeSelector, description="the Scheduler replica (the engine "
+                                    "loop; n-gram and suffix drafts are made here)")
+    kv_manager: NodeSelector = Field(default_factory=NodeSelector, description="the KV-manager actor (the block "
+                                     "ledger), created by the scheduler")
+    drafter: NodeSelector = Field(default_factory=NodeSelector, description="the Drafter replica (a draft model)")
+    verifier: NodeSelector = Field(default_factory=NodeSelector, description="the Verifier replica; with TP > 1 its "
+                                   "placement group's first bundle (the replica) and every rank without an entry "
+                                   "in verifier_ranks")
+    verifier_ranks: tuple[NodeSelector, ...] = Field((), description="TP > 1: one per rank (rank r's bundle), "
+                                                     "or empty: every rank as `verifier`")
+
+    def rank(self, index: int) -> NodeSelector:
+        return self.verifier_ranks[index] if self.verifier_ranks else self.verifier
 
 
 class ClusterConfig(BaseModel):
@@ -177,6 +235,10 @@ class ClusterConfig(BaseModel):
                                                   "distribution, at least as many accepted drafts in expectation) "
                                                   "or token-by-token speculative sampling "
                                                   "(verifier_service/contracts.py)")
+
+    # where each part runs (several Ray nodes; docs/ARCHITECTURE.md, "Multi-node placement")
+    placement: Placement = Field(default_factory=Placement, description="Ray node labels / custom resources that "
+                                 "place the ingress, scheduler, KV manager, drafter and each verifier TP rank")
 
     # Serve health checks and graceful shutdown (applied to every deployment)
     health_check_period_s: float = Field(10.0, gt=0, le=3600)
@@ -295,6 +357,10 @@ class ClusterConfig(BaseModel):
             raise ValueError(f"ports must differ: {ports}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
+        ranks = len(self.placement.verifier_ranks)
+        if ranks not in (0, self.tensor_parallel_size):
+            raise ValueError(f"placement.verifier_ranks names {ranks} ranks; tensor_parallel_size is "
+                             f"{self.tensor_parallel_size} (one entry per rank, or none)")
         if self.max_batch > self.queue_capacity:
             raise ValueError(f"max_batch ({self.max_batch}) must be <= queue_capacity ({self.queue_capacity})")
         return self

@@ -306,8 +306,9 @@ def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any,
         config.block_size, make_verifier=lambda _dir: HandleVerifier(verifier, transport=transport),
         make_drafter=(lambda _dir: HandleDrafter(drafter, config.drafter_timeout_s, transport))
         if drafter is not None else None,
-        make_kv=lambda namespaces: RemoteKV(KVManagerActor.options(name=None, **kv_tracing).remote(namespaces),
-                                            transport=transport),
+        make_kv=lambda namespaces: RemoteKV(KVManagerActor.options(
+            name=None, **config.placement.kv_manager.actor_options(), **kv_tracing).remote(namespaces),
+            transport=transport),
         # resolved as the workers resolve them (same function, same device name; a node pool of one CPU type)
         dtypes={"target": dtype_name(target_dtype(config.dtype, config.device, model_dir(config.model),
                                                   config.tensor_parallel_size, config.max_batch)),
