@@ -18,7 +18,16 @@ Measurement order: at batch 1 every prompt runs through every config and transfo
 before the next prompt (rotating the order), so load from other processes falls on all of them
 alike. Each run gets a fresh engine (fresh KV ledger, so no prefix cache across runs) that shares
 the loaded workers; the auto policy's cost model and acceptance carry over between runs of the
-same config, as in a long-running server. Transformers models share our weight tensors.
+same config, as in a long-running server.
+
+The transformers peer is loaded as a CPU user loads these models: `AutoModelForCausalLM.from_pretrained` of the
+checkpoint in bfloat16 (`--hf-dtype`, default bfloat16: the dtype Qwen2.5 and SmolLM2 are published in, which
+`torch_dtype="auto"` gives), weights of its own (a second copy beside ours), its default attention. Our prepared
+checkpoints hold the GGUF's values dequantized (the hubs are out of reach here), so its weights are those values
+rounded to bfloat16: the published checkpoint's own bf16 weights differ from them by the q4 rounding, not in size
+or speed. Before 2026-12-07 it shared our q4 model's dequantized float32 tensors, which on an AMD EPYC ran MKL's
+float32 few-row products at about half the speed of its bfloat16 (issue 73): its "x transformers" figures were ~2x
+too kind.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +46,7 @@ import torch
 from cluster.bench.bench_prompts import WARMUP_TOKENS, BenchPrompt, load_prompts
 from cluster.bench.llamacpp import LlamaCppJob, require_llama_cpp
 from cluster.bench.llamacpp_native import require_binaries
-from cluster.bench.runtime import environment, hf_model_sharing_weights, progress, set_threads
+from cluster.bench.runtime import environment, progress, set_threads
 from cluster.bench.spec_llamacpp import bin_dir, llamacpp_peer, llamacpp_run, run_llamacpp_only
 from cluster.bench.spec_settings import SpecSettings
 from cluster.bench.spec_tally import Tally, acc_rate, category_ratios, ratio, same_fraction
@@ -45,11 +55,18 @@ from cluster.engine.engine import SpecEngine
 from cluster.engine.factory import fresh_engine, tokenize_prompt
 from cluster.engine.request_span import RequestSpan
 from cluster.engine.round_spans import RoundSpans
-from model_runtime.model import CausalLM
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
 
 TREE_DRAFTS = ("suffix", "model")  # draft kinds whose rounds may be token trees
 HF_PEER = {"none": "plain", "model": "assisted", "ngram": "prompt_lookup", "suffix": "prompt_lookup"}
+
+
+def hf_model_as_users_load(checkpoint_dir: str | Path, dtype: str) -> torch.nn.Module:
+    """transformers' CausalLM from `checkpoint_dir` in `dtype` ("auto": the checkpoint config's), on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint_dir), dtype=torch_dtype).eval()
 
 
 @dataclass(frozen=True)
@@ -100,17 +117,10 @@ class SpecBench:
         self.prompts = load_prompts(s.categories, s.per_category)
         self.prompt_ids = {p.id: tokenize_prompt(self.base.tokenizer, p.text, chat=True) for p in self.prompts}
         self.hf_target = self.hf_draft = None
-        if s.hf:
-            self.hf_target = hf_model_sharing_weights(self.base.verifier.runner.rank.model, model_dir(s.model))
+        if s.hf:  # as a CPU user loads them: weights of their own, in the published dtype (the module docstring)
+            self.hf_target = hf_model_as_users_load(model_dir(s.model), s.hf_dtype)
             if self.base.drafter is not None:
-                # transformers' assistant runs in the target's precision (float32, or bfloat16 where this CPU
-                # has bf16 instructions), as it would for a CPU user (its float16 has no fast CPU kernels);
-                # ours keeps its own draft precision.
-                draft = self.base.drafter.runner.rank.model
-                target = self.base.verifier.runner.rank.model
-                if draft.dtype != target.dtype:
-                    draft = CausalLM.load(model_dir(s.draft), dtype=target.dtype)
-                self.hf_draft = hf_model_sharing_weights(draft, model_dir(s.draft))
+                self.hf_draft = hf_model_as_users_load(model_dir(s.draft), s.hf_dtype)
         self.tallies: dict[Config, Tally] = {}
         self.hf_tallies: dict[tuple[str, float], Tally] = {}
         # auto policy state carried per config: the cost model, the drafter's and the lookups' acceptance
@@ -331,7 +341,9 @@ class SpecBench:
         s["ks"] = ["auto" if k is None else k for k in self.s.ks]
         return {"bench": "spec", "settings": s, "engine_config": dataclasses.asdict(self.base.config),
                 "dtypes": dict(self.base.dtypes),
-                "hf_settings": {"hf_batch": 1, "assisted": "transformers defaults (num_assistant_tokens, schedule,"
+                "hf_settings": {"hf_batch": 1, "weights": f"its own copy, {self.s.hf_dtype}",
+                                "dtype": str(self.hf_target.dtype) if self.hf_target is not None else None,
+                                "assisted": "transformers defaults (num_assistant_tokens, schedule,"
                                 " confidence threshold)", "prompt_lookup_num_tokens": self.s.hf_lookup_tokens,
                                 "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0},
                 "prompts": [{"id": p.id, "category": p.category, "prompt_tokens": len(self.prompt_ids[p.id])}

@@ -23,6 +23,7 @@ class SpecSettings:
     seed: int = 1234
     hf: bool = True
     hf_lookup_tokens: int = 10  # transformers' prompt_lookup_num_tokens (its documented example value)
+    hf_dtype: str = "bfloat16"  # transformers' weights, as a CPU user loads these models (bench/spec.py); or "auto"
     max_context: int = 1024
     dtype: str = "auto"  # the target's: see model_runtime.precision.target_dtype
     draft_dtype: str = "auto"  # see model_runtime.precision.draft_dtype

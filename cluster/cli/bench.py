@@ -96,6 +96,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sp.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
                     help=f"draft model precision (default auto: {DRAFT_AUTO})")
     sp.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    sp.add_argument("--hf-dtype", choices=("bfloat16", "float32", "auto"), default="bfloat16",
+                    help="transformers' weights (its own copy, loaded as a CPU user loads these models: bfloat16, "
+                         "their published dtype; auto: the checkpoint config's)")
     sp.add_argument("--logprobs-overhead", type=int, default=None, metavar="N",
                     help="also run every config with logprobs N (each token's log-probability and N alternatives) "
                          "and print tokens/s with vs without")
@@ -269,7 +272,8 @@ def _run_spec(args: argparse.Namespace) -> int:
     if args.model and args.model != "qwen2.5-coder-1.5b" and args.draft is None and not args.quick:
         base.setdefault("draft", "none")
         base.setdefault("drafts", ["ngram"])
-    settings = SpecSettings(**base, threads=args.threads, hf=not args.no_hf, tracing_overhead=args.tracing_overhead,
+    settings = SpecSettings(**base, threads=args.threads, hf=not args.no_hf, hf_dtype=args.hf_dtype,
+                            tracing_overhead=args.tracing_overhead,
                             logprobs_overhead=args.logprobs_overhead,
                             llamacpp=args.llamacpp or args.llamacpp_only, llamacpp_only=args.llamacpp_only,
                             llamacpp_python=args.llamacpp_python)

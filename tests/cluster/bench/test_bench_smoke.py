@@ -73,6 +73,7 @@ def test_bench_spec_quick_json(smollm2_dir: Path, tmp_path: Path, capsys: pytest
             assert acc["rounds"] > 0 and len(acc["survival"]) >= 1
             assert all(0.0 <= s <= 1.0 for s in acc["survival"])
     assert {h["mode"] for h in result["hf"]} == {"plain", "prompt_lookup"}
+    assert result["hf_settings"]["dtype"] == "torch.bfloat16"  # its own weights, as a CPU user loads them
     assert all(h["output_tokens"] > 0 and positive(h["tokens_per_second"]) for h in result["hf"])
     assert "vs hf peer" in capsys.readouterr().out
 
