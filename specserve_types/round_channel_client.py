@@ -4,6 +4,7 @@ server): `ChannelClient`, one blocking connection to one endpoint; `PendingCall`
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -21,6 +22,8 @@ from specserve_types.round_channel import (
     recv_frame,
 )
 from specserve_types.round_codec import decode_answer, encode_call
+
+log = logging.getLogger("specserve.channel")
 
 
 class ChannelClient:
@@ -50,6 +53,12 @@ class ChannelClient:
             recv_exact(sock, 1)
         except OSError as exc:
             raise ChannelLost(f"cannot connect to {ep!r}: {exc}") from exc
+        # once per connection (the first call, a replacement worker): which way the round's frames travel
+        if sock.family == socket.AF_UNIX:
+            log.info("channel connected: unix (same node) to %r", ep)
+        else:
+            log.info("channel connected: tcp %s:%d -> %s:%d to %r", *sock.getsockname()[:2], *sock.getpeername()[:2],
+                     ep)
         return sock
 
     @property

@@ -25,6 +25,7 @@ from typing import Any
 import ray
 from jinja2 import TemplateError
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from cluster.engine.request_state import resolve_max_tokens
 from cluster.engine.round_spans import RoundSpans
@@ -102,9 +103,27 @@ def completion_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(sampling, seed=sampling.seed + index)
 
 
+def route_project_logs(into: logging.Logger = logger) -> None:
+    """The project's own loggers (`specserve.*`: the round channels' connections, the cluster engine's start) into
+    this replica's Serve log at INFO: Serve gives its handlers to `ray.serve` only, so they went nowhere. Once per
+    process; nothing where `into` has no handlers (outside a replica)."""
+    try:
+        serve.get_replica_context()
+    except RayServeException:  # not in a replica (a test's Scheduler): the process's logging stays as it is
+        return
+    project = logging.getLogger("specserve")
+    if project.handlers or not into.handlers:
+        return
+    for handler in into.handlers:
+        project.addHandler(handler)
+    project.setLevel(logging.INFO)
+    project.propagate = False
+
+
 class Scheduler(FaultHooks):
     def __init__(self, config: ClusterConfig, drafter: Any, verifier: Any,
                  engine_builder: EngineBuilder | None = None) -> None:
+        route_project_logs()
         if engine_builder is None:
             from cluster.serving.remote_backends import build_cluster_engine as engine_builder
         self._config = config

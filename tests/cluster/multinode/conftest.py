@@ -8,12 +8,13 @@
 Each node advertises its role both ways ClusterConfig's placement can ask for it: a Ray node label
 (specserve.io/role=ROLE) and a custom resource (specserve-ROLE). Run under scripts/in-netns.sh, opt-in (they take
 ~2 minutes and three Ray nodes' memory): SPECSERVE_MULTINODE=1 scripts/in-netns.sh .venv/bin/python -m pytest -q
-tests/cluster/multinode. Where the machine refuses nested namespaces the tests skip and say why.
+tests/cluster/multinode (SPECSERVE_MULTINODE_LOGS=DIR keeps the nodes' logs). Where the machine refuses nested namespaces the tests skip and say why.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tests.cluster.multinode.netns_cluster import NetnsCluster, NodeSpec, refusa
 ROLE_LABEL = "specserve.io/role"
 ROLES = {"head": "frontend", "verifier": "verifier", "drafter": "drafter", "kv": "kv"}
 OPT_IN = "SPECSERVE_MULTINODE"
+KEEP_LOGS = "SPECSERVE_MULTINODE_LOGS"  # a folder: every node's logs copied there after the run
 
 
 def node_specs() -> list[NodeSpec]:
@@ -47,3 +49,6 @@ def netns_cluster() -> Iterator[NetnsCluster]:
         yield cluster
     finally:
         cluster.stop()
+        if keep := os.environ.get(KEEP_LOGS):  # the nodes' Ray logs and the drivers' output, for a failed run
+            shutil.copytree(root, Path(keep) / root.name, ignore=shutil.ignore_patterns("sockets", "*.sock"),
+                            ignore_dangling_symlinks=True, dirs_exist_ok=True)

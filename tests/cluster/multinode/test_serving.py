@@ -1,0 +1,181 @@
+"""The application across four Ray nodes with their own addresses (conftest.py): the ingress and scheduler on the
+head, the verifier, the drafter and the KV manager each on a node of its own, placed by ClusterConfig.placement
+(labels for three, custom resources for two). SmolLM2 drafts for itself (a Drafter deployment), so one deployment
+serves the model's drafts, n-gram drafts and none. Checked: each part runs in its node's namespace, the greedy
+outputs through gRPC and HTTP equal the in-process engine's token for token, the scheduler reaches the workers over
+TCP to their nodes' own addresses (its channel log lines and the sockets seen with ss), the ledger leaks nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+from cluster.client import SpecServeClient, collect
+from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
+from tests.cluster.multinode.conftest import ROLE_LABEL
+from tests.cluster.multinode.netns_cluster import VENV_BIN, NetnsCluster
+
+pytestmark = pytest.mark.timeout(600)
+
+GRPC_PORT, HTTP_PORT = 19410, 18410
+MAX_CONTEXT = 256
+MAX_TOKENS = 20
+PROMPTS = ["def fibonacci(n):", "The capital of France is"]
+DEPLOY_TIMEOUT_S = 360.0
+PLACEMENT = {  # both ways of naming nodes: custom resources (frontend), labels (the workers)
+    "ingress": {"resources": {"specserve-frontend": 1}},
+    "scheduler": {"resources": {"specserve-frontend": 1}},
+    "verifier": {"labels": {ROLE_LABEL: "verifier"}},
+    "drafter": {"labels": {ROLE_LABEL: "drafter"}},
+    "kv_manager": {"labels": {ROLE_LABEL: "kv"}},
+}
+# what runs where: node name -> the process title of the part placed there (Ray names a worker `ray::CLASS...`)
+WHERE = {"head": ("Ingress", "Scheduler"), "verifier": ("Verifier",), "drafter": ("Drafter",), "kv": ("KVManager",)}
+
+
+def cluster_config() -> dict[str, Any]:
+    return {"model": "smollm2-135m", "draft": "smollm2-135m", "dtype": "bfloat16", "draft_dtype": "bfloat16",
+            "worker_threads": 1, "kv_blocks": 256, "block_size": 16, "queue_capacity": 32, "max_batch": 8,
+            "max_context": MAX_CONTEXT, "host": "0.0.0.0", "grpc_port": GRPC_PORT, "http_port": HTTP_PORT,
+            "warm_up": False, "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
+            "graceful_shutdown_wait_loop_s": 0.2, "graceful_shutdown_timeout_s": 2.0, "placement": PLACEMENT}
+
+
+@pytest.fixture(scope="module")
+def served(netns_cluster: NetnsCluster) -> Iterator[NetnsCluster]:
+    """`specserve up --address HEAD` run on the head node until the front doors answer."""
+    config = netns_cluster.root / "cluster.yaml"
+    config.write_text(yaml.safe_dump(cluster_config()))
+    driver = netns_cluster.driver([str(VENV_BIN / "specserve"), "up", "--config", str(config),
+                                   "--address", netns_cluster.gcs_address], name="up")
+    grpc_address = f"{netns_cluster.head.address}:{GRPC_PORT}"
+    deadline = time.monotonic() + DEPLOY_TIMEOUT_S
+    while True:
+        assert driver.poll() is None, f"specserve up exited {driver.returncode}: {_tail(netns_cluster, 'up')}"
+        try:
+            with SpecServeClient(grpc_address, timeout_s=5) as client:
+                if client.health()[0]:
+                    break
+        except Exception:  # not listening yet (an RpcError, a refused connection)
+            pass
+        assert time.monotonic() < deadline, f"not serving after {DEPLOY_TIMEOUT_S:.0f} s: {_tail(netns_cluster, 'up')}"
+        time.sleep(2.0)
+    yield netns_cluster
+    driver.terminate()
+    driver.wait(timeout=60)
+
+
+def _tail(cluster: NetnsCluster, name: str) -> str:
+    path = cluster.logs / f"{name}.log"
+    return path.read_text(errors="replace")[-3000:] if path.exists() else "(no log)"
+
+
+@pytest.fixture(scope="module")
+def client(served: NetnsCluster) -> Iterator[SpecServeClient]:
+    with SpecServeClient(f"{served.head.address}:{GRPC_PORT}", timeout_s=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, dict[str, Any]]:
+    """The in-process engine's greedy outputs, one request at a time."""
+    import torch
+
+    from tests.cluster.engine.engine_helpers import local_engine
+
+    torch.set_num_threads(1)
+    engine = local_engine("smollm2-135m", "ngram", max_batch=1, max_context=MAX_CONTEXT, dtype="bfloat16")
+    out = {}
+    for prompt in PROMPTS:
+        ids = tuple(engine.tokenizer(prompt)["input_ids"])
+        rid = f"ref-{len(out)}"
+        engine.submit(GenerationRequest(rid, ids, SamplingParams(max_tokens=MAX_TOKENS),
+                                        SpecParams(contract="greedy", k=4, draft="ngram")))
+        chunks = engine.run_to_completion()[rid]
+        out[prompt] = {"token_ids": [t for c in chunks for t in c.token_ids],
+                       "text": "".join(c.text_delta for c in chunks)}
+    return out
+
+
+def test_each_part_runs_on_its_own_node(served: NetnsCluster) -> None:
+    titles = {node.spec.name: [p for p in node.processes() if " ray::" in f" {p.split(' ', 1)[1]}"]
+              for node in served.nodes}
+    for name, parts in WHERE.items():
+        for part in parts:
+            assert any(part in title for title in titles[name]), (name, part, titles[name])
+            others = [n for n in titles if n != name]
+            assert not any(part in title for n in others for title in titles[n]), (part, titles)
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram", "none"])
+def test_grpc_greedy_equals_in_process(client: SpecServeClient, reference: dict[str, dict[str, Any]],
+                                       draft: str) -> None:
+    for prompt in PROMPTS:
+        (sample,) = collect(client.generate(prompt, max_tokens=MAX_TOKENS, k=4, contract="greedy",
+                                            draft=draft)).values()
+        assert sample["token_ids"] == reference[prompt]["token_ids"], (draft, prompt)
+        assert sample["text"] == reference[prompt]["text"]
+        if draft == "model":  # SmolLM2 drafting for itself: every greedy draft survives, and drafts were made
+            assert sample["accepted"] == sample["proposed"] > 0
+
+
+def test_http_answers_the_same(served: NetnsCluster, reference: dict[str, dict[str, Any]]) -> None:
+    url = f"http://{served.head.address}:{HTTP_PORT}/v1/completions"
+    for prompt in PROMPTS:
+        body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": MAX_TOKENS, "k": 4, "draft": "model"}
+        answer = requests.post(url, json=body, timeout=120).json()
+        assert answer["choices"][0]["text"] == reference[prompt]["text"], answer
+        assert answer["choices"][0]["token_ids"] == reference[prompt]["token_ids"]
+
+
+def test_concurrent_streams(client: SpecServeClient, reference: dict[str, dict[str, Any]]) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(PROMPTS[i % 2], ["model", "ngram"][i // 2 % 2]) for i in range(8)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda job: collect(client.generate(job[0], max_tokens=MAX_TOKENS, k=4,
+                                                                    draft=job[1])), jobs))
+    for (prompt, _), samples in zip(jobs, results, strict=True):
+        assert samples[0]["token_ids"] == reference[prompt]["token_ids"]
+
+
+def test_rounds_cross_nodes_over_tcp(served: NetnsCluster, client: SpecServeClient) -> None:
+    """The scheduler's links to the verifier, drafter and KV manager are TCP connections to their nodes' own
+    addresses: its channel log lines say so, and ss in the head's namespace shows them established."""
+    collect(client.generate(PROMPTS[0], max_tokens=4, k=4, draft="model"))
+    workers = {served.node(name).address for name in ("verifier", "drafter", "kv")}
+    logs = served.log_text(f"{served.head.spec.name}/**/*")
+    connected = set(re.findall(r"channel connected: tcp \S+ -> ([\d.]+):\d+", logs))
+    assert workers <= connected, (workers, connected)
+    assert "channel connected: unix" not in logs  # nothing of the round shares the scheduler's node
+    established = served.head.sh("ss -Htn state established")
+    peers = {line.split()[-1].rsplit(":", 1)[0] for line in established.splitlines() if line.strip()}
+    assert workers <= peers, established
+    # and the workers listen on their own addresses, not loopback
+    for name in ("verifier", "drafter", "kv"):
+        node = served.node(name)
+        listening = served.node(name).sh("ss -Htln")
+        assert f"{node.address}:" in listening, listening
+
+
+def test_stats_and_no_leaks(served: NetnsCluster, client: SpecServeClient) -> None:
+    stats = client.stats()
+    assert stats["engine"]["model"] == "smollm2-135m" and stats["kv"]["leaked_blocks"] == 0
+    transport = stats.get("transport") or stats["scheduler"].get("transport") or {}
+    if transport:
+        assert transport.get("kind") == "channel", json.dumps(transport)[:500]
+    audit = served.python("from ray import serve\nimport json\n"
+                          "h = serve.get_deployment_handle('Scheduler', 'specserve')\n"
+                          "r = h.audit.remote().result(timeout_s=60)\n"
+                          "r.assert_no_leaks()\n"
+                          "print(json.dumps({ns: [c.reserved, c.committed] for ns, c in r.counts.items()}))")
+    counts = json.loads(audit.strip().splitlines()[-1])
+    assert all(v == [0, 0] for v in counts.values()), counts
