@@ -23,11 +23,13 @@ from drafter_service.draft_tree import DraftTree
 from model_runtime.batch import SeqInput
 from specserve_types.round_messages import ProposeBatch, ProposeItem, ProposeOutput, ProposeResult
 from verifier_service.sampling import (
+    allowed_ids,
     apply_allowed,
     apply_logit_bias,
     argmax_rows,
     greedy_allowed,
     penalized_logits_for_positions,
+    sample_on_support,
     sample_token,
     transform_logits,
 )
@@ -105,20 +107,27 @@ class DraftWorker:
                 matcher = matchers.get(item.request_id)
                 greedy = item.sampling.is_greedy
                 mask = None if matcher is None else matcher.allowed_mask()
-                if mask is not None and mask.any():  # q as the target's p: masked along the chain's own drafts
-                    rows = mask[None]  # a greedy chain reads the argmax alone (sampling.greedy_allowed)
-                    logits = greedy_allowed(logits, rows) if greedy and not item.want_probs else \
-                        apply_allowed(logits, rows)
-                q = transform_logits(logits, item.sampling)[0] if item.want_probs or not greedy else None
-                if greedy:  # transform_logits' one-hot sits at the argmax: the token without building it
-                    row = logits[0].float()
-                    token = int(argmax_rows(row))
-                    if item.stop_below > 0 and float(torch.exp(row[token] - row.logsumexp(-1))) < item.stop_below:
-                        stopped.add(item.request_id)  # its next drafts would rarely survive
+                if mask is not None and not mask.any():
+                    mask = None
+                narrow = None if mask is None or greedy else allowed_ids(mask, logits.shape[-1])
+                # keyed by the round too: a block verdict depends on every draft of the round, so a later round's
+                # draft at the same position must not reuse its uniform (sampling.request_generator)
+                if narrow is not None:  # a sampled chain on the few tokens its constraint allows: q on those columns
+                    token, q = sample_on_support(logits[0], narrow, item.sampling, item.seed, item.position + step,
+                                                 "draft", round_start=item.position)
                 else:
-                    # keyed by the round too: a block verdict depends on every draft of the round, so a later
-                    # round's draft at the same position must not reuse its uniform (sampling.request_generator)
-                    token = sample_token(q, item.seed, item.position + step, "draft", round_start=item.position)
+                    if mask is not None:  # q as the target's p: masked along the chain's own drafts
+                        rows = mask[None]  # a greedy chain reads the argmax alone (sampling.greedy_allowed)
+                        logits = greedy_allowed(logits, rows) if greedy and not item.want_probs else \
+                            apply_allowed(logits, rows)
+                    q = transform_logits(logits, item.sampling)[0] if item.want_probs or not greedy else None
+                    if greedy:  # transform_logits' one-hot sits at the argmax: the token without building it
+                        row = logits[0].float()
+                        token = int(argmax_rows(row))
+                        if item.stop_below > 0 and float(torch.exp(row[token] - row.logsumexp(-1))) < item.stop_below:
+                            stopped.add(item.request_id)  # its next drafts would rarely survive
+                    else:
+                        token = sample_token(q, item.seed, item.position + step, "draft", round_start=item.position)
                 mine.append(token)
                 if matcher is not None and not matcher.step(token):
                     matchers.pop(item.request_id)  # a token it forbids (none allowed): the rest drafts freely

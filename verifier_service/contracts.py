@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve_types.api import EXACT_RULES
-from verifier_service.sampling import argmax_rows, request_uniforms, sample_with_uniforms
+from verifier_service.sampling import SUPPORT_SHARE, argmax_rows, request_uniforms, sample_with_uniforms
 
 # Medusa's defaults (posterior_threshold=0.09, posterior_alpha=0.3 in medusa/model/utils.py).
 POSTERIOR_THRESHOLD = 0.09
@@ -227,9 +227,6 @@ def verify_exact(
     x, q, p, ids = on_support(x, q, p)
     accepted_len, next_token = accept(x, None if q is None else q.unsqueeze(0), p.unsqueeze(0), u, u_next, inject_bias)
     return _verdict(draft_tokens, accepted_len, next_token if ids is None else ids[next_token], "exact")
-
-
-SUPPORT_SHARE = 0.25  # `on_support` narrows a round whose support is at most this share of the vocabulary
 
 
 def on_support(x: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor

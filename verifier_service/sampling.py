@@ -131,6 +131,28 @@ def allowed_tokens(words: torch.Tensor | np.ndarray, vocab_size: int) -> torch.T
     return torch.from_numpy(bits).bool()
 
 
+SUPPORT_SHARE = 0.25  # a row narrowed to its support (a sampled draft, a round: contracts.on_support) up to this share
+
+
+def allowed_ids(allowed: np.ndarray, vocab_size: int, most: float = SUPPORT_SHARE) -> torch.Tensor | None:
+    """The token ids one row's bitmask words [W] allow, ascending, where they are at most `most` of the vocabulary
+    (None: a wide row, cheaper dense)."""
+    ids = allowed_tokens(allowed[None], vocab_size)[0].nonzero().flatten()
+    return ids if len(ids) <= most * vocab_size else None
+
+
+def sample_on_support(logits: torch.Tensor, ids: torch.Tensor, params: SamplingParams, seed: int, position: int,
+                      stream: Stream, round_start: int | None = None) -> tuple[int, torch.Tensor]:
+    """A sampled row [V] whose constraint allows only `ids`: its distribution computed on those columns (every other
+    token has probability 0 whatever the transform: temperature, top-k, top-p and min-p see the same nonzero
+    logits), the token drawn with the request's uniform, and the distribution scattered back to [V] float32 (what
+    was sampled from, exactly: the verifier's q). On JSON a row allows a few hundred of Qwen's 152k tokens: a draft
+    step's softmax, cumulative sum and copy run on those."""
+    narrowed = transform_logits(logits[ids][None], params)[0]
+    token = int(ids[sample_token(narrowed, seed, position, stream, round_start)])
+    return token, torch.zeros(logits.shape[-1], dtype=narrowed.dtype).index_copy_(0, ids, narrowed)
+
+
 def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor | np.ndarray | None) -> torch.Tensor:
     """The constraint: every token a row's bitmask words [n, W] forbid gets -inf (its probability 0 after any
     transform; greedy's argmax never picks it)."""

@@ -275,3 +275,30 @@ def test_greedy_allowed_gives_the_masked_argmax_masking_only_rows_that_need_it()
     logits = torch.randn(2, vocab, generator=g)
     everything = _words([set(range(vocab))] * 2, vocab)
     assert greedy_allowed(logits, everything) is logits  # no row's argmax forbidden: nothing masked, no copy
+
+
+# ---------------------------------------------------------------------- a sampled row on its allowed columns
+@pytest.mark.parametrize("extra", [{}, {"top_k": 7}, {"top_p": 0.8}, {"min_p": 0.05}])
+def test_sample_on_support_is_the_dense_masked_distribution(extra: dict) -> None:
+    """A constrained row sampled on its allowed ids: the same distribution as the dense masked row (to float32
+    rounding, scattered back to the vocabulary), and with the same uniforms the same tokens (a uniform within
+    rounding of a boundary aside: none in 400 draws)."""
+    from verifier_service.sampling import allowed_ids, apply_allowed, sample_on_support
+
+    vocab = 5024  # a whole number of 32-bit words
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(vocab, generator=gen) * 3
+    keep = torch.zeros(vocab, dtype=torch.bool)
+    keep[torch.randperm(vocab, generator=gen)[:300]] = True
+    words = np.packbits(keep.numpy(), bitorder="little").view(np.int32)
+    ids = allowed_ids(words, vocab)
+    assert ids is not None and torch.equal(ids, keep.nonzero().flatten())
+    assert allowed_ids(np.packbits(np.ones(vocab, bool), bitorder="little").view(np.int32), vocab) is None  # wide
+    params = SamplingParams(temperature=0.7, **extra)
+    dense = transform_logits(apply_allowed(logits[None], words[None]), params)[0]
+    for seed in range(400):
+        token, q = sample_on_support(logits, ids, params, seed, 11, "draft", round_start=9)
+        assert token == sample_token(dense, seed, 11, "draft", round_start=9)
+        assert keep[token]
+    torch.testing.assert_close(q, dense, atol=1e-6, rtol=1e-5)
+    assert float(q[~keep].abs().sum()) == 0.0
