@@ -178,6 +178,8 @@ class NetnsCluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_file),
                 "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0",
+                # a loaded 2-vCPU machine: a raylet may take more than Ray's 60 s to register with the GCS
+                "RAY_raylet_start_wait_time_s": "180",
                 "RAY_TMPDIR": str(node.temp_dir if node is not None else self.root)}
         return env | extra
 
@@ -194,7 +196,13 @@ class NetnsCluster:
         for index, spec in enumerate(self.specs, start=1):
             self.nodes.append(Node(spec, index, self.root))
         for node in self.nodes:
-            self._ray_start(node, head=node is self.head)
+            try:
+                self._ray_start(node, head=node is self.head)
+            except RuntimeError:
+                if node is self.head:
+                    raise
+                node.kill()  # what the failed start left, then once more
+                self._ray_start(node, head=False)
         self.wait_nodes(len(self.nodes), timeout_s)
 
     def _ray_start(self, node: Node, head: bool) -> None:
@@ -207,8 +215,9 @@ class NetnsCluster:
             argv += ["--labels", ",".join(f"{k}={v}" for k, v in node.spec.labels.items())]
         argv += (["--head", "--port", str(GCS_PORT), "--include-dashboard", "false"] if head
                  else ["--address", self.gcs_address])
-        result = subprocess.run(node.nsenter(argv), env=self.env(node), capture_output=True, text=True, timeout=180)
-        (self.logs / f"ray-start-{node.spec.name}.log").write_text(result.stdout + result.stderr)
+        result = subprocess.run(node.nsenter(argv), env=self.env(node), capture_output=True, text=True, timeout=300)
+        with (self.logs / f"ray-start-{node.spec.name}.log").open("a") as log:
+            log.write(result.stdout + result.stderr)
         if result.returncode != 0:
             raise RuntimeError(f"ray start on {node.spec.name} failed ({result.returncode}): "
                                f"{(result.stdout + result.stderr)[-2000:]}")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +47,17 @@ def test_token_auth_is_on(netns_cluster: NetnsCluster) -> None:
     assert "token" in result.stderr.lower(), result.stderr[-2000:]
     # with the cluster's token the same driver joins
     assert json.loads(netns_cluster.python("print(len(ray.nodes()))").strip().splitlines()[-1]) == len(ROLES)
+
+
+def test_nodes_memory(netns_cluster: NetnsCluster) -> None:
+    """What the idle nodes hold (resident memory of every process in their namespaces), printed for the docs."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for node in netns_cluster.nodes:
+        for pid in node.pids():
+            try:
+                total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+            except (OSError, IndexError, ValueError):
+                continue
+    print(f"\n{len(netns_cluster.nodes)} idle Ray nodes: {total / 2**30:.2f} GiB resident")
+    assert total > 0

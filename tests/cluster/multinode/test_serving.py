@@ -179,3 +179,45 @@ def test_stats_and_no_leaks(served: NetnsCluster, client: SpecServeClient) -> No
                           "print(json.dumps({ns: [c.reserved, c.committed] for ns, c in r.counts.items()}))")
     counts = json.loads(audit.strip().splitlines()[-1])
     assert all(v == [0, 0] for v in counts.values()), counts
+
+
+def _channel_bytes(served: NetnsCluster) -> dict[str, int]:
+    """Bytes sent + received so far on the scheduler's round-channel connections, per worker node: ss's TCP info
+    for each established connection in the head's namespace whose peer is a channel endpoint from the scheduler's
+    log lines (Ray's own connections are not counted)."""
+    logs = served.log_text(f"{served.head.spec.name}/**/*")
+    endpoints = set(re.findall(r"channel connected: tcp \S+ -> ([\d.]+:\d+)", logs))
+    by_address = {served.node(name).address: name for name in ("verifier", "drafter", "kv")}
+    totals = dict.fromkeys(by_address.values(), 0)
+    lines = served.head.sh("ss -Htin state established").splitlines()
+    for line, info in zip(lines, lines[1:], strict=False):
+        fields = line.split()
+        if len(fields) < 4 or fields[-1] not in endpoints:
+            continue
+        sent = re.search(r"bytes_sent:(\d+)", info)
+        received = re.search(r"bytes_received:(\d+)", info)
+        totals[by_address[fields[-1].rsplit(":", 1)[0]]] += (int(sent.group(1)) if sent else 0) + (
+            int(received.group(1)) if received else 0)
+    return totals
+
+
+def test_what_crosses_each_node_boundary_per_round(served: NetnsCluster, client: SpecServeClient) -> None:
+    """The round channels' bytes per engine round on each worker's connection(s), measured around a batch of
+    greedy requests; printed for docs/multinode.md. No KV block and no logits row crosses: a round's frames are
+    token ids, grants and (sampled) a draft's probabilities."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    collect(client.generate(PROMPTS[0], max_tokens=4, k=4, draft="model"))  # every link connected
+    before = _channel_bytes(served)
+    rounds_before = client.stats()["engine"]["rounds"]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(lambda i: collect(client.generate(PROMPTS[i % 2], max_tokens=40, k=4, draft="model")),
+                      range(4)))
+    rounds = client.stats()["engine"]["rounds"] - rounds_before
+    after = _channel_bytes(served)
+    per_round = {name: (after[name] - before[name]) / rounds for name in after}
+    print(f"\nround channels per round ({rounds} rounds of 4 requests x 40 tokens, k 4, draft model): "
+          + ", ".join(f"{name} {b / 1024:.2f} KiB" for name, b in per_round.items()))
+    assert rounds > 0 and all(b > 0 for b in per_round.values()), (per_round, before, after)
+    # SmolLM2's vocabulary is 49152: one float32 logits row is 192 KiB; a KV block (16 tokens) 720 KiB in bf16
+    assert all(b < 64 * 1024 for b in per_round.values()), per_round
