@@ -32,7 +32,6 @@ to plain greedy decoding of the same dtype); fp32 and bf16 outputs differ from e
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -48,19 +47,12 @@ TARGET_DTYPES = ("auto", "float32", "bfloat16", "q4")
 DRAFT_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "q4")
 
 
-@functools.cache
 def cpu_has_bf16() -> bool:
-    """avx512_bf16 or AMX: bf16 products run natively (oneDNN), at twice fp32's bytes per second."""
-    cpu = getattr(torch, "cpu", None)
-    try:
-        return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())  # type: ignore[union-attr]
-    except AttributeError:  # an older torch: read the flags
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8") as f:
-                flags = f.read()
-        except OSError:
-            return False
-        return "avx512_bf16" in flags or "amx_bf16" in flags
+    """avx512_bf16 or AMX: bf16 products run natively (oneDNN), at twice fp32's bytes per second. This CPU's flags
+    as the kernels' choice reads them (kernel_build.cpu_flags, SPECSERVE_CPU_FLAGS_OFF honoured)."""
+    from model_runtime.kernel_build import cpu_flags
+
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def cpu_runs_amx() -> bool:

@@ -48,6 +48,23 @@ def test_flags_named_off_are_absent(monkeypatch: pytest.MonkeyPatch) -> None:
         cpu_flags.cache_clear()  # the next caller reads this process's own environment again
 
 
+def test_every_reader_of_the_cpu_flags_honours_the_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMX and bf16 detection read the same flags as the kernels' choice: with them named off, neither is seen."""
+    from model_runtime import amx_kernel, precision
+
+    cpu_flags.cache_clear()
+    monkeypatch.delenv(FLAGS_OFF, raising=False)
+    try:
+        every = cpu_flags()
+        assert amx_kernel.cpu_has_amx() == ({"amx_bf16", "amx_int8", "amx_tile", "avx512_bf16"} <= every)
+        assert precision.cpu_has_bf16() == bool({"avx512_bf16", "amx_bf16"} & every)
+        cpu_flags.cache_clear()
+        monkeypatch.setenv(FLAGS_OFF, "amx_tile,avx512_bf16,amx_bf16")
+        assert not amx_kernel.cpu_has_amx() and not precision.cpu_has_bf16()
+    finally:
+        cpu_flags.cache_clear()
+
+
 def test_with_avx_vnni_off_the_avx2_build_is_the_quantized_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the full suite runs under SPECSERVE_CPU_FLAGS_OFF=avx_vnni SPECSERVE_CPU_KERNEL=avx2 (docs/exactness.md)."""
     from model_runtime import quant_kernels
