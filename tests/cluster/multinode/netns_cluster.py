@@ -15,7 +15,9 @@ made here, 0600). A node's processes are found by their network namespace (/proc
 this module's, so `kill_node` (a node lost) and `stop` end exactly what was started here, never anything else
 (no `ray stop`).
 
-`refusal()` says why a machine cannot build this (no user namespaces, no veth), so a test can skip or fall back.
+`refusal()` says why a machine cannot build this (no user namespaces, no veth); there the same cluster runs as
+several raylets on loopback (`NetnsCluster(..., isolated=False)`, LoopbackNode): one address for every node, so
+the checks of the nodes' own addresses and links skip.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ GCS_PORT = 6379
 VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
 OBJECT_STORE_BYTES = 80 * 1024 * 1024  # per node: nothing large crosses the object store here
+NODE_MARK = "SPECSERVE_MULTINODE_NODE"  # in every node process's environment: the node's temp folder
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,14 @@ def refusal() -> str | None:
         detail = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) else str(exc)
         return f"cannot build namespaces here: {detail}"
     return None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _netns_inode(pid: int) -> str | None:
@@ -151,12 +162,45 @@ class Node:
         return lines
 
 
+class LoopbackNode(Node):
+    """The fallback where namespaces are refused: a raylet on 127.0.0.1 beside the others (several raylets on
+    loopback, as ray.cluster_utils.Cluster runs them). Its processes are found by a variable in their environment
+    (NODE_MARK, inherited by the raylet's workers), all started here."""
+
+    def __init__(self, spec: NodeSpec, index: int, root: Path) -> None:  # noqa: D107 - no namespace to build
+        self.spec = spec
+        self.address = "127.0.0.1"
+        self.temp_dir = root / spec.name
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
+        self.mark = f"{NODE_MARK}={self.temp_dir}".encode()
+        self.holder = None  # type: ignore[assignment]
+        self.netns = None  # type: ignore[assignment]
+
+    def nsenter(self, argv: Sequence[str]) -> list[str]:
+        return list(argv)
+
+    def pids(self) -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes()
+            except OSError:
+                continue
+            if self.mark in environ.split(b"\0"):
+                found.append(int(entry))
+        return found
+
+
 class NetnsCluster:
     """`nodes[0]` is the head. `start()` brings every node up (token auth on); `stop()` ends all of it."""
 
-    def __init__(self, root: Path, specs: Sequence[NodeSpec]) -> None:
+    def __init__(self, root: Path, specs: Sequence[NodeSpec], isolated: bool = True) -> None:
         self.root = root
         self.specs = list(specs)
+        self.isolated = isolated  # False: the loopback fallback (LoopbackNode), one address for every node
+        self.gcs_port = GCS_PORT if isolated else _free_port()  # loopback may be shared with another Ray
         self.nodes: list[Node] = []
         self.token_file = root / "ray_auth_token"
         self.logs = root / "logs"
@@ -168,7 +212,7 @@ class NetnsCluster:
 
     @property
     def gcs_address(self) -> str:
-        return f"{self.head.address}:{GCS_PORT}"
+        return f"{self.head.address}:{self.gcs_port}"
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.spec.name == name)
@@ -181,6 +225,8 @@ class NetnsCluster:
                 # a loaded 2-vCPU machine: a raylet may take more than Ray's 60 s to register with the GCS
                 "RAY_raylet_start_wait_time_s": "180",
                 "RAY_TMPDIR": str(node.temp_dir if node is not None else self.root)}
+        if node is not None:
+            env[NODE_MARK] = str(node.temp_dir)
         return env | extra
 
     def start(self, timeout_s: float = 120.0) -> None:
@@ -189,12 +235,13 @@ class NetnsCluster:
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
-        _run(["ip", "link", "set", "lo", "up"])
-        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{CLIENT_ADDRESS}/24", "dev", BRIDGE])
-        _run(["ip", "link", "set", BRIDGE, "up"])
+        if self.isolated:
+            _run(["ip", "link", "set", "lo", "up"])
+            _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+            _run(["ip", "addr", "add", f"{CLIENT_ADDRESS}/24", "dev", BRIDGE])
+            _run(["ip", "link", "set", BRIDGE, "up"])
         for index, spec in enumerate(self.specs, start=1):
-            self.nodes.append(Node(spec, index, self.root))
+            self.nodes.append((Node if self.isolated else LoopbackNode)(spec, index, self.root))
         for node in self.nodes:
             try:
                 self._ray_start(node, head=node is self.head)
@@ -213,7 +260,7 @@ class NetnsCluster:
             argv += ["--resources", json.dumps(dict(node.spec.resources))]
         if node.spec.labels:
             argv += ["--labels", ",".join(f"{k}={v}" for k, v in node.spec.labels.items())]
-        argv += (["--head", "--port", str(GCS_PORT), "--include-dashboard", "false"] if head
+        argv += (["--head", "--port", str(self.gcs_port), "--include-dashboard", "false"] if head
                  else ["--address", self.gcs_address])
         result = subprocess.run(node.nsenter(argv), env=self.env(node), capture_output=True, text=True, timeout=300)
         with (self.logs / f"ray-start-{node.spec.name}.log").open("a") as log:
@@ -281,11 +328,13 @@ class NetnsCluster:
             time.sleep(0.2)
         for node in self.nodes:
             node.kill(signal.SIGKILL)
-            node.holder.kill()
-            node.holder.wait()
-        for node in self.nodes:
-            subprocess.run(["ip", "link", "delete", node.host_if], capture_output=True)
-        subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)
+            if node.holder is not None:
+                node.holder.kill()
+                node.holder.wait()
+        if self.isolated:
+            for node in self.nodes:
+                subprocess.run(["ip", "link", "delete", node.host_if], capture_output=True)
+            subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)
         self.nodes.clear()
 
     def log_text(self, pattern: str = "**/*") -> str:

@@ -11,21 +11,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.multinode.conftest import ROLE_LABEL, ROLES
+from tests.cluster.multinode.conftest import ROLE_LABEL, ROLES, needs_own_addresses
 from tests.cluster.multinode.netns_cluster import NetnsCluster
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_nodes_have_their_own_addresses_and_roles(netns_cluster: NetnsCluster) -> None:
+def test_every_node_is_up_with_its_role(netns_cluster: NetnsCluster) -> None:
     alive = netns_cluster.alive_nodes()
-    by_ip = {n["ip"]: n for n in alive}
-    assert sorted(by_ip) == sorted(node.address for node in netns_cluster.nodes)
+    by_role = {n["labels"].get(ROLE_LABEL): n for n in alive}  # type: ignore[union-attr]
+    assert sorted(by_role) == sorted(ROLES.values())
     for node in netns_cluster.nodes:
         role = ROLES[node.spec.name]
-        seen = by_ip[node.address]
-        assert seen["labels"][ROLE_LABEL] == role  # type: ignore[index]
-        assert seen["resources"][f"specserve-{role}"] == 100  # type: ignore[index]
+        assert by_role[role]["ip"] == node.address
+        assert by_role[role]["resources"][f"specserve-{role}"] == 100  # type: ignore[index]
+        assert node.pids(), node.spec.name  # its processes are found (what node loss and stop kill)
+
+
+def test_nodes_have_their_own_addresses(netns_cluster: NetnsCluster) -> None:
+    needs_own_addresses(netns_cluster)
+    assert len({node.address for node in netns_cluster.nodes}) == len(netns_cluster.nodes)
+    for node in netns_cluster.nodes:
         # its interface is its own: one address besides loopback, in its own namespace
         addresses = node.sh("ip -4 -o addr show").split()
         assert f"{node.address}/24" in addresses and not any(

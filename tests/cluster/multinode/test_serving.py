@@ -20,7 +20,7 @@ import yaml
 
 from cluster.client import SpecServeClient, collect
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
-from tests.cluster.multinode.conftest import ROLE_LABEL
+from tests.cluster.multinode.conftest import ROLE_LABEL, needs_own_addresses
 from tests.cluster.multinode.netns_cluster import VENV_BIN, NetnsCluster
 
 pytestmark = pytest.mark.timeout(600)
@@ -207,6 +207,7 @@ def test_what_crosses_each_node_boundary_per_round(served: NetnsCluster, client:
     token ids, grants and (sampled) a draft's probabilities."""
     from concurrent.futures import ThreadPoolExecutor
 
+    needs_own_addresses(served)  # the connections are told apart by their node's address
     collect(client.generate(PROMPTS[0], max_tokens=4, k=4, draft="model"))  # every link connected
     before = _channel_bytes(served)
     rounds_before = client.stats()["engine"]["rounds"]
