@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -46,30 +47,35 @@ def cluster_config() -> dict[str, Any]:
             "worker_threads": 1, "kv_blocks": 256, "block_size": 16, "queue_capacity": 32, "max_batch": 8,
             "max_context": MAX_CONTEXT, "host": "0.0.0.0", "grpc_port": GRPC_PORT, "http_port": HTTP_PORT,
             "warm_up": False, "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
+            "drafter_retry_seconds": 1.0,
             "graceful_shutdown_wait_loop_s": 0.2, "graceful_shutdown_timeout_s": 2.0, "placement": PLACEMENT}
+
+
+def serve_on(cluster: NetnsCluster, config_fields: dict[str, Any], name: str) -> subprocess.Popen[bytes]:
+    """`specserve up --address HEAD` on the head node with `config_fields`, once its gRPC door answers."""
+    config = cluster.root / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(config_fields))
+    driver = cluster.driver([str(VENV_BIN / "specserve"), "up", "--config", str(config),
+                             "--address", cluster.gcs_address], name=name)
+    grpc_address = f"{cluster.head.address}:{GRPC_PORT}"
+    deadline = time.monotonic() + DEPLOY_TIMEOUT_S
+    while True:
+        assert driver.poll() is None, f"specserve up exited {driver.returncode}: {_tail(cluster, name)}"
+        try:
+            with SpecServeClient(grpc_address, timeout_s=5) as client:
+                if client.health()[0]:
+                    return driver
+        except Exception:  # not listening yet (an RpcError, a refused connection)
+            pass
+        assert time.monotonic() < deadline, f"not serving after {DEPLOY_TIMEOUT_S:.0f} s: {_tail(cluster, name)}"
+        time.sleep(2.0)
 
 
 @pytest.fixture(scope="module")
 def served(netns_cluster: NetnsCluster) -> Iterator[NetnsCluster]:
-    """`specserve up --address HEAD` run on the head node until the front doors answer."""
-    config = netns_cluster.root / "cluster.yaml"
-    config.write_text(yaml.safe_dump(cluster_config()))
-    driver = netns_cluster.driver([str(VENV_BIN / "specserve"), "up", "--config", str(config),
-                                   "--address", netns_cluster.gcs_address], name="up")
-    grpc_address = f"{netns_cluster.head.address}:{GRPC_PORT}"
-    deadline = time.monotonic() + DEPLOY_TIMEOUT_S
-    while True:
-        assert driver.poll() is None, f"specserve up exited {driver.returncode}: {_tail(netns_cluster, 'up')}"
-        try:
-            with SpecServeClient(grpc_address, timeout_s=5) as client:
-                if client.health()[0]:
-                    break
-        except Exception:  # not listening yet (an RpcError, a refused connection)
-            pass
-        assert time.monotonic() < deadline, f"not serving after {DEPLOY_TIMEOUT_S:.0f} s: {_tail(netns_cluster, 'up')}"
-        time.sleep(2.0)
+    driver = serve_on(netns_cluster, cluster_config(), "up")
     yield netns_cluster
-    driver.terminate()
+    driver.terminate()  # `up` shuts Serve down: the next module deploys afresh
     driver.wait(timeout=60)
 
 
@@ -181,14 +187,13 @@ def test_stats_and_no_leaks(served: NetnsCluster, client: SpecServeClient) -> No
     assert all(v == [0, 0] for v in counts.values()), counts
 
 
-def _channel_bytes(served: NetnsCluster) -> dict[str, int]:
-    """Bytes sent + received so far on the scheduler's round-channel connections, per worker node: ss's TCP info
-    for each established connection in the head's namespace whose peer is a channel endpoint from the scheduler's
-    log lines (Ray's own connections are not counted)."""
+def _channel_bytes(served: NetnsCluster) -> dict[tuple[str, str], int]:
+    """Bytes sent + received so far on each of the scheduler's round-channel connections ((local, peer) ->
+    bytes): ss's TCP info for each established connection in the head's namespace whose peer is a channel
+    endpoint from the scheduler's log lines (Ray's own connections are not counted)."""
     logs = served.log_text(f"{served.head.spec.name}/**/*")
     endpoints = set(re.findall(r"channel connected: tcp \S+ -> ([\d.]+:\d+)", logs))
-    by_address = {served.node(name).address: name for name in ("verifier", "drafter", "kv")}
-    totals = dict.fromkeys(by_address.values(), 0)
+    counted = {}
     lines = served.head.sh("ss -Htin state established").splitlines()
     for line, info in zip(lines, lines[1:], strict=False):
         fields = line.split()
@@ -196,29 +201,119 @@ def _channel_bytes(served: NetnsCluster) -> dict[str, int]:
             continue
         sent = re.search(r"bytes_sent:(\d+)", info)
         received = re.search(r"bytes_received:(\d+)", info)
-        totals[by_address[fields[-1].rsplit(":", 1)[0]]] += (int(sent.group(1)) if sent else 0) + (
+        counted[(fields[-2], fields[-1])] = (int(sent.group(1)) if sent else 0) + (
             int(received.group(1)) if received else 0)
+    return counted
+
+
+def _bytes_per_node(served: NetnsCluster, before: dict[tuple[str, str], int],
+                    after: dict[tuple[str, str], int]) -> dict[str, int]:
+    """Each worker node's bytes between the two snapshots (a connection made in between counts from 0; one
+    closed in between is lost: a drafter that timed out under load reconnects)."""
+    by_address = {served.node(name).address: name for name in ("verifier", "drafter", "kv")}
+    totals = dict.fromkeys(by_address.values(), 0)
+    for (local, peer), count in after.items():
+        totals[by_address[peer.rsplit(":", 1)[0]]] += count - before.get((local, peer), 0)
     return totals
 
 
-def test_what_crosses_each_node_boundary_per_round(served: NetnsCluster, client: SpecServeClient) -> None:
-    """The round channels' bytes per engine round on each worker's connection(s), measured around a batch of
-    greedy requests; printed for docs/multinode.md. No KV block and no logits row crosses: a round's frames are
-    token ids, grants and (sampled) a draft's probabilities."""
+def measure_rounds(client: SpecServeClient, batches: int = 2) -> dict[str, float]:
+    """4 concurrent greedy requests of 40 tokens drafted by the model at k = 4, `batches` times: the round's split
+    (cluster/bench/serve.py round_split: each hop's transport, the verify, the draft) over all of them."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from cluster.bench.serve import cluster_snapshot, round_split
+
+    collect(client.generate(PROMPTS[0], max_tokens=4, k=4, draft="model"))  # every link connected
+    before = cluster_snapshot(client)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for _ in range(batches):
+            list(pool.map(lambda i: collect(client.generate(PROMPTS[i % 2], max_tokens=40, k=4, draft="model")),
+                          range(4)))
+    split = round_split(before, cluster_snapshot(client))
+    assert split is not None and split["transport"] == "channel"
+    return split
+
+
+def describe_split(split: dict[str, float]) -> str:
+    return ", ".join(f"{key.removesuffix('_ms')} {value:.2f}" for key, value in split.items()
+                     if key.endswith("transport_ms") or key in ("hops_ms", "round_ms", "verify_ms", "draft_ms"))
+
+
+def test_what_crosses_each_node_boundary_per_round(served: NetnsCluster, client: SpecServeClient) -> None:
+    """The round channels' bytes per engine round on each worker's connection(s), and the round's split with
+    each hop's transport, measured around batches of greedy requests; printed for docs/multinode.md (beside the
+    single-node layout's: test_single_node.py). No KV block and no logits row crosses: a round's frames are token
+    ids, grants and (sampled) a draft's probabilities."""
     needs_own_addresses(served)  # the connections are told apart by their node's address
     collect(client.generate(PROMPTS[0], max_tokens=4, k=4, draft="model"))  # every link connected
     before = _channel_bytes(served)
-    rounds_before = client.stats()["engine"]["rounds"]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        list(pool.map(lambda i: collect(client.generate(PROMPTS[i % 2], max_tokens=40, k=4, draft="model")),
-                      range(4)))
-    rounds = client.stats()["engine"]["rounds"] - rounds_before
+    split = measure_rounds(client)
     after = _channel_bytes(served)
-    per_round = {name: (after[name] - before[name]) / rounds for name in after}
+    rounds = int(split["rounds"])
+    per_round = {name: count / rounds for name, count in _bytes_per_node(served, before, after).items()}
     print(f"\nround channels per round ({rounds} rounds of 4 requests x 40 tokens, k 4, draft model): "
           + ", ".join(f"{name} {b / 1024:.2f} KiB" for name, b in per_round.items()))
+    print(f"across nodes, per round (ms): {describe_split(split)}")
     assert rounds > 0 and all(b > 0 for b in per_round.values()), (per_round, before, after)
     # SmolLM2's vocabulary is 49152: one float32 logits row is 192 KiB; a KV block (16 tokens) 720 KiB in bf16
     assert all(b < 64 * 1024 for b in per_round.values()), per_round
+
+
+# -- last: a node lost under load (destructive: the module's deployment ends with it) -----------------------------
+def test_drafter_node_lost_under_load_then_readded(served: NetnsCluster, client: SpecServeClient,
+                                                   reference: dict[str, dict[str, Any]]) -> None:
+    """Every process of the drafter's node killed at once (its raylet, agents and the Drafter replica) while 4
+    streams run: the scheduler's drafter link breaks, the engine decodes plainly and no request fails or changes;
+    the node comes back (`ray start` again in its namespace), Serve places a new Drafter there (the only node with
+    its label), the engine tries it again after its back-off and the model drafts again."""
+    import threading
+
+    failures: list[str] = []
+    done: list[int] = []
+    stop = threading.Event()
+
+    def stream(index: int) -> None:
+        prompt = PROMPTS[index % 2]
+        while not stop.is_set():
+            try:
+                (sample,) = collect(client.generate(prompt, max_tokens=MAX_TOKENS, k=4, draft="model")).values()
+            except Exception as exc:  # noqa: BLE001 - every failure is the finding
+                failures.append(f"{type(exc).__name__}: {exc}")
+                continue
+            if sample["token_ids"] != reference[prompt]["token_ids"]:
+                failures.append(f"diverged: {prompt!r}")
+            done.append(index)
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(3.0)
+    drafter = served.node("drafter")
+    assert any("Drafter" in title for title in drafter.processes())
+    killed = drafter.kill()
+    before_loss = len(done)
+    lost_at = time.monotonic()
+    time.sleep(10.0)
+    after_loss = len(done) - before_loss
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert failures == [], failures[:5]
+    assert after_loss > 0  # requests went on while the node was gone
+    print(f"\ndrafter node lost ({len(killed)} processes): {after_loss} requests completed in the next 10 s, "
+          f"{len(done)} in all, 0 failed or diverged")
+
+    served.restart_node("drafter")
+    deadline = time.monotonic() + 240
+    while True:
+        (sample,) = collect(client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, k=4, draft="model")).values()
+        assert sample["token_ids"] == reference[PROMPTS[0]]["token_ids"]
+        if sample["accepted"] > 0:
+            break
+        assert time.monotonic() < deadline, "the model does not draft again after the node came back"
+        time.sleep(2.0)
+    print(f"drafting again {time.monotonic() - lost_at:.1f} s after the loss")
+    assert any("Drafter" in title for title in drafter.processes())
+    stats = client.stats()
+    assert stats["kv"]["leaked_blocks"] == 0
