@@ -9,12 +9,15 @@ constraint, unless it completes sooner: the check then stops with an error namin
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from cluster.check.settings import CheckSettings, PromptSamples
-from specserve_types.api import GenerationRequest, SpecServeError
+from specserve_types.api import CapacityError, GenerationRequest, SpecServeError
+
+RETRY_FOR_S = 600.0  # how long a call is asked again after capacity refusals (without a timeout of its own)
 
 if TYPE_CHECKING:
     from cluster.engine.engine import SpecEngine
@@ -95,8 +98,17 @@ def sample_via_server(address: str, prompts: list[PromptSamples], settings: Chec
     with SpecServeClient(address, timeout_s=timeout_s) as client:
 
         def call(j: int, start: int, count: int) -> tuple[int, int, dict[int, dict[str, Any]]]:
-            stream = client.generate(prompts[j].prompt_ids, seed=prompts[j].first_seed + start, n=count, **fields)
-            return j, start, collect(stream)
+            # a server full, or this client past its share (docs/limits.md: `concurrency` calls of `per_call`
+            # completions may be more than one client's share), refuses at admission: wait as it says and ask again
+            deadline = time.monotonic() + (timeout_s or RETRY_FOR_S)
+            while True:
+                stream = client.generate(prompts[j].prompt_ids, seed=prompts[j].first_seed + start, n=count, **fields)
+                try:
+                    return j, start, collect(stream)
+                except CapacityError as full:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(full.retry_after_s or 1.0)
 
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             for j, start, samples in pool.map(lambda c: call(*c), calls):
