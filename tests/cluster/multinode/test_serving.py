@@ -317,3 +317,103 @@ def test_drafter_node_lost_under_load_then_readded(served: NetnsCluster, client:
     assert any("Drafter" in title for title in drafter.processes())
     stats = client.stats()
     assert stats["kv"]["leaked_blocks"] == 0
+
+
+def run_streams(client: SpecServeClient, reference: dict[str, dict[str, Any]], outcomes: list[str],
+                stop: Any, draft: str = "ngram", streams: int = 4) -> list[Any]:
+    """`streams` threads sending greedy requests until `stop` is set, each outcome appended: ok (the in-process
+    engine's tokens), error_finish (ended by the server mid-way, its tokens a prefix of the reference's),
+    diverged, or `error TYPE: ...` (the call raised)."""
+    import threading
+
+    def stream(index: int) -> None:
+        prompt = PROMPTS[index % 2]
+        want = reference[prompt]["token_ids"]
+        while not stop.is_set():
+            try:
+                (sample,) = collect(client.generate(prompt, max_tokens=MAX_TOKENS, k=4, draft=draft)).values()
+            except Exception as exc:  # noqa: BLE001 - every failure is recorded
+                outcomes.append(f"error {type(exc).__name__}: {str(exc)[:160]}")
+                time.sleep(1.0)
+                continue
+            if sample["finish_reason"] == "error":
+                outcomes.append("error_finish" if want[:len(sample["token_ids"])] == sample["token_ids"] else "diverged")
+                time.sleep(1.0)
+                continue
+            outcomes.append("ok" if sample["token_ids"] == want else "diverged")
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(streams)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def summary(outcomes: list[str]) -> tuple[int, list[str], int, int]:
+    """ok, raised errors, error_finish, diverged."""
+    return (outcomes.count("ok"), [o for o in outcomes if o.startswith("error ")], outcomes.count("error_finish"),
+            outcomes.count("diverged"))
+
+
+def test_verifier_node_lost_under_load_then_readded(served: NetnsCluster, client: SpecServeClient,
+                                                    reference: dict[str, dict[str, Any]]) -> None:
+    """The verifier's node killed at once under 4 streams and started again 5 s later: Serve places a new
+    Verifier there (the only node with its label); the requests in flight are requeued and re-prefilled (§6):
+    none fails, none diverges."""
+    import threading
+
+    outcomes: list[str] = []
+    stop = threading.Event()
+    threads = run_streams(client, reference, outcomes, stop)
+    time.sleep(3.0)
+    recovered = lose_node(served, "verifier", "Verifier", outcomes)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=180)
+    ok, errors, error_finish, diverged = summary(outcomes)
+    print(f"\nverifier node lost, back after 5 s: {ok} ok, {len(errors)} errors, {error_finish} error_finish, "
+          f"{diverged} diverged; 4 more served {recovered:.1f} s after the loss")
+    assert (errors, error_finish, diverged) == ([], 0, 0), sorted(set(errors))[:5]
+
+
+def lose_node(served: NetnsCluster, name: str, part: str, outcomes: list[str], back_after_s: float = 5.0) -> float:
+    """Kill every process of node `name` at once, start it again `back_after_s` later, wait until `part` runs
+    there again and 4 more requests ended well; the seconds from the loss to then."""
+    node = served.node(name)
+    ok_before = outcomes.count("ok")
+    killed = node.kill()
+    assert killed, name
+    lost_at = time.monotonic()
+    time.sleep(back_after_s)
+    served.restart_node(name)
+    deadline = time.monotonic() + 300
+    while outcomes.count("ok") < ok_before + 4 or not any(part in title for title in node.processes()):
+        assert time.monotonic() < deadline, outcomes[-10:]
+        time.sleep(1.0)
+    return time.monotonic() - lost_at
+
+
+def test_kv_node_lost_under_load_then_readded(served: NetnsCluster, client: SpecServeClient,
+                                              reference: dict[str, dict[str, Any]]) -> None:
+    """The KV manager's node killed at once under 4 streams and started again 5 s later. Today (§6) the ledger
+    is lost with it: the requests in flight end with finish_reason error (their tokens so far exact), Serve
+    replaces the scheduler (a new engine and ledger, the new actor on the node that came back) and the cluster
+    serves again; none diverges, nothing leaks. Issue 72 asks for more (the ledger rebuilt from the live state,
+    no request failed): the error_finish count is printed, not yet held at 0."""
+    import threading
+
+    outcomes: list[str] = []
+    stop = threading.Event()
+    threads = run_streams(client, reference, outcomes, stop)
+    time.sleep(3.0)
+    recovered = lose_node(served, "kv", "KVManager", outcomes)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=180)
+    ok, errors, error_finish, diverged = summary(outcomes)
+    print(f"\nKV node lost, back after 5 s: {ok} ok, {len(errors)} errors, {error_finish} error_finish, "
+          f"{diverged} diverged; 4 more served {recovered:.1f} s after the loss")
+    for error in sorted(set(errors))[:4]:
+        print("  ", error)
+    assert diverged == 0
+    with SpecServeClient(f"{served.head.address}:{GRPC_PORT}", timeout_s=60) as fresh:
+        assert fresh.stats()["kv"]["leaked_blocks"] == 0
