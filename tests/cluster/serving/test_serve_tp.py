@@ -56,7 +56,7 @@ def app_config(model: Path, tensor_parallel_size: int) -> ClusterConfig:
         model=str(model), draft=str(model), tensor_parallel_size=tensor_parallel_size, worker_threads=1, kv_blocks=64,
         dtype="float32", draft_dtype="float32",
         block_size=16, queue_capacity=16, max_batch=8, max_context=MAX_CONTEXT,
-        max_client_completions=16,  # one client (one channel) fills the batch here: its share the whole queue
+        max_client_completions=16, max_client_tokens=16 * MAX_CONTEXT,  # one client (one channel) fills the batch here
         grpc_port=GRPC_PORT + tensor_parallel_size - 1,
         http_port=HTTP_PORT, health_check_period_s=1.0, health_check_timeout_s=10.0,
         graceful_shutdown_wait_loop_s=0.2, graceful_shutdown_timeout_s=2.0,
