@@ -68,20 +68,23 @@ class ClientShares:
 
     def take_completions(self, client: str, count: int) -> str | None:
         """Count `count` completions for `client`, or the refusal's message (nothing counted)."""
-        held = self.of(client)
-        if held.completions and held.completions + count > self.limits.completions:
-            return self._refuse(client, "completions", f"{held.completions} completions in flight, "
-                                f"max_client_completions={self.limits.completions}")
-        self._set(client, held + Share(completions=count))
-        return None
+        held = self.of(client).completions
+        return self._take(client, Share(completions=count), held + count, self.limits.completions, "completions",
+                          f"{held} completions in flight, max_client_completions={self.limits.completions}")
 
     def take_tokens(self, client: str, tokens: int) -> str | None:
         """Count `tokens` for `client` (its completions are counted already), or the refusal's message."""
-        held = self.of(client)
-        if held.tokens and held.tokens + tokens > self.limits.tokens:
-            return self._refuse(client, "tokens", f"{held.tokens} tokens in flight (prompt + n x max_tokens of "
-                                f"its requests) and this request's {tokens}, max_client_tokens={self.limits.tokens}")
-        self._set(client, held + Share(tokens=tokens))
+        held = self.of(client).tokens
+        return self._take(client, Share(tokens=tokens), held + tokens, self.limits.tokens, "tokens",
+                          f"{held} tokens in flight (prompt + n x max_tokens of its requests) and this request's "
+                          f"{tokens}, max_client_tokens={self.limits.tokens}")
+
+    def _take(self, client: str, more: Share, after: int, limit: int, name: str, why: str) -> str | None:
+        """Add `more` to the client's share unless it holds some of `name` already and would hold `after` > `limit`
+        (a client holding none is always within); otherwise the refusal's message, nothing counted."""
+        if after > limit and after > more.completions + more.tokens:
+            return self._refuse(client, name, why)
+        self._set(client, self.of(client) + more)
         return None
 
     def give_back(self, client: str, completions: int, tokens: int) -> None:
