@@ -19,9 +19,11 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
 from tests.cluster.multinode.netns_cluster import NetnsCluster, NodeSpec, refusal
 
 ROLE_LABEL = "specserve.io/role"
@@ -29,6 +31,11 @@ ROLES = {"head": "frontend", "verifier": "verifier", "drafter": "drafter", "kv":
 OPT_IN = "SPECSERVE_MULTINODE"
 LOOPBACK = "SPECSERVE_MULTINODE_LOOPBACK"  # 1: the loopback fallback even where namespaces can be built
 KEEP_LOGS = "SPECSERVE_MULTINODE_LOGS"  # a folder: every node's logs copied there after the run
+
+
+MAX_CONTEXT = 256
+MAX_TOKENS = 20
+PROMPTS = ["def fibonacci(n):", "The capital of France is"]
 
 
 def node_specs() -> list[NodeSpec]:
@@ -62,3 +69,24 @@ def netns_cluster() -> Iterator[NetnsCluster]:
         if keep := os.environ.get(KEEP_LOGS):  # the nodes' Ray logs and the drivers' output, for a failed run
             shutil.copytree(root, Path(keep) / root.name, ignore=shutil.ignore_patterns("sockets", "*.sock"),
                             ignore_dangling_symlinks=True, dirs_exist_ok=True)
+
+
+@pytest.fixture(scope="package")
+def reference() -> dict[str, dict[str, Any]]:
+    """The in-process engine's greedy outputs, one request at a time."""
+    import torch
+
+    from tests.cluster.engine.engine_helpers import local_engine
+
+    torch.set_num_threads(1)
+    engine = local_engine("smollm2-135m", "ngram", max_batch=1, max_context=MAX_CONTEXT, dtype="bfloat16")
+    out = {}
+    for prompt in PROMPTS:
+        ids = tuple(engine.tokenizer(prompt)["input_ids"])
+        rid = f"ref-{len(out)}"
+        engine.submit(GenerationRequest(rid, ids, SamplingParams(max_tokens=MAX_TOKENS),
+                                        SpecParams(contract="greedy", k=4, draft="ngram")))
+        chunks = engine.run_to_completion()[rid]
+        out[prompt] = {"token_ids": [t for c in chunks for t in c.token_ids],
+                       "text": "".join(c.text_delta for c in chunks)}
+    return out

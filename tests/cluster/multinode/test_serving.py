@@ -20,16 +20,12 @@ import requests
 import yaml
 
 from cluster.client import SpecServeClient, collect
-from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
-from tests.cluster.multinode.conftest import ROLE_LABEL, needs_own_addresses
+from tests.cluster.multinode.conftest import MAX_CONTEXT, MAX_TOKENS, PROMPTS, ROLE_LABEL, needs_own_addresses
 from tests.cluster.multinode.netns_cluster import VENV_BIN, NetnsCluster
 
 pytestmark = pytest.mark.timeout(600)
 
 GRPC_PORT, HTTP_PORT = 19410, 18410
-MAX_CONTEXT = 256
-MAX_TOKENS = 20
-PROMPTS = ["def fibonacci(n):", "The capital of France is"]
 DEPLOY_TIMEOUT_S = 360.0
 PLACEMENT = {  # both ways of naming nodes: custom resources (frontend), labels (the workers)
     "ingress": {"resources": {"specserve-frontend": 1}},
@@ -88,27 +84,6 @@ def _tail(cluster: NetnsCluster, name: str) -> str:
 def client(served: NetnsCluster) -> Iterator[SpecServeClient]:
     with SpecServeClient(f"{served.head.address}:{GRPC_PORT}", timeout_s=120) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def reference() -> dict[str, dict[str, Any]]:
-    """The in-process engine's greedy outputs, one request at a time."""
-    import torch
-
-    from tests.cluster.engine.engine_helpers import local_engine
-
-    torch.set_num_threads(1)
-    engine = local_engine("smollm2-135m", "ngram", max_batch=1, max_context=MAX_CONTEXT, dtype="bfloat16")
-    out = {}
-    for prompt in PROMPTS:
-        ids = tuple(engine.tokenizer(prompt)["input_ids"])
-        rid = f"ref-{len(out)}"
-        engine.submit(GenerationRequest(rid, ids, SamplingParams(max_tokens=MAX_TOKENS),
-                                        SpecParams(contract="greedy", k=4, draft="ngram")))
-        chunks = engine.run_to_completion()[rid]
-        out[prompt] = {"token_ids": [t for c in chunks for t in c.token_ids],
-                       "text": "".join(c.text_delta for c in chunks)}
-    return out
 
 
 def test_each_part_runs_on_its_own_node(served: NetnsCluster) -> None:

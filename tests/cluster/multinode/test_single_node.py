@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 
 from cluster.client import SpecServeClient, collect
+from tests.cluster.multinode.conftest import PROMPTS
 from tests.cluster.multinode.netns_cluster import NetnsCluster
 from tests.cluster.multinode.test_serving import (
     GRPC_PORT,
-    PROMPTS,
     cluster_config,
     describe_split,
     measure_rounds,
