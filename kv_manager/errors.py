@@ -11,8 +11,10 @@
     |-- InvalidSize          a negative or zero size, an empty prompt, a bad config
     |-- InvalidCommit        no reservation to commit (double commit), beyond the reservation,
     |                        token count or accepted path not matching
-    `-- RetriableKVError     the manager actor restarted: its ledger is empty; re-admit the
-                             request and re-prefill it from its committed tokens
+    |-- InconsistentLiveState  a rebuild's live state contradicts itself (kv_manager/rebuild.py)
+    `-- RetriableKVError     the round's call is void (the manager died during it, or an injected fault)
+        `-- LedgerRestarted  a call under an earlier incarnation: the client rebuilds the ledger from its live
+                             state (kv_manager/live_state.py) and calls again
 """
 
 from __future__ import annotations
@@ -71,5 +73,13 @@ class InvalidCommit(KVError, ValueError):
     pass
 
 
+class InconsistentLiveState(KVError, ValueError):
+    pass
+
+
 class RetriableKVError(KVError):
+    pass
+
+
+class LedgerRestarted(RetriableKVError):
     pass
