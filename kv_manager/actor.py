@@ -16,16 +16,16 @@ never interleave inside a ledger call.
 
 Restart policy (KVManagerActor's options): Ray restarts the actor forever (max_restarts=-1) and never
 re-runs a call on the new instance (max_task_retries=0). What a restart means:
-  - the new instance's ledger starts EMPTY: no workers, no requests, every block free; its worker
-    epochs start above every earlier one, so no holder of the old instance is ever live again;
-  - a call in flight when the actor died fails; the client raises RetriableKVError;
-  - each instance has an incarnation id; every call carries the id the client connected to (RemoteKV
-    reads it when built), and a call made under an old incarnation is refused with RetriableKVError
-    (its round is void);
-  - recovery: build a new client (RemoteKV learns the new incarnation when built), re-register the
-    workers, re-admit every live request and re-prefill it from its committed tokens (KV is a cache,
-    tokens are the truth). The engine does not do this itself: it fails the round's requests
-    (docs/ARCHITECTURE.md §6).
+  - the new instance's ledger starts EMPTY under a new incarnation id; every call carries the id its client
+    knows, and a call under another id is refused with LedgerRestarted (a RetriableKVError);
+  - a call in flight when the actor died fails (the connection breaks, or Ray's call raises);
+  - recovery, by the client (RemoteKV, cluster/serving/remote_backends.py): it waits for the new instance and
+    sends `rebuild(live_state)`, the ledger as its answers left it (kv_manager/live_state.py); the new instance
+    builds its ledger from it (kv_manager/rebuild.py: the same block ids, holders and epochs, so the workers' KV
+    stays right) under a fresh incarnation, and the client sends the failed call again. Requests in flight go on,
+    exact, after a pause (docs/ARCHITECTURE.md §6); no request re-prefills.
+`rebuild` replaces whatever ledger the instance holds, so it is for the one client only (each scheduler replica's
+engine owns its actor); the fresh incarnation refuses any call still on its way under the one before.
 A caller that gives up on a call (a timeout) may leave it running on the actor: it must `release` afterwards.
 """
 
@@ -41,8 +41,10 @@ from typing import Any, TypeVar
 
 import ray
 
-from kv_manager.errors import KVError, RetriableKVError
+from kv_manager.errors import KVError, LedgerRestarted, RetriableKVError
 from kv_manager.ledger import BlockLedger
+from kv_manager.live_state import LiveState
+from kv_manager.rebuild import rebuild_ledger
 from kv_manager.schema import (
     Admission,
     AdmitItem,
@@ -101,20 +103,29 @@ class KVManager(FaultHooks, ChannelHost):
 
     def __init__(self, namespaces: Sequence[NamespaceConfig]) -> None:
         self._lock = threading.Lock()
+        self._namespaces = list(namespaces)
         # epochs of this instance start at its start time: no epoch of an earlier instance comes back
-        self._ledger = BlockLedger(namespaces, first_epoch=time.time_ns())
+        self._ledger = BlockLedger(self._namespaces, first_epoch=time.time_ns())
         self._incarnation = uuid.uuid4().hex
         configure_tracing(TracingSettings.from_env(), "specserve-kv-manager")  # env from the scheduler's options
 
     def _check(self, incarnation: str) -> BlockLedger:
         if incarnation != self._incarnation:
-            raise RetriableKVError(
-                f"kv manager restarted (incarnation {incarnation} -> {self._incarnation}): its ledger is empty; "
-                "reconnect, re-admit and re-prefill from committed tokens"
+            raise LedgerRestarted(
+                f"kv manager restarted or rebuilt (incarnation {incarnation} -> {self._incarnation}): "
+                "rebuild its ledger from the live state, then call again"
             )
         return self._ledger
 
     def incarnation(self) -> str:
+        return self._incarnation
+
+    @_serial
+    def rebuild(self, live: LiveState) -> str:
+        """Replace the ledger with one rebuilt from its client's live state (kv_manager/rebuild.py); returns the new
+        incarnation. An inconsistent state raises InconsistentLiveState and leaves the ledger as it was."""
+        self._ledger = rebuild_ledger(self._namespaces, live, first_epoch=time.time_ns())
+        self._incarnation = uuid.uuid4().hex
         return self._incarnation
 
     @staticmethod

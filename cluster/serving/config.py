@@ -185,6 +185,10 @@ class ClusterConfig(BaseModel):
                                             "costs (cluster/engine/warmup.py)")
     drafter_timeout_s: float = Field(5.0, gt=0, le=3600, description="a propose call unanswered this long counts "
                                      "as a drafter failure: plain decoding until the engine retries the drafter")
+    kv_recovery_timeout_s: float = Field(120.0, gt=0, le=3600, description="how long a ledger call waits for a "
+                                         "restarted KV-manager actor (its node lost: until Ray places it again) "
+                                         "before the round fails; the new instance rebuilds the ledger from the "
+                                         "scheduler's live state and the requests go on (docs/ARCHITECTURE.md §6)")
     round_transport: Literal["channel", "ray"] = Field(
         "channel", description="how the engine reaches the verifier, the drafter and the KV actor each round: "
         "'channel' = a direct socket per worker, endpoint and secret handed out through Ray "

@@ -18,17 +18,19 @@ import concurrent.futures
 import contextvars
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from cluster.engine.backends import DrafterUnavailable
 from cluster.engine.engine import SpecEngine
 from cluster.engine.step_record import EngineObserver
 from cluster.serving.config import ClusterConfig
-from kv_manager.errors import KVError, RetriableKVError, UnknownRequest
+from kv_manager.errors import KVError, LedgerRestarted, RetriableKVError, UnknownRequest
+from kv_manager.live_state import LiveRecord
 from kv_manager.schema import (
     Admission,
     AdmitItem,
@@ -106,6 +108,11 @@ class HandleDrafter:
             raise DrafterUnavailable(f"no drafter answer within {self.timeout_s}s") from None
 
 
+class _Lost(Exception):
+    """This call reached no ledger of this client's incarnation: the actor died during it, or restarted before it
+    (the cause says which). `RemoteKV._call` rebuilds the ledger and calls again."""
+
+
 class RemoteKV:
     """LocalKV's methods (cluster/engine/kv_client.py) over the KV manager actor, synchronously.
 
@@ -113,12 +120,24 @@ class RemoteKV:
     free fractions change only through its own calls: `reserve`, `commit` and `commit_then_reserve`
     bring them back with their answers, any other mutating call marks them stale, and `free_fraction`
     fetches only then.
+
+    A restarted actor loses nothing (docs/ARCHITECTURE.md §6): every answer is also applied to `live` (a
+    LiveRecord: the ledger as its answers left it), and a call that finds the actor dead or restarted waits for
+    the new instance, has it rebuild its ledger from `live` (`recover`, kv_manager/rebuild.py) and is sent again.
+    The engine sees one slow call. Only an actor dead for good, one not back within `recovery_timeout_s`, or a
+    rebuild it refuses raise RetriableKVError (the round fails, and the health check's `ledger_lost` replaces
+    the scheduler replica).
     """
 
-    def __init__(self, actor: Any, timeout_s: float = 60.0, transport: str = "channel") -> None:
+    def __init__(self, actor: Any, timeout_s: float = 60.0, transport: str = "channel",
+                 recovery_timeout_s: float = 120.0) -> None:
         self.actor = actor
         self.timeout_s = timeout_s
+        self.recovery_timeout_s = recovery_timeout_s
         self.incarnation: str = ray.get(actor.incarnation.remote(), timeout=timeout_s)
+        self.live = LiveRecord()
+        self.rebuilds: list[dict[str, Any]] = []  # each recovery: when, why, how long, how many entries
+        self._recovery = threading.Lock()
         self._free: dict[str, float] | None = None  # None = stale
         self._free_lock = threading.Lock()  # the engine calls from one thread; tests share a client across threads
         self.link = link_to(lambda: ray.get(actor.channel.remote(), timeout=timeout_s)) if transport == "channel" \
@@ -130,21 +149,65 @@ class RemoteKV:
         self._ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-ahead") \
             if self.ahead_link is None else None
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _call_once(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.link is not None:
             try:
                 return self.link.call(method, self.incarnation, *args, timeout_s=self.timeout_s, **kwargs)
-            except (ChannelLost, RayActorError) as lost:  # the actor died (or is restarting): this call is void
-                raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
+            except (ChannelLost, RayActorError, LedgerRestarted) as lost:  # this call is void
+                raise _Lost(f"{method}: {lost!r}") from lost
         try:
             return ray.get(getattr(self.actor, method).remote(self.incarnation, *args, **kwargs),
                            timeout=self.timeout_s)
         except RayTaskError as failure:
+            if isinstance(failure.cause, LedgerRestarted):
+                raise _Lost(f"{method}: {failure.cause!r}") from None
             if isinstance(failure.cause, KVError):
                 raise failure.cause from None
             raise
         except RayActorError as lost:
-            raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
+            raise _Lost(f"{method}: {lost!r}") from lost
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """One ledger call; where it reached no ledger, the ledger is rebuilt and the call sent once more."""
+        try:
+            return self._call_once(method, *args, **kwargs)
+        except _Lost as lost:
+            self.recover(str(lost))
+        try:
+            return self._call_once(method, *args, **kwargs)
+        except _Lost as lost:
+            raise RetriableKVError(f"kv manager lost again right after its rebuild: {lost}") from lost
+
+    def recover(self, reason: str) -> None:
+        """Wait for the actor to answer (Ray restarts it), then have it rebuild its ledger from `live`; the new
+        incarnation is this client's from then on. Raises RetriableKVError where the actor is dead for good, is
+        not back within `recovery_timeout_s`, or refuses the state."""
+        with self._recovery:
+            start = time.monotonic()
+            deadline = start + self.recovery_timeout_s
+            while True:
+                try:
+                    ray.get(self.actor.incarnation.remote(), timeout=max(0.1, min(self.timeout_s,
+                                                                               deadline - time.monotonic())))
+                    break
+                except (RayActorError, GetTimeoutError) as exc:
+                    if actor_dead_for_good(self.actor):
+                        raise RetriableKVError(f"kv manager dead for good ({reason})") from exc
+                    if time.monotonic() >= deadline:
+                        raise RetriableKVError(f"kv manager not back within {self.recovery_timeout_s:.0f} s "
+                                               f"({reason})") from exc
+                    time.sleep(0.1)  # a call sent to the dead instance before Ray knew: ask again
+            live = self.live.state()
+            try:
+                self.incarnation = ray.get(self.actor.rebuild.remote(live), timeout=self.timeout_s)
+            except (RayTaskError, RayActorError, GetTimeoutError) as failure:
+                raise RetriableKVError(f"kv manager's rebuild failed ({reason}): {failure!r}") from failure
+            self._free = None
+            seconds = time.monotonic() - start
+            self.rebuilds.append({"at": time.time(), "reason": reason, "seconds": round(seconds, 3),
+                                  "entries": len(live.entries)})
+            log.warning("kv manager lost (%s): ledger rebuilt from %d live entries in %.2f s", reason,
+                        len(live.entries), seconds)
 
     def _mutating(self, method: str, *args: Any) -> Any:
         try:
@@ -154,16 +217,12 @@ class RemoteKV:
 
     def _reporting(self, method: str, *args: Any) -> Any:
         """A call whose answer ends with the free fractions after it (the `*_with_free` methods)."""
-        return self._reported(method, lambda: self._call(method, *args, **_trace_kwargs()))
+        return self._reported(lambda: self._call(method, *args, **_trace_kwargs()))
 
-    def _reported(self, method: str, answer_of: Callable[[], Any]) -> Any:
-        """A `*_with_free` answer: the free fractions kept (stale after a failure), a lost actor raised as
-        RetriableKVError."""
+    def _reported(self, answer_of: Callable[[], Any]) -> Any:
+        """A `*_with_free` answer: the free fractions kept (stale after a failure)."""
         try:
             *answer, free = answer_of()
-        except (ChannelLost, RayActorError) as lost:
-            self._free = None
-            raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
         except BaseException:
             self._free = None
             raise
@@ -171,63 +230,94 @@ class RemoteKV:
         return answer[0] if len(answer) == 1 else tuple(answer)
 
     def register_worker(self, worker_id: str) -> Holder:
-        return self._mutating("register_worker", worker_id)
+        holder = self._mutating("register_worker", worker_id)
+        self.live.registered(holder)
+        return holder
 
     def expire_worker(self, worker_id: str) -> int:
-        return self._mutating("expire_worker", worker_id)
+        dropped = self._mutating("expire_worker", worker_id)
+        self.live.expired(worker_id)
+        return dropped
 
     def can_admit(self, items: Sequence[AdmitItem], lookahead: int) -> bool:
         return self._call("can_admit", {i.namespace: len(i.prompt_token_ids) + lookahead for i in items})
 
     def admit(self, items: Sequence[AdmitItem]) -> list[Admission]:
-        return self._all_or_nothing("add_requests", list(items))
+        items = list(items)
+        return self._all_or_nothing("add_requests", items, lambda outcomes: self.live.admitted(items, outcomes))
 
     def fork(self, items: Sequence[tuple[str, str, str]]) -> list[Admission]:
-        return self._all_or_nothing("forks", list(items))
+        items = list(items)
+        return self._all_or_nothing("forks", items, lambda outcomes: self.live.forked(items, outcomes))
 
-    def _all_or_nothing(self, method: str, items: list[Any]) -> list[Admission]:
+    def _all_or_nothing(self, method: str, items: list[Any], record: Callable[[list[Any]], None]) -> list[Admission]:
         """One actor call making an entry per item; a refusal releases the entries the same call made."""
         outcomes = self._mutating(method, items)
+        record(outcomes)
         refusals = [o for o in outcomes if isinstance(o, KVError)]
         if refusals:
             done = [(o.namespace, o.request_id) for o in outcomes if not isinstance(o, KVError)]
             if done:
                 self._mutating("release", done)
+                self.live.released(done)
             raise refusals[0]
         return outcomes
 
     def reserve(self, items: Sequence[ReserveItem]) -> list[Reservation | KVError]:
-        return self._reporting("reserve_with_free", list(items), False)
+        items = list(items)
+        outcomes = self._reporting("reserve_with_free", items, False)
+        self.live.reserved(items, outcomes)
+        return outcomes
 
     def commit(self, items: Sequence[CommitItem]) -> list[CommitResult | KVError]:
-        return self._reporting("commit_with_free", list(items))
+        items = list(items)
+        outcomes = self._reporting("commit_with_free", items)
+        self.live.committed(items, outcomes)
+        return outcomes
 
     def commit_then_reserve(self, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]
                             ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError]]:
-        return self._reporting("commit_then_reserve_with_free", list(commits), list(reserves))
+        commits, reserves = list(commits), list(reserves)
+        return self._recorded(commits, reserves,
+                              self._reporting("commit_then_reserve_with_free", commits, reserves))
+
+    def _recorded(self, commits: list[CommitItem], reserves: list[ReserveItem], answer: Any
+                  ) -> tuple[list[CommitResult | KVError], list[Reservation | KVError]]:
+        committed, reserved = answer
+        self.live.committed(commits, committed)
+        self.live.reserved(reserves, reserved)
+        return committed, reserved
 
     def commit_then_reserve_ahead(self, commits: Sequence[CommitItem], reserves: Sequence[ReserveItem]) -> Any:
         """`commit_then_reserve`, sent now on its own connection and answered by `result()` (the caller's thread
         makes no other ledger call in between: the engine waits for its verify). On the Ray path: an actor call on
-        a thread of its own."""
-        method, args = "commit_then_reserve_with_free", (list(commits), list(reserves))
+        a thread of its own. A call that reaches no ledger is sent again after the rebuild, when its answer is
+        asked for."""
+        commits, reserves = list(commits), list(reserves)
         if self._ahead is not None:
             context = contextvars.copy_context()  # the caller's trace context goes along
-            return self._ahead.submit(context.run, self._reporting, method, *args)
+            return self._ahead.submit(context.run, self.commit_then_reserve, commits, reserves)
         assert self.ahead_link is not None
+        method = "commit_then_reserve_with_free"
         try:
-            pending = self.ahead_link.send(method, self.incarnation, *args, timeout_s=self.timeout_s,
-                                           **_trace_kwargs())
-        except ChannelLost as lost:
-            self._free = None
-            raise RetriableKVError(f"kv manager lost during {method}: {lost}") from lost
-        return _Reported(self, method, pending)
+            pending: PendingCall | None = self.ahead_link.send(method, self.incarnation, commits, reserves,
+                                                               timeout_s=self.timeout_s, **_trace_kwargs())
+        except ChannelLost:
+            pending = None  # sent again when its answer is asked for
+        return _Reported(self, commits, reserves, pending)
 
     def rollback(self, keys: Sequence[tuple[str, str]]) -> None:
-        self._raise_unexpected(self._mutating("rollback", list(keys)))
+        keys = list(keys)
+        outcomes = self._mutating("rollback", keys)
+        self.live.rolled_back(keys, outcomes)
+        self._raise_unexpected(outcomes)
 
     def release(self, request_id: str, namespaces: Sequence[str]) -> None:
-        self._raise_unexpected(self._mutating("release", [(namespace, request_id) for namespace in namespaces]))
+        keys = [(namespace, request_id) for namespace in namespaces]
+        outcomes = self._mutating("release", keys)
+        self.live.released(key for key, outcome in zip(keys, outcomes, strict=True)
+                           if not isinstance(outcome, KVError) or isinstance(outcome, UnknownRequest))
+        self._raise_unexpected(outcomes)
 
     def free_fraction(self, namespace: str) -> float:
         with self._free_lock:
@@ -243,14 +333,23 @@ class RemoteKV:
         return self._call("audit")
 
     def ledger_lost(self) -> bool:
-        """True once the actor restarted (a new incarnation: its ledger is empty, so every call of this client
-        is refused from now on) or died for good; False while it answers, or is being restarted."""
+        """True once this client can have no ledger any more: its actor died for good, or a restarted one could
+        not be rebuilt. A restarted actor is rebuilt here (the scheduler's health check asks between rounds, so an
+        idle engine's ledger comes back too); False while it answers, or is being restarted."""
         try:
-            return ray.get(self.actor.incarnation.remote(), timeout=self.timeout_s) != self.incarnation
-        except ActorDiedError:
-            return True
-        except (RayActorError, ray.exceptions.GetTimeoutError):
+            current = ray.get(self.actor.incarnation.remote(), timeout=self.timeout_s)
+        except RayActorError:
+            return actor_dead_for_good(self.actor)
+        except GetTimeoutError:
             return False
+        if current == self.incarnation:
+            return False
+        try:
+            self.recover("restarted between rounds")
+        except RetriableKVError:
+            log.exception("the kv manager's ledger could not be rebuilt")
+            return True
+        return False
 
     @staticmethod
     def _raise_unexpected(outcomes: list[Any]) -> None:
@@ -259,21 +358,43 @@ class RemoteKV:
                 raise outcome
 
 
+def actor_dead_for_good(actor: Any) -> bool:
+    """Whether Ray's control store has the actor DEAD (killed without restart, or out of restarts), not restarting.
+    (Ray's public state API needs the dashboard, which these clusters run without.)"""
+    try:
+        info = ray._private.state.actors(actor_id=actor._actor_id.hex())
+    except Exception:  # noqa: BLE001 - the control store unreachable: not known to be dead
+        return False
+    return bool(info) and info.get("State") == "DEAD"
+
+
 def _trace_kwargs() -> dict[str, Any]:
     carrier = CURRENT_CARRIER.get()  # a traced step's: the actor continues its trace
     return {"trace_context": carrier} if carrier else {}
 
 
 class _Reported:
-    """An ahead ledger call's answer, read as `RemoteKV._reporting` reads one (`RemoteKV._reported`)."""
+    """An ahead ledger call's answer, read as `RemoteKV._reporting` reads one and recorded; a call that reached no
+    ledger (`pending` None: it could not be sent) is sent again after the rebuild (`RemoteKV._call`)."""
 
-    def __init__(self, kv: RemoteKV, method: str, pending: PendingCall) -> None:
+    def __init__(self, kv: RemoteKV, commits: list[CommitItem], reserves: list[ReserveItem],
+                 pending: PendingCall | None) -> None:
         self.kv = kv
-        self.method = method
+        self.commits = commits
+        self.reserves = reserves
         self.pending = pending
 
+    def _answer(self) -> Any:
+        method = "commit_then_reserve_with_free"
+        if self.pending is not None:
+            try:
+                return self.pending.result()
+            except (ChannelLost, LedgerRestarted) as lost:
+                self.kv.recover(f"{method} (ahead): {lost!r}")
+        return self.kv._call(method, self.commits, self.reserves)
+
     def result(self) -> Any:
-        return self.kv._reported(self.method, self.pending.result)
+        return self.kv._recorded(self.commits, self.reserves, self.kv._reported(self._answer))
 
 
 def transport_totals(engine: Any) -> dict[str, Any]:
@@ -308,7 +429,7 @@ def build_cluster_engine(config: ClusterConfig, drafter: Any, verifier: Any,
         if drafter is not None else None,
         make_kv=lambda namespaces: RemoteKV(KVManagerActor.options(
             name=None, **config.placement.kv_manager.actor_options(), **kv_tracing).remote(namespaces),
-            transport=transport),
+            transport=transport, recovery_timeout_s=config.kv_recovery_timeout_s),
         # resolved as the workers resolve them (same function, same device name; a node pool of one CPU type)
         dtypes={"target": dtype_name(target_dtype(config.dtype, config.device, model_dir(config.model),
                                                   config.tensor_parallel_size, config.max_batch)),

@@ -393,8 +393,8 @@ class Scheduler(FaultHooks):
         return True, "ok"
 
     async def check_health(self) -> None:
-        """Serve's periodic health check: an engine thread that died, or a KV manager actor that lost its
-        ledger (restarted empty), makes the replica unhealthy. It also refreshes the gauges (queue, running,
+        """Serve's periodic health check: an engine thread that died, or a KV manager actor lost for good (dead,
+        or restarted and not rebuilt: `RemoteKV.ledger_lost` rebuilds a restarted one), makes the replica unhealthy. It also refreshes the gauges (queue, running,
         KV blocks) that Ray's metrics export between scrapes."""
         if not self._loop.healthy:
             raise RuntimeError("engine loop is not running")
@@ -409,7 +409,7 @@ class Scheduler(FaultHooks):
             logger.warning("KV manager not checked: %r", exc)
             return
         if lost:
-            # the KV manager actor restarted with an empty ledger (or died): every round of this engine is
+            # the KV manager actor died for good, or its ledger could not be rebuilt: every round of this engine is
             # refused from now on, so the replica restarts (a new engine, a new ledger actor)
             raise RuntimeError("the KV manager lost its ledger: restarting the scheduler replica")
 
