@@ -203,6 +203,9 @@ class RemoteKV:
             except (RayTaskError, RayActorError, GetTimeoutError) as failure:
                 raise RetriableKVError(f"kv manager's rebuild failed ({reason}): {failure!r}") from failure
             self._free = None
+            for link in (self.link, self.ahead_link):  # connected to the old instance: the next call reconnects
+                if link is not None:
+                    link.close()
             seconds = time.monotonic() - start
             self.rebuilds.append({"at": time.time(), "reason": reason, "seconds": round(seconds, 3),
                                   "entries": len(live.entries)})
