@@ -30,6 +30,8 @@ request and however long its rounds took.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from cluster.engine.acceptance_stats import AcceptanceStats
@@ -138,6 +140,15 @@ class CostModel:
         self.verify_by_tokens[bucket] = self._blend(bucket, self.verify_by_tokens.get(bucket), seconds)
         self.verify_samples[bucket] = self.verify_samples.get(bucket, 0) + 1
         self._version += 1
+
+    @contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """Within: every sample kept, each estimate their median (the engine's warm-up); after: moving averages."""
+        self.warm_up_samples = {}
+        try:
+            yield
+        finally:
+            self.warm_up_samples = None
 
     def _blend(self, key: int | str, old: float | None, sample: float) -> float:
         if self.warm_up_samples is not None:

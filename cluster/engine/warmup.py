@@ -53,22 +53,20 @@ def warm_up(engine: SpecEngine, rounds_per_visit: int = ROUNDS_PER_VISIT, passes
     pattern = [(1000 + 37 * i) % vocab for i in range(PERIOD)]
     prompt = tuple(pattern * REPEATS)
     draft = "model" if engine.drafter is not None else "ngram"
-    engine.cost.warm_up_samples = {}  # estimates are the medians of the samples (spec_policy.CostModel)
-    with engine.unobserved():  # its rounds are not the users': no spans, no metrics
-        try:
-            visits = [(k, prompt) for k in schedule(engine.config.k_max, passes)]
-            if engine.drafter is not None and engine.config.k_max:  # a prompt of its own: its draft catch-up timed
-                visits.append((1, tuple((t + PERIOD * 61) % vocab for t in prompt)))
-            for k, tokens in visits:
-                request = GenerationRequest(
-                    f"_warm-up-{k}-{time.monotonic_ns()}", tokens,
-                    SamplingParams(max_tokens=(k + 1) * rounds_per_visit + 1, ignore_eos=True),
-                    SpecParams(contract="greedy", k=k, draft=draft if k else "none"))
-                engine.submit(request)
-                while engine.has_unfinished():
-                    engine.step()
-        finally:
-            engine.cost.warm_up_samples = None
+    # estimates are the medians of the samples (spec_policy.CostModel); its rounds are not the users': no spans,
+    # no metrics
+    with engine.cost.warming_up(), engine.unobserved():
+        visits = [(k, prompt) for k in schedule(engine.config.k_max, passes)]
+        if engine.drafter is not None and engine.config.k_max:  # a prompt of its own: its draft catch-up timed
+            visits.append((1, tuple((t + PERIOD * 61) % vocab for t in prompt)))
+        for k, tokens in visits:
+            request = GenerationRequest(
+                f"_warm-up-{k}-{time.monotonic_ns()}", tokens,
+                SamplingParams(max_tokens=(k + 1) * rounds_per_visit + 1, ignore_eos=True),
+                SpecParams(contract="greedy", k=k, draft=draft if k else "none"))
+            engine.submit(request)
+            while engine.has_unfinished():
+                engine.step()
     engine.reset_statistics()
     costs = {"draft_token_seconds": engine.cost.draft_token, "draft_catch_up_row_seconds": engine.cost.draft_catch_up_row,
              "verify_seconds_by_tokens": dict(sorted(engine.cost.verify_by_tokens.items()))}

@@ -262,13 +262,13 @@ def test_plain_decoding_must_win_by_the_margin() -> None:
 
 def test_warm_up_estimates_are_medians_then_moving_averages() -> None:
     c = CostModel()
-    c.warm_up_samples = {}
-    for seconds in (0.50, 0.14, 0.18, 0.17):  # a first call paying one-time costs, then noise
-        c.observe_verify(2, seconds)
-    for seconds in (0.09, 0.04, 0.05):
-        c.observe_draft(1, seconds)
-    assert c.verify_by_tokens[2] == pytest.approx(0.175) and c.draft_token == pytest.approx(0.05)
-    c.warm_up_samples = None
+    with c.warming_up():
+        for seconds in (0.50, 0.14, 0.18, 0.17):  # a first call paying one-time costs, then noise
+            c.observe_verify(2, seconds)
+        for seconds in (0.09, 0.04, 0.05):
+            c.observe_draft(1, seconds)
+        assert c.verify_by_tokens[2] == pytest.approx(0.175) and c.draft_token == pytest.approx(0.05)
+    assert c.warm_up_samples is None
     c.observe_verify(2, 0.275)
     assert c.verify_by_tokens[2] == pytest.approx(0.8 * 0.175 + 0.2 * 0.275)
 
