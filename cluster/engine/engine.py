@@ -13,9 +13,11 @@ One round for the running batch (docs/ARCHITECTURE.md §2), as `step` reads; eac
     commit   ONE ledger call: the kept prefix of every reservation; the rest goes back
     emit     the chunks; finished requests leave
 
-How a step strings the phases together is its mode, chosen at construction (step_modes.py): serial (a steady
-round's commit rides with the next reserve, held_commit.py), two groups in ping-pong (overlap.py), or
-pre-drafting (predraft.py). The phases here ask no mode question; they read the mode's two facts.
+How a step strings the phases together is its mode, chosen at construction (step_modes.py: one function each):
+serial (a steady round's commit rides with the next reserve, held_commit.py), two groups in ping-pong
+(overlap.py), or pre-drafting (predraft.py). The phases here ask no mode question: the step passes what differs.
+What the collaborators decide comes back as values applied here (give_back.py's `GiveBack`, the pre-drafter's
+kept plans and stale reservations).
 
 Ownership (docs/ARCHITECTURE.md §3): the thread that calls `step` (the engine thread) owns every
 RequestState, RoundPlan and the ledger client. `submit` and `abort` may be called from other threads:
@@ -28,7 +30,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -39,13 +41,23 @@ from cluster.engine.backends import DrafterBackend, VerifierBackend
 from cluster.engine.catch_up import observe_propose
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
 from cluster.engine.fair_share import FairOrder, awaits_prefill
-from cluster.engine.give_back import abort_now, check_commits, preempt, recover_verifier, restart_draft_caches
+from cluster.engine.give_back import (
+    OUT_OF_BLOCKS,
+    GiveBack,
+    Parts,
+    abort_now,
+    check_commits,
+    preempt,
+    recover_verifier,
+    restart_draft_caches,
+)
 from cluster.engine.held_commit import Ahead, HeldCommitKV
 from cluster.engine.inbox import RequestInbox
 from cluster.engine.kv_client import KVClient
+from cluster.engine.overlap import DraftPipeline
 from cluster.engine.overlap_policy import engine_overlap
 from cluster.engine.planner import PlanContext, plan_request
-from cluster.engine.predraft import predraft_slots
+from cluster.engine.predraft import PreDrafter, predraft_slots
 from cluster.engine.request_state import RequestState, new_request_state
 from cluster.engine.round_plan import (
     RoundPlan,
@@ -66,7 +78,7 @@ from cluster.engine.round_plan import (
 from cluster.engine.shared_prompts import SharedPrompts, group_states
 from cluster.engine.spec_policy import CostModel, NominalCosts, nominal_costs
 from cluster.engine.stats import add_round_times, engine_stats
-from cluster.engine.step_modes import step_mode
+from cluster.engine.step_modes import PREDRAFTING, SERIAL, STEPS, Verified, step_mode
 from cluster.engine.step_record import EngineObserver
 from cluster.engine.step_trace import StepTrace
 from cluster.engine.worker_health import WorkerHealth
@@ -104,7 +116,8 @@ class SpecEngine:
         later."""
         self.verifier = verifier
         self.drafter = drafter
-        self.kv = HeldCommitKV(kv, lambda commits, results: check_commits(self, commits, results))  # the ledger (in process or its actor's client)
+        # the ledger (in process or its actor's client)
+        self.kv = HeldCommitKV(kv, lambda commits, results: check_commits(self.running, self.kv, commits, results))
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
@@ -121,7 +134,11 @@ class SpecEngine:
         self.fallback_events: list[dict[str, Any]] = []  # appended here: the health's come at each step's end
         self.health = WorkerHealth(self.kv, drafter is not None, config.drafter_retry_seconds,
                                    config.max_verifier_failures)
-        self.mode = step_mode(self)  # serial, two groups, or pre-drafting (step_modes.py)
+        self.mode = step_mode(config, drafter is not None)  # serial, ping-pong or pre-drafting (step_modes.py)
+        # the draft thread's flights (ping-pong, pre-drafting) and the kept pre-drafts
+        self.pipeline = DraftPipeline(drafter.propose) if drafter is not None and self.mode != SERIAL else None
+        self.predrafter = PreDrafter(self.pipeline, self.health, vocab_size) if self.pipeline is not None \
+            and self.mode == PREDRAFTING else None
         self.overlap = engine_overlap(config.overlap, config.overlap_reason, config.predraft, drafter is not None)
         log.info("overlap %s (%s)%s", self.overlap["mode"] or "off", self.overlap["reason"],
                  f"; pre-drafting {self.overlap['predraft']}" if "predraft" in self.overlap else "")
@@ -134,6 +151,7 @@ class SpecEngine:
             tokenizer, vocab_size, eos_token_ids, prebuild=True) if tokenizer is not None else None
         self.suffix = SuffixDrafter()  # suffix drafts' tries (drafter_service/suffix_drafts.py); the planner's
         self.trace = StepTrace(observer)  # traces, metrics: the observer gets a StepRecord per step
+        self.parts = Parts(self.kv, self.shared, self.health, self.trace, self.inbox, tuple(self.namespaces))
 
     # ------------------------------------------------------------------ requests in and out (any thread)
     def submit(self, request: GenerationRequest) -> None:
@@ -173,51 +191,44 @@ class SpecEngine:
         """One round (with overlap: one group's round while the other group's drafts are made)."""
         self.trace.start()
         try:
-            return self._step()
+            # new requests join the queue; aborts apply, except for requests whose drafts are in flight (the
+            # drafter is writing their draft KV): those wait for their group to land
+            states, aborts = self.inbox.drain(defer=self.in_flight_ids())
+            self.waiting.extend(states)
+            chunks = [chunk for rid in aborts for chunk in self.give_back(abort_now(self.parts, self.running,
+                                                                                     self.waiting, rid))]
+            self._admit()
+            if self.running:
+                chunks.extend(STEPS[self.mode](self))  # the round, as the mode strings its phases
+            return chunks
         finally:
             if events := self.health.take_events():  # in time order with the step's own (preempted)
                 self.fallback_events[:] = sorted(self.fallback_events + events, key=lambda e: e["at"])
             self.trace.finish(self.fallback_events, self.health.drafter_holder, self.health.verifier_holder)
 
-    def _step(self) -> list[TokenChunk]:
-        chunks = self._take_requests()
-        self._admit()
-        if not self.running:
-            return chunks
-        round_start = time.perf_counter()
-        plans, draft_seconds = self.mode.prepare(self)  # plan, reserve, propose
-        if not plans:
-            return chunks
-        if any(p.state.constraint is not None for p in plans):
-            with self.trace.phase("constrain"):
-                plans = [constrained(p) for p in plans]  # each row's allowed tokens; forbidden drafts cut
-            self.totals["constraint_cut"] += sum(p.cut for p in plans)
-        try:
-            verified = self._verify(plans)
-        except VerifierLost as lost:  # every request is requeued and re-prefills from its tokens
-            recover_verifier(self, str(lost))
-            return chunks
-        plans, beside = self.mode.after_verify(self, plans)
-        accept_start = time.perf_counter()
-        with self.trace.phase("accept"):
-            outcome = accept_round(plans, verified.outputs, self.health.verifier_holder, self.health.drafter_holder)
-        self.mode.after_accept(outcome)
-        self._commit(outcome)
-        self.shared.after_commit(plans)  # prefillers' prefixes become their groups' shared prompts
-        with self.trace.phase("emit", chunks=len(outcome.chunks)):
-            chunks.extend(self._emit(outcome))
-        self.trace.rounds(plans, outcome)
-        now = time.perf_counter()
-        add_round_times(self.totals, plans, draft_seconds + beside, verified.seconds, now - accept_start,
-                        now - round_start)
-        return chunks
+    def in_flight_ids(self) -> set[str]:
+        """Requests whose drafts the draft thread is making (an abort of one waits for its group to land)."""
+        return self.pipeline.in_flight_ids() if self.pipeline is not None else set()
 
-    def _take_requests(self) -> list[TokenChunk]:
-        """New requests join the queue; aborts apply, except for requests whose drafts are in flight (the
-        drafter is writing their draft KV): those wait for their group to land."""
-        states, aborts = self.inbox.drain(defer=self.mode.in_flight_ids())
-        self.waiting.extend(states)
-        return [chunk for rid in aborts for chunk in abort_now(self, rid)]
+    def give_back(self, back: GiveBack) -> tuple[TokenChunk, ...]:
+        """A collaborator's decision on the engine's lists (give_back.py), applied; its chunks."""
+        for state in back.leave:
+            self.running.remove(state)
+        for state in back.unqueue:
+            self.waiting.remove(state)
+        self.waiting.extendleft(reversed(back.requeue))
+        if back.event is not None:
+            self.fallback_events.append(back.event)
+        return back.chunks
+
+    def preempt(self, state: RequestState, reason: str = OUT_OF_BLOCKS) -> None:
+        self.give_back(preempt(self.parts, state, reason))
+
+    def restart_draft_caches(self) -> None:
+        """The drafter's epoch changed: no kept pre-draft is usable, every request re-enters the draft namespace."""
+        if self.predrafter is not None:
+            self.predrafter.forget()
+        restart_draft_caches(self.running, self.shared)
 
     def _admit(self) -> None:
         """Waiting requests join the batch, tenants in turn (fair_share.py): the one with the fewest requests
@@ -229,10 +240,10 @@ class SpecEngine:
         in_flight: set[str] | None = None
         for _ in range(len(self.waiting) + cfg.max_batch):  # each pass admits, yields or passes over one
             if len(self.running) >= cfg.max_batch:  # full: a slot yielded to a tenant short of its share, then filled
-                in_flight = self.mode.in_flight_ids() if in_flight is None else in_flight
+                in_flight = self.in_flight_ids() if in_flight is None else in_flight
                 if (victim := order.to_yield(self.running, in_flight)) is None:
                     break
-                preempt(self, victim, "fair share: a slot for another tenant")
+                self.preempt(victim, "fair share: a slot for another tenant")
                 order.yielded(victim)
             if (state := order.next()) is None:
                 break
@@ -252,11 +263,10 @@ class SpecEngine:
             log.debug("admitted %s (%d prompt tokens, %d cached)", state.request_id, state.prompt_len,
                       state.target_cached)
 
-    # ------------------------------------------------------------------ the shared phases (step_modes.py calls them)
-    def prepare(self, states: list[RequestState], may_preempt: bool) -> tuple[list[RoundPlan], float]:
-        """Plan, reserve and propose on this thread (the drafter call waited for here)."""
-        plans = self.reserve(self.plan(states), may_preempt=may_preempt)
-        batch = self.propose_batch(plans)
+    # ------------------------------------------------------------------ the phases (step_modes.py strings them)
+    def propose(self, plans: list[RoundPlan], own_step: bool) -> tuple[list[RoundPlan], float]:
+        """The drafter call for the reserved plans, waited for on this thread; the plans with their drafts."""
+        batch = self.propose_batch(plans, own_step)
         if batch is None:
             return plans, 0.0
         start = time.perf_counter()
@@ -271,8 +281,11 @@ class SpecEngine:
     def nominal_costs(self) -> NominalCosts:
         return nominal_costs(self.dtypes.get("target", "float32"), self.dtypes.get("draft"))
 
-    def plan(self, states: list[RequestState]) -> list[RoundPlan]:
-        """A plan per state; model-drafted ones enter the draft namespace (or decode plainly if it is full)."""
+    def plan(self, states: list[RequestState], model_trees: bool, kept: Mapping[str, RoundPlan] | None = None,
+             void: Sequence[tuple[str, str]] = ()) -> list[RoundPlan]:
+        """A plan per state (`kept`: the pre-drafter's, by request id; `void`: its stale reservations, rolled back);
+        model-drafted ones enter the draft namespace (or decode plainly if it is full). `model_trees`: a draft
+        model may draft token trees (serial steps only: the others draft ahead in chains)."""
         cfg = self.config
         context = PlanContext(
             k_max=cfg.k_max, probe_every=cfg.probe_every, pressure_free_fraction=cfg.pressure_free_fraction,
@@ -281,29 +294,28 @@ class SpecEngine:
             drafter_usable=any(s.request.spec.draft == "model" for s in states) and self.health.drafter_usable(),
             engine_acceptance=self.acceptance, cost=self.cost, batch=len(states), max_batch=cfg.max_batch,
             nominal=self.nominal_costs(),
-            suffix=self.suffix, tree_nodes=cfg.tree_nodes,
-            model_tree_nodes=cfg.model_tree_nodes if self.mode.model_trees else 0,
+            suffix=self.suffix, tree_nodes=cfg.tree_nodes, model_tree_nodes=cfg.model_tree_nodes if model_trees else 0,
             draft_stop_below=cfg.draft_stop_below, lookup=cfg.draft_lookup)
         self.suffix.retain(s.request_id for s in self.running)  # tries of requests that left (aborted, requeued)
-
-        def plan_one(state: RequestState) -> RoundPlan:
-            return self.shared.prefill_plan(state, context.drafter_usable) or plan_request(state, context)
-
-        plans = [self._enter_draft(plan) for plan in self.mode.plans_for(self, states, plan_one)]
-        return self.mode.budget(self, plans)
+        plans = [kept[s.request_id] if kept and s.request_id in kept else
+                 self.shared.prefill_plan(s, context.drafter_usable) or plan_request(s, context) for s in states]
+        if void:
+            self.kv.rollback(void)
+        return [self._enter_draft(plan) for plan in plans]
 
     def _enter_draft(self, plan: RoundPlan) -> RoundPlan:
         if plan.uses_model_drafter and not admit_draft(self.kv, plan.state, self.health.drafter_holder):
             return plain(plan, "draft cache out of blocks")
         return with_draft_pending(plan) if plan.uses_model_drafter else plan
 
-    def reserve(self, plans: list[RoundPlan], may_preempt: bool) -> list[RoundPlan]:
-        """Each plan's maximum, in one call; a plan refused its target slots sits this round out."""
+    def reserve(self, plans: list[RoundPlan], may_preempt: bool, own_step: bool) -> list[RoundPlan]:
+        """Each plan's maximum, in one call; a plan refused its target slots sits this round out. `own_step`: the
+        plans are this step's (ping-pong: the other group's next step)."""
         health = self.health
         items = [ReserveItem(TARGET_NAMESPACE, p.request_id, target_slots(p), health.verifier_holder) for p in plans]
         items += [ReserveItem(DRAFT_NAMESPACE, p.request_id, draft_slots(p) + predraft_slots(p),
                               health.drafter_holder) for p in plans if p.uses_model_drafter and not p.predrafted]
-        if self.mode.drafts_own_step:  # these plans are this step's (two groups: the other group's next step)
+        if own_step:
             self.trace.begin(plans)
         kv_start = time.perf_counter()
         with self.trace.phase("kv.reserve", items=len(items)) as attributes:
@@ -324,26 +336,26 @@ class SpecEngine:
                 plan = plain(plan, "draft cache out of blocks")
             kept.append(with_grants(plan, target, draft))
         if not kept and plans and may_preempt:
-            preempt(self, self.running[-1])
+            self.preempt(self.running[-1])
         return kept
 
-    def propose_batch(self, plans: list[RoundPlan]) -> ProposeBatch | None:
+    def propose_batch(self, plans: list[RoundPlan], own_step: bool) -> ProposeBatch | None:
         """The drafter call for the plans whose drafts it makes (None: none)."""
         model_plans = [p for p in plans if p.needs_propose]
         if not model_plans:
             return None
         # under two groups the batch drafts the other group's next round: it carries no trace of this step's
-        if self.mode.drafts_own_step:
+        if own_step:
             self.trace.begin(plans)
         return ProposeBatch([propose_item(p, self.config.constrain_drafts) for p in model_plans],
-                            self.trace.trace_context if self.mode.drafts_own_step else ())
+                            self.trace.trace_context if own_step else ())
 
     def apply_drafts(self, plans: list[RoundPlan], result: ProposeResult) -> list[RoundPlan]:
         """The drafter's answer on the plans it drafted; a replaced drafter or invalid drafts: plain decoding."""
         model_plans = [p for p in plans if p.needs_propose]
         if self.health.drafter_answered(result.worker_instance):
             # a new process drafted from an empty KV pool: worthless, so this round decodes plainly
-            restart_draft_caches(self)
+            self.restart_draft_caches()
             return plain_proposed(plans, "drafter replaced: re-prefilling its cache")
         by_id = {o.request_id: o for o in result.outputs}
         ran = {p.request_id: drafted_steps(p, by_id.get(p.request_id)) for p in model_plans}  # may stop early
@@ -362,16 +374,33 @@ class SpecEngine:
     def drafter_failed(self, plans: list[RoundPlan], exc: BaseException,
                        reason: str = "fallback: drafter failed, plain decoding") -> list[RoundPlan]:
         self.health.drafter_failed(exc)  # its epoch expired: every draft grant is gone
-        restart_draft_caches(self)
+        self.restart_draft_caches()
         return plain_proposed(plans, reason)
 
-    def _verify(self, plans: list[RoundPlan]) -> VerifyResult:
+    def verify(self, plans: list[RoundPlan], windows: bool) -> Verified | None:
+        """Constrained rows, then ONE verifier call (`windows`: reservation windows beside it, serial steps only:
+        pre-drafting reserves its drafts' slots itself, two groups interleave their rounds). A lost verifier: every
+        request is requeued and re-prefills from its tokens, and None."""
+        if any(p.state.constraint is not None for p in plans):
+            with self.trace.phase("constrain"):
+                plans = [constrained(p) for p in plans]  # each row's allowed tokens; forbidden drafts cut
+            self.totals["constraint_cut"] += sum(p.cut for p in plans)
+        try:
+            return Verified(plans, self._verify(plans, windows))
+        except VerifierLost as lost:
+            reason = str(lost)
+            flights = self.pipeline.drain() if self.pipeline is not None else []
+            self.give_back(recover_verifier(self.parts, self.running, flights, reason))
+            self.shared.target_lost(self.waiting)
+            return None
+
+    def _verify(self, plans: list[RoundPlan], windows: bool) -> VerifyResult:
         items = [verify_item(p, self.config.exact_rule) for p in plans]
         self.trace.begin(plans)
         # the held commit and the next round's windows, on a ledger call sent once the verify is on its way
         # (held_commit.py; in process it runs before the verify, in microseconds)
         ahead = self.kv.ahead(window_items(plans, self.config.k_max, self.health.verifier_holder,
-                                           self.health.drafter_holder)) if self._windows() else None
+                                           self.health.drafter_holder)) if windows and self._windows() else None
         call_start = time.perf_counter()
         try:
             with self.trace.phase("verify.forward", requests=len(items),
@@ -393,9 +422,9 @@ class SpecEngine:
         return result
 
     def _windows(self) -> bool:
-        """Reservation windows: serial steps, while the target pool is not short of blocks (a window holds the
-        next round's slots a round early)."""
-        return self.config.reservation_windows and self.mode.windows and \
+        """Reservation windows, while the target pool is not short of blocks (a window holds the next round's slots
+        a round early)."""
+        return self.config.reservation_windows and \
             self.kv.free_fraction(TARGET_NAMESPACE) > self.config.pressure_free_fraction
 
     def _land_ahead(self, ahead: Ahead, quiet: bool = False) -> None:
@@ -413,7 +442,26 @@ class SpecEngine:
             self.totals["kv_seconds"] += waited + ahead.send_seconds
             self.totals["kv_ahead_wait_seconds"] += waited
 
-    def _commit(self, outcome: RoundOutcome) -> None:
+    def accept(self, plans: list[RoundPlan], result: VerifyResult) -> RoundOutcome:
+        with self.trace.phase("accept"):
+            return accept_round(plans, result.outputs, self.health.verifier_holder, self.health.drafter_holder)
+
+    def close_round(self, plans: list[RoundPlan], outcome: RoundOutcome, hold: bool, draft_seconds: float,
+                    verify_seconds: float, round_start: float, accept_start: float) -> list[TokenChunk]:
+        """Commit (`hold`: a steady round's commit waits for the next ledger call), emit, count; the chunks."""
+        self._commit(outcome, hold and not outcome.finished)
+        self.shared.after_commit(plans)  # prefillers' prefixes become their groups' shared prompts
+        with self.trace.phase("emit", chunks=len(outcome.chunks)):
+            for state in outcome.finished:
+                self.running.remove(state)
+                self.inbox.forget(state.request_id)
+                self.suffix.finish(state.request_id, state.output_ids if state.request.spec.draft == "suffix" else ())
+        self.trace.rounds(plans, outcome)
+        now = time.perf_counter()
+        add_round_times(self.totals, plans, draft_seconds, verify_seconds, now - accept_start, now - round_start)
+        return outcome.chunks
+
+    def _commit(self, outcome: RoundOutcome, hold: bool) -> None:
         for record in outcome.acceptance:
             if record.forced:  # the constraint's drafts: counted apart, never read by auto's k
                 self.totals["forced_proposed"] += record.proposed
@@ -424,24 +472,16 @@ class SpecEngine:
         for request_id in outcome.release_draft:
             self.kv.release(request_id, [DRAFT_NAMESPACE])
         kv_start = time.perf_counter()
-        hold = self.mode.holds_commits and not outcome.finished  # held: sent with the next round's reserve
         with self.trace.phase("kv.commit", items=len(outcome.commits), held=hold):
             self.kv.commit(outcome.commits, hold=hold)
         self.totals["kv_seconds"] += time.perf_counter() - kv_start
-
-    def _emit(self, outcome: RoundOutcome) -> list[TokenChunk]:
-        for state in outcome.finished:
-            self.running.remove(state)
-            self.inbox.forget(state.request_id)
-            self.suffix.finish(state.request_id, state.output_ids if state.request.spec.draft == "suffix" else ())
-        return outcome.chunks
 
     # ------------------------------------------------------------------ checks, statistics, shutdown
     def check_ledger(self) -> None:
         """Assert that the ledger holds entries only for running requests (in-flight ones included): none for a
         waiting or ended request, none at all once every request ended. One ledger call per namespace."""
         running = {state.request_id for state in self.running}
-        in_flight = self.mode.in_flight_ids()
+        in_flight = self.in_flight_ids()
         assert in_flight <= running, f"in flight but not running: {sorted(in_flight - running)}"
         running |= self.shared.keys()  # the shared prompts of groups with members still to fork
         for namespace in self.namespaces:
@@ -451,8 +491,7 @@ class SpecEngine:
     def stats(self) -> dict[str, Any]:
         identity = {"model": self.model_name, "draft": self.draft_name, "dtype": dict(self.dtypes),
                     "exact_rule": self.config.exact_rule, "running": len(self.running), "waiting": len(self.waiting) + self.inbox.queued()}
-        predraft = self.mode.summary()
-        overlap = self.overlap | ({"predraft": predraft} if predraft is not None else {})
+        overlap = self.overlap | ({"predraft": self.predrafter.summary()} if self.predrafter is not None else {})
         return engine_stats(identity, self.totals, self.acceptance, self.cost, self.fallback_events,
                             self.kv.free_fraction(TARGET_NAMESPACE), overlap, self.lookup_acceptance)
 
@@ -466,7 +505,8 @@ class SpecEngine:
 
     def close(self) -> None:
         """Stop the draft thread (after its in-flight call); send a held commit."""
-        self.mode.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.kv.send_held()
 
     def run_to_completion(self) -> dict[str, list[TokenChunk]]:

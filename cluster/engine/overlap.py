@@ -50,11 +50,21 @@ class DraftPipeline:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-draft")
         self._in_flight: dict[int, InFlight] = {}
         self._turn = 0
+        self._turns_without_plans = 0  # consecutive ping-pong turns in which no plan got a reservation
 
     def next_turn(self) -> int:
         """The group verified this step (0, 1, 0, ...)."""
         turn, self._turn = self._turn, self._turn ^ 1
         return turn
+
+    def out_of_blocks(self, planned: bool, idle: bool) -> bool:
+        """A ping-pong turn ended (`planned`: its group verifies plans): whether to preempt an idle request, when no
+        group reserved anything in a whole cycle (or nothing else is in flight)."""
+        self._turns_without_plans = 0 if planned else self._turns_without_plans + 1
+        if planned or not idle or (self.busy() and self._turns_without_plans < 2):
+            return False
+        self._turns_without_plans = 0
+        return True
 
     def in_flight_ids(self) -> set[str]:
         return {rid for flight in self._in_flight.values() for rid in flight.request_ids}

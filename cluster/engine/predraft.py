@@ -35,7 +35,7 @@ calls leave the critical path. Ownership: the engine thread; the draft thread on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,22 +152,21 @@ class PreDrafter:
             ("made", "kept", "rejected", "guess_missed", "finished", "lost", "rounds", "drafter_calls_saved"), 0)
 
     # ---------------------------------------------------------------- plan, reserve
-    def plans(self, states: Sequence[RequestState], plan_one: Callable[[RequestState], RoundPlan]
-              ) -> tuple[list[RoundPlan], list[tuple[str, str]]]:
-        """A plan per state: from its kept pre-draft if it is still good, else `plan_one(state)`; and the
-        reservations to roll back (an intent the engine applies): kept pre-drafts live one step, and a stale one
-        the ledger still holds goes back."""
+    def take(self, states: Sequence[RequestState]) -> tuple[dict[str, RoundPlan], list[tuple[str, str]]]:
+        """The plans of the states whose kept pre-draft is still good (by request id), and the reservations to roll
+        back (an intent the engine applies): kept pre-drafts live one step, and a stale one the ledger still holds
+        goes back. The other states are planned as usual."""
         kept, self.kept = self.kept, {}
-        plans, void = [], []
+        plans, void = {}, []
         for state in states:
             entry = kept.pop(state.request_id, None)
-            if entry is not None and self._usable(state, entry):
-                self.counts["rounds"] += 1
-                plans.append(plan_from_kept(state, entry))
+            if entry is None:
                 continue
-            if entry is not None and entry.holder == self.health.drafter_holder and state.draft_admitted:
+            if self._usable(state, entry):
+                self.counts["rounds"] += 1
+                plans[state.request_id] = plan_from_kept(state, entry)
+            elif entry.holder == self.health.drafter_holder and state.draft_admitted:
                 void.append((DRAFT_NAMESPACE, state.request_id))  # the ledger still holds it
-            plans.append(plan_one(state))
         # the rest belong to requests no longer running: their entries were released with them
         return plans, void
 

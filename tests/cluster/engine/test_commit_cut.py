@@ -9,7 +9,7 @@ where the test puts it. Every test ends with the ledger empty and no leaked bloc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -147,9 +147,10 @@ class OverreachingEngine(SpecEngine):
     remaining - 1, so there the max_tokens cut falls on the bonus token at the latest; this planner
     puts it inside the accepted drafts."""
 
-    def plan(self, states: list[RequestState]) -> list[RoundPlan]:
+    def plan(self, states: list[RequestState], model_trees: bool, kept: Mapping[str, RoundPlan] | None = None,
+             void: Sequence[tuple[str, str]] = ()) -> list[RoundPlan]:
         return [dataclasses.replace(plan, k=plan.state.request.spec.k) if plan.uses_model_drafter else plan
-                for plan in super().plan(states)]
+                for plan in super().plan(states, model_trees, kept, void)]
 
 
 def test_max_tokens_inside_accepted_drafts_finishes_length_and_commits_only_kept_tokens() -> None:

@@ -143,8 +143,8 @@ def test_worker_failures_under_overlap_lose_nothing(seed: int) -> None:
     faults = Faults(engine.verifier, engine.drafter, verifier_fail_at={rng.randint(3, 8), rng.randint(10, 20)},
                     drafter_fail_at={rng.randint(2, 12)})
     engine.verifier = faults
-    assert engine.mode.pipeline is not None
-    engine.mode.pipeline._propose = faults.propose  # the draft thread's only call
+    assert engine.pipeline is not None
+    engine.pipeline._propose = faults.propose  # the draft thread's only call
     engine.health._retry_seconds = 0.0  # retry the drafter at once
     prompts = {f"f{seed}r{i}": [rng.randrange(FAKE_VOCAB) for _ in range(rng.randint(5, 12))] for i in range(6)}
     for rid, prompt in prompts.items():

@@ -110,13 +110,13 @@ def test_a_kept_predraft_holds_its_reservation_into_its_round() -> None:
     calls = []
     propose = engine.drafter.propose
     engine.drafter.propose = lambda batch: calls.append(threading.current_thread().name) or propose(batch)
-    engine.mode.predrafter.pipeline._propose = engine.drafter.propose
+    engine.predrafter.pipeline._propose = engine.drafter.propose
     first = engine.step()
     assert tokens_of(first) == fake_greedy(PROMPT, 4)
     book = ledger(engine)
     assert book.committed_len(DRAFT_NAMESPACE, "a") == 0  # deferred to the pre-drafted round
     assert book.reserved_len(DRAFT_NAMESPACE, "a") == len(PROMPT) + 2 + 1 + 3
-    assert engine.mode.predrafter is not None and set(engine.mode.predrafter.kept) == {"a"}
+    assert engine.predrafter is not None and set(engine.predrafter.kept) == {"a"}
     assert len(calls) == 2 and calls[1].startswith("specserve-draft")  # the round's own, then the pre-draft
     second = engine.step()
     assert tokens_of(first + second) == fake_greedy(PROMPT, 8)
@@ -157,20 +157,20 @@ def test_abort_while_a_predraft_is_made_and_while_one_is_kept() -> None:
     engine = fake_engine(overlap=True, predraft=True, draft_rule=fake_next_token)
     for rid in ("x", "y"):
         engine.submit(request(rid, PROMPT if rid == "x" else PROMPT[::-1], max_tokens=30, k=2))
-    propose = engine.mode.predrafter.pipeline._propose
+    propose = engine.predrafter.pipeline._propose
 
     def abort_on_the_draft_thread(batch: Any) -> Any:
         if threading.current_thread().name.startswith("specserve-draft"):
             engine.abort("x")  # from another thread, in the middle of the step
         return propose(batch)
 
-    engine.mode.predrafter.pipeline._propose = abort_on_the_draft_thread
+    engine.predrafter.pipeline._propose = abort_on_the_draft_thread
     out: dict[str, list[TokenChunk]] = collections.defaultdict(list)
     for chunk in engine.step():
         out[chunk.request_id].append(chunk)
-    assert engine.mode.predrafter is not None and set(engine.mode.predrafter.kept) == {"x", "y"}
+    assert engine.predrafter is not None and set(engine.predrafter.kept) == {"x", "y"}
     assert ledger(engine).reserved_len(DRAFT_NAMESPACE, "x") > 0  # the kept pre-draft's reservation
-    engine.mode.predrafter.pipeline._propose = propose
+    engine.predrafter.pipeline._propose = propose
     for chunk in engine.step():
         out[chunk.request_id].append(chunk)
     assert out["x"][-1].finish_reason == "abort"
@@ -187,7 +187,7 @@ def test_drafter_failure_during_a_predraft_loses_nothing() -> None:
     prompts = {f"f{i}": [(3 * i + j) % FAKE_VOCAB for j in range(7)] for i in range(3)}
     for rid, prompt in prompts.items():
         engine.submit(request(rid, prompt, max_tokens=25, k=3))
-    propose, failed = engine.mode.predrafter.pipeline._propose, []
+    propose, failed = engine.predrafter.pipeline._propose, []
 
     def fail_once_on_the_draft_thread(batch: Any) -> Any:
         if threading.current_thread().name.startswith("specserve-draft") and not failed:
@@ -195,7 +195,7 @@ def test_drafter_failure_during_a_predraft_loses_nothing() -> None:
             raise ConnectionError("drafter replica unreachable")
         return propose(batch)
 
-    engine.mode.predrafter.pipeline._propose = fail_once_on_the_draft_thread
+    engine.predrafter.pipeline._propose = fail_once_on_the_draft_thread
     out: dict[str, list[TokenChunk]] = collections.defaultdict(list)
     finish(engine, out)
     for rid, prompt in prompts.items():
@@ -231,7 +231,7 @@ def test_predraft_needs_overlap() -> None:
     finish(engine, out)
     assert tokens_of(out["p"]) == fake_greedy(PROMPT, 12)
     overlap = engine.stats()["overlap"]
-    assert engine.mode.summary() is None and overlap["enabled"] is False and overlap["predraft"].startswith("off")
+    assert engine.predrafter is None and overlap["enabled"] is False and overlap["predraft"].startswith("off")
 
 
 # ---------------------------------------------------------------------- real models
