@@ -103,6 +103,22 @@ def kill_kv_manager() -> int:
     return pid
 
 
+def lose_node(node: str, back_after_s: float = 2.0) -> int:
+    """A Ray node lost under load: every process of the extra node `node` (chaos/nodes.py: its raylet and the
+    workers on it) SIGKILLed at once; `back_after_s` later a node with the same resources joins again (a re-added
+    node: `ray start`), where Ray and Serve restart what ran there. Returns how many processes were killed."""
+    run = state.current()
+    assert run.nodes is not None, "lose_node needs a scenario with extra nodes (its experiment's `nodes`)"
+    pids = run.nodes.lose(node)
+    run.fault(f"lose node {node}", f"SIGKILL {len(pids)} processes (raylet and workers)")
+    time.sleep(float(back_after_s))
+    start = time.time()
+    run.nodes.add(node)
+    run.notes.append(f"node {node} re-added {start - run.faults[-1].at:.1f} s after its loss "
+                     f"(ray start: {time.time() - start:.1f} s)")
+    return len(pids)
+
+
 def _serve_actor(prefix: str) -> tuple[str, object]:
     """A Serve system actor (the controller, a proxy) by its Ray name, in Serve's namespace."""
     import ray

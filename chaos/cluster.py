@@ -2,7 +2,10 @@
 
 SmolLM2-135M is its own draft model, so both a Drafter and a Verifier deployment exist (model-drafted
 requests) besides n-gram drafting in the scheduler. Short health-check periods and drafter timeouts make
-failures visible in seconds (what bounds each recovery: docs/chaos.md).
+failures visible in seconds (what bounds each recovery: docs/chaos.md). The head advertises HEAD_RESOURCE, so a
+node-loss scenario's placement keeps the ingress and the scheduler on it while the workers go to extra nodes
+(chaos/nodes.py); Ray's control store checks every raylet each second and counts one dead after 4 missed checks
+(its defaults: 3 s, 5 misses), so a lost node is seen in seconds.
 """
 
 from __future__ import annotations
@@ -10,11 +13,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from chaos.nodes import ExtraNodes
 from cluster.serving.config import ClusterConfig, load_config
 from cluster.serving.cpu_binding import thread_cpus
 
 APP = "specserve"
 GRPC_PORT, HTTP_PORT = 19710, 18710
+HEAD_RESOURCE = "specserve-head"
+NODE_DEATH = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1500, "health_check_failure_threshold": 4}
 
 
 def chaos_config(**overrides: Any) -> ClusterConfig:
@@ -28,7 +34,8 @@ def chaos_config(**overrides: Any) -> ClusterConfig:
     return load_config(**settings)
 
 
-def deploy_cluster(config: ClusterConfig) -> None:
+def deploy_cluster(config: ClusterConfig, nodes: ExtraNodes | None = None) -> None:
+    """Start Ray (once: the head, in this process), then the extra nodes if any, then the application."""
     import ray
 
     from cluster.serving.app import deploy
@@ -38,8 +45,17 @@ def deploy_cluster(config: ClusterConfig) -> None:
         plan = config.cpu_plan()
         config.local_ray_env()
         with thread_cpus(plan.service if plan is not None else None):
-            ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
+            ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+                     resources={HEAD_RESOURCE: 100}, _system_config=NODE_DEATH)
+    if nodes is not None:
+        nodes.start()
     deploy(config, cpu_plan=plan)
+
+
+def gcs_address() -> str:
+    import ray
+
+    return str(ray.get_runtime_context().gcs_address)
 
 
 def shutdown_cluster() -> None:

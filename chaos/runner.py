@@ -5,8 +5,9 @@
         -> the KV report once idle -> invariants (chaos/invariants.py) -> figures (chaos/report.py)
     -> report.json, report.md, timeline.png, journals/<scenario>-<trial>.json, records/<scenario>-<trial>.jsonl
 
-An experiment's `cluster` (optional) holds ClusterConfig overrides it needs (e.g. a small KV pool): the runner
-runs such scenarios last, on a cluster redeployed with them. An experiment's `configuration` holds its tunables (`duration`, ...); the run overrides `duration`
+An experiment's `cluster` (optional) holds ClusterConfig overrides it needs (e.g. a small KV pool), and its `nodes`
+(optional) the extra Ray nodes it needs (chaos/nodes.py: a node-loss scenario's, with the placement in `cluster`
+that puts a part on each): the runner runs such scenarios last, on a cluster redeployed with them. An experiment's `configuration` holds its tunables (`duration`, ...); the run overrides `duration`
 (chaoslib substitutes `${duration}` in the activities' arguments). `explained_errors` in the experiment
 lists outcomes its fault is documented to produce besides the typed errors (e.g. "error_finish").
 """
@@ -14,6 +15,8 @@ lists outcomes its fault is documented to produce besides the typed errors (e.g.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,9 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from chaos import probes, state
-from chaos.cluster import GRPC_PORT, HTTP_PORT, call, chaos_config, deploy_cluster, shutdown_cluster
+from chaos.cluster import (
+    GRPC_PORT,
+    HTTP_PORT,
+    call,
+    chaos_config,
+    deploy_cluster,
+    gcs_address,
+    shutdown_cluster,
+)
 from chaos.invariants import Verdict, baseline_outputs, judge
 from chaos.load import LoadGenerator, LoadSettings, RequestRecord, RequestSpec, default_workload
+from chaos.nodes import ExtraNodes, NodeSpec
 from chaos.report import markdown, scenario_figures, timeline_png
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent / "experiments"
@@ -39,6 +51,16 @@ def load_experiment(name: str) -> dict[str, Any]:
     if not path.exists():
         raise ValueError(f"no chaos scenario {name!r}; known: {', '.join(scenario_names())}")
     return json.loads(path.read_text())
+
+
+def cluster_of(experiment: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The ClusterConfig overrides and the extra nodes an experiment needs (both empty: the default cluster)."""
+    return experiment.get("cluster", {}), experiment.get("nodes", [])
+
+
+def nodes_root() -> Path:
+    """Short paths (Ray's sockets live under each node's temp folder): the run's RAY_TMPDIR (scripts/in-netns.sh)."""
+    return Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "n"
 
 
 def acceptance_rate(records: list[RequestRecord]) -> float | None:
@@ -109,12 +131,13 @@ def alive_actors() -> int:
 def run_scenario(name: str, trial: int, duration: float, seed: int, workload: list[RequestSpec],
                  baseline: dict[str, list[int]], baseline_acceptance: float | None, out_dir: Path,
                  actors_expected: int, model: str,
-                 baseline_by_spec: dict[str, tuple[int, int]] | None = None) -> ScenarioRun:
+                 baseline_by_spec: dict[str, tuple[int, int]] | None = None,
+                 nodes: ExtraNodes | None = None) -> ScenarioRun:
     from chaoslib.experiment import run_experiment
 
     experiment = load_experiment(name)
     run = state.begin(state.RunState(f"127.0.0.1:{GRPC_PORT}", f"http://127.0.0.1:{HTTP_PORT}", model, workload,
-                                     seed=seed + trial))
+                                     seed=seed + trial, nodes=nodes))
     config = {**experiment.get("configuration", {}), "duration": duration}
     journal = run_experiment(experiment, settings={}, experiment_vars=(config, {}))
     if run.load is not None:  # a method that failed before its stop_load: the rollbacks stopped it, or we do
@@ -166,6 +189,7 @@ def run_matrix(names: list[str], duration: float = 20.0, trials: int = 1, seed: 
                deploy: bool = True, concurrency: int = 4, **config_overrides: Any) -> ChaosRun:
     config = chaos_config(**config_overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
+    nodes: ExtraNodes | None = None  # the extra Ray nodes of the deployed cluster, if any
     if deploy:
         progress(f"deploying {config.model} (draft {config.draft}) on 127.0.0.1:{config.grpc_port} ...")
         deploy_cluster(config)
@@ -179,22 +203,27 @@ def run_matrix(names: list[str], duration: float = 20.0, trials: int = 1, seed: 
         baseline = baseline_outputs(records, specs)
         chaos = ChaosRun(out_dir, baseline, acceptance_rate(records), acceptance_by_spec(records))
         actors = alive_actors()
-        deployed: dict[str, Any] = {}  # the cluster overrides of the deployed cluster (an experiment's "cluster")
-        for name in sorted(names, key=lambda n: bool(load_experiment(n).get("cluster"))):  # own clusters last
-            wanted = load_experiment(name).get("cluster", {})
+        deployed: tuple[dict[str, Any], list[dict[str, Any]]] = ({}, [])  # the deployed cluster's overrides, nodes
+        for name in sorted(names, key=lambda n: cluster_of(load_experiment(n)) != ({}, [])):  # own clusters last
+            wanted = cluster_of(load_experiment(name))
             if wanted != deployed:
                 if not deploy:
                     raise ValueError(f"scenario {name!r} needs its own cluster {wanted}: run it with deploy=True")
-                progress(f"redeploying with {wanted or 'the default settings'} for {name} ...")
+                progress(f"redeploying with {wanted[0] or 'the default settings'}"
+                         f"{f' and {len(wanted[1])} extra Ray nodes' if wanted[1] else ''} for {name} ...")
                 shutdown_cluster()
-                deploy_cluster(chaos_config(**{**config_overrides, **wanted}))
+                if nodes is not None:
+                    nodes.stop()
+                nodes = ExtraNodes(nodes_root(), gcs_address(), [NodeSpec.of(n) for n in wanted[1]]) \
+                    if wanted[1] else None
+                deploy_cluster(chaos_config(**{**config_overrides, **wanted[0]}), nodes)
                 deployed = wanted
                 actors = alive_actors()
             for trial in range(trials):
                 progress(f"[{len(chaos.scenarios) + 1}/{len(names) * trials}] {name} (trial {trial + 1}/{trials}, "
                          f"{duration:.0f}s) ...")
                 result = run_scenario(name, trial, duration, seed, workload, baseline, chaos.baseline_acceptance,
-                                      out_dir, actors, config.model, chaos.baseline_by_spec)
+                                      out_dir, actors, config.model, chaos.baseline_by_spec, nodes)
                 chaos.scenarios.append(result)
                 v = result.verdict
                 progress(f"    {'ok' if v.ok else 'FAILED'}: {v.sent} sent, {v.completed_exact} exact, "
@@ -206,6 +235,8 @@ def run_matrix(names: list[str], duration: float = 20.0, trials: int = 1, seed: 
     finally:
         if deploy:
             shutdown_cluster()
+        if nodes is not None:
+            nodes.stop()
 
 
 def write_report(chaos: ChaosRun) -> None:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from chaos.load import LoadGenerator, RequestRecord, RequestSpec
+from chaos.nodes import ExtraNodes
 
 
 @dataclass
@@ -28,6 +29,7 @@ class RunState:
     faults: list[FaultEvent] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     fired: dict[str, object] = field(default_factory=dict)  # clear_faults: how often each hook fired, per target
+    nodes: ExtraNodes | None = None  # a node-loss scenario's extra Ray nodes (chaos/nodes.py)
 
     def fault(self, name: str, detail: str = "") -> None:
         self.faults.append(FaultEvent(time.time(), name, detail))
