@@ -36,11 +36,11 @@ from typing import Any
 
 from cluster.engine.accept import RoundOutcome, accept_round
 from cluster.engine.acceptance_stats import AcceptanceStats
-from cluster.engine.admission import admit_draft, admit_target, running
+from cluster.engine.admission import admit_draft
 from cluster.engine.backends import DrafterBackend, VerifierBackend
 from cluster.engine.catch_up import observe_propose
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
-from cluster.engine.fair_share import FairOrder, awaits_prefill
+from cluster.engine.fair_share import YIELD, admissions
 from cluster.engine.give_back import (
     OUT_OF_BLOCKS,
     GiveBack,
@@ -51,29 +51,28 @@ from cluster.engine.give_back import (
     recover_verifier,
     restart_draft_caches,
 )
-from cluster.engine.held_commit import Ahead, HeldCommitKV
+from cluster.engine.held_commit import HeldCommitKV
 from cluster.engine.inbox import RequestInbox
 from cluster.engine.kv_client import KVClient
 from cluster.engine.overlap import DraftPipeline
 from cluster.engine.overlap_policy import engine_overlap
 from cluster.engine.planner import PlanContext, plan_request
-from cluster.engine.predraft import PreDrafter, predraft_slots
+from cluster.engine.predraft import PreDrafter
 from cluster.engine.request_state import RequestState, new_request_state
 from cluster.engine.round_plan import (
     RoundPlan,
     constrained,
-    draft_slots,
     drafted_steps,
+    granted,
     invalid_drafts,
     plain,
     plain_proposed,
     propose_item,
-    target_slots,
+    reserve_items,
     verify_item,
     window_items,
     with_draft_pending,
-    with_drafts,
-    with_grants,
+    with_proposed,
 )
 from cluster.engine.shared_prompts import SharedPrompts, group_states
 from cluster.engine.spec_policy import CostModel, NominalCosts, nominal_costs
@@ -81,10 +80,10 @@ from cluster.engine.stats import add_round_times, engine_stats
 from cluster.engine.step_modes import PREDRAFTING, SERIAL, STEPS, Verified, step_mode
 from cluster.engine.step_record import EngineObserver
 from cluster.engine.step_trace import StepTrace
+from cluster.engine.verify_call import VerifierLost, call_verifier
 from cluster.engine.worker_health import WorkerHealth
 from drafter_service.suffix_drafts import SuffixDrafter
 from kv_manager.errors import KVError
-from kv_manager.schema import ReserveItem
 from specserve_types.api import GenerationRequest, InvalidRequestError, TokenChunk
 from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
 from verifier_service.constraint import ConstraintCompiler
@@ -94,10 +93,6 @@ log = logging.getLogger("specserve.engine")
 
 class InvalidDrafts(Exception):
     """The drafter answered with drafts the engine refuses (ids outside the vocabulary, a wrong count)."""
-
-
-class VerifierLost(Exception):
-    """This round's verify produced nothing usable: the call failed or a new verifier process answered."""
 
 
 class SpecEngine:
@@ -233,32 +228,12 @@ class SpecEngine:
     def _admit(self) -> None:
         """Waiting requests join the batch, tenants in turn (fair_share.py): the one with the fewest requests
         running goes first, and a full batch yields a slot to a tenant short of its share."""
-        cfg = self.config
-        if not self.waiting:
-            return
-        order = FairOrder(self.waiting, self.running)
-        in_flight: set[str] | None = None
-        for _ in range(len(self.waiting) + cfg.max_batch):  # each pass admits, yields or passes over one
-            if len(self.running) >= cfg.max_batch:  # full: a slot yielded to a tenant short of its share, then filled
-                in_flight = self.in_flight_ids() if in_flight is None else in_flight
-                if (victim := order.to_yield(self.running, in_flight)) is None:
-                    break
-                self.preempt(victim, "fair share: a slot for another tenant")
-                order.yielded(victim)
-            if (state := order.next()) is None:
-                break
-            if awaits_prefill(state):
-                order.pass_over(state)  # its group's prompt is being prefilled: other tenants may go first
+        for decision, state in admissions(self.waiting, self.running, self.config.max_batch, self.config.k_max + 1,
+                                          self.kv, self.shared, self.health, self.in_flight_ids):
+            if decision == YIELD:
+                self.preempt(state, "fair share: a slot for another tenant")
                 continue
-            forked = self.shared.fork(state, cfg.k_max + 1, self.health.verifier_holder)  # a group's member
-            if forked is False:
-                break  # memory is short
-            if forked is None and not admit_target(self.kv, state, self.health.verifier_holder, cfg.k_max + 1):
-                break  # memory pressure: wait for running requests to finish
-            order.admitted(state)
             self.waiting.remove(state)
-            sizes = [sum(1 for r in self.running if r.group == g) for g in (0, 1)]
-            running(state, 0 if sizes[0] <= sizes[1] else 1)
             self.running.append(state)
             log.debug("admitted %s (%d prompt tokens, %d cached)", state.request_id, state.prompt_len,
                       state.target_cached)
@@ -311,10 +286,7 @@ class SpecEngine:
     def reserve(self, plans: list[RoundPlan], may_preempt: bool, own_step: bool) -> list[RoundPlan]:
         """Each plan's maximum, in one call; a plan refused its target slots sits this round out. `own_step`: the
         plans are this step's (ping-pong: the other group's next step)."""
-        health = self.health
-        items = [ReserveItem(TARGET_NAMESPACE, p.request_id, target_slots(p), health.verifier_holder) for p in plans]
-        items += [ReserveItem(DRAFT_NAMESPACE, p.request_id, draft_slots(p) + predraft_slots(p),
-                              health.drafter_holder) for p in plans if p.uses_model_drafter and not p.predrafted]
+        items = reserve_items(plans, self.health.verifier_holder, self.health.drafter_holder)
         if own_step:
             self.trace.begin(plans)
         kv_start = time.perf_counter()
@@ -322,19 +294,9 @@ class SpecEngine:
             results = self.kv.reserve(items)  # carries the last round's held commit, if any
             attributes["refused"] = sum(isinstance(r, KVError) for r in results)
         self.totals["kv_seconds"] += time.perf_counter() - kv_start
-        grants = {(r.namespace, r.request_id): r for r in results if not isinstance(r, KVError)}
-        kept: list[RoundPlan] = []
-        for plan in plans:
-            rid = plan.request_id
-            target = grants.get((TARGET_NAMESPACE, rid))
-            draft = plan.draft_grant if plan.predrafted else grants.get((DRAFT_NAMESPACE, rid))  # a kept pre-draft's
-            if target is None:
-                if draft is not None:
-                    self.kv.rollback([(DRAFT_NAMESPACE, rid)])
-                continue  # out of blocks this round: skipped; preempted if nothing runs
-            if plan.uses_model_drafter and draft is None:
-                plan = plain(plan, "draft cache out of blocks")
-            kept.append(with_grants(plan, target, draft))
+        kept, refused = granted(plans, results)
+        for request_id in refused:  # refused its target slots: its draft grant goes back
+            self.kv.rollback([(DRAFT_NAMESPACE, request_id)])
         if not kept and plans and may_preempt:
             self.preempt(self.running[-1])
         return kept
@@ -363,13 +325,10 @@ class SpecEngine:
         refusal = invalid_drafts(model_plans, by_id, self.vocab_size)
         if refusal is not None:  # never trusted: the drafter is treated as failed, this round decodes plainly
             return self.drafter_failed(plans, InvalidDrafts(refusal), "fallback: drafter returned invalid drafts")
-        for p in model_plans:  # chains and trees that may stop early (draft_stop_below), and those that did
-            if p.draft_stop_below > 0:
-                kind = "trees" if p.tree_budget else "chains"
-                self.totals[f"draft_{kind}_may_stop"] += 1
-                self.totals[f"draft_{kind}_stopped"] += ran[p.request_id] < p.k
-        return [with_drafts(p, by_id[p.request_id].draft_ids, by_id[p.request_id].draft_probs,
-                            by_id[p.request_id].draft_parents) if p.needs_propose else p for p in plans]
+        plans, stops = with_proposed(plans, by_id, ran)
+        for key, count in stops.items():
+            self.totals[key] += count
+        return plans
 
     def drafter_failed(self, plans: list[RoundPlan], exc: BaseException,
                        reason: str = "fallback: drafter failed, plain decoding") -> list[RoundPlan]:
@@ -397,50 +356,21 @@ class SpecEngine:
     def _verify(self, plans: list[RoundPlan], windows: bool) -> VerifyResult:
         items = [verify_item(p, self.config.exact_rule) for p in plans]
         self.trace.begin(plans)
-        # the held commit and the next round's windows, on a ledger call sent once the verify is on its way
-        # (held_commit.py; in process it runs before the verify, in microseconds)
+        # the held commit and the next round's windows (while the target pool is not short of blocks), on a ledger
+        # call sent once the verify is on its way (held_commit.py; in process it runs before the verify)
         ahead = self.kv.ahead(window_items(plans, self.config.k_max, self.health.verifier_holder,
-                                           self.health.drafter_holder)) if windows and self._windows() else None
-        call_start = time.perf_counter()
+                                           self.health.drafter_holder)) if windows and self.config.reservation_windows \
+            and self.kv.free_fraction(TARGET_NAMESPACE) > self.config.pressure_free_fraction else None
         try:
-            with self.trace.phase("verify.forward", requests=len(items),
-                                  tokens=sum(len(i.input_ids) + len(i.draft_ids) for i in items)):
-                result = self.verifier.verify(VerifyBatch(items, self.trace.trace_context),
-                                              on_sent=ahead.send if ahead is not None else None)
-        except Exception as exc:
-            if ahead is not None:
-                self._land_ahead(ahead, quiet=True)
-            time.sleep(self.health.verifier_failed(exc))  # re-raises after too many failures in a row
-            raise VerifierLost(f"verifier failed: {exc!r}") from exc
-        if ahead is not None:
-            self._land_ahead(ahead)
-        if self.health.verifier_answered(result.worker_instance):
-            raise VerifierLost("verifier replaced (new process, empty KV pool)")
-        # result.seconds + the hop (the ledger call's sending is the ledger's: in process, all of that call)
-        self.totals["verify_call_seconds"] += time.perf_counter() - call_start - (ahead.send_seconds if ahead else 0.0)
-        self.cost.observe_verify(sum(len(i.input_ids) + len(i.draft_ids) for i in items), result.seconds)
-        return result
-
-    def _windows(self) -> bool:
-        """Reservation windows, while the target pool is not short of blocks (a window holds the next round's slots
-        a round early)."""
-        return self.config.reservation_windows and \
-            self.kv.free_fraction(TARGET_NAMESPACE) > self.config.pressure_free_fraction
-
-    def _land_ahead(self, ahead: Ahead, quiet: bool = False) -> None:
-        """The ahead call's answer; the time waited for it after the verify is the ledger's share of the round.
-        `quiet`: the round is lost anyway (the verifier failed), a failed ledger call is only logged."""
-        wait_start = time.perf_counter()
-        try:
-            self.kv.land_ahead(ahead)
-        except Exception:
-            if not quiet:
-                raise
-            log.warning("the ledger call beside a failed verify failed too", exc_info=True)
+            call = call_verifier(self.verifier, self.kv, self.health, self.trace,
+                                 VerifyBatch(items, self.trace.trace_context), ahead)
         finally:
-            waited = time.perf_counter() - wait_start
-            self.totals["kv_seconds"] += waited + ahead.send_seconds
-            self.totals["kv_ahead_wait_seconds"] += waited
+            if ahead is not None:  # the time waited for the ledger's answer after the verify is its share
+                self.totals["kv_seconds"] += ahead.wait_seconds + ahead.send_seconds
+                self.totals["kv_ahead_wait_seconds"] += ahead.wait_seconds
+        self.totals["verify_call_seconds"] += call.seconds
+        self.cost.observe_verify(sum(len(i.input_ids) + len(i.draft_ids) for i in items), call.result.seconds)
+        return call.result
 
     def accept(self, plans: list[RoundPlan], result: VerifyResult) -> RoundOutcome:
         with self.trace.phase("accept"):

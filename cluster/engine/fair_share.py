@@ -17,15 +17,22 @@ server has no keys: cluster/serving/auth.py `client_id`; "" is the one shared te
               group's shared prompt is never chosen.
 
 The per-tenant limits (requests, tokens in flight) are the scheduler's (cluster/serving/client_shares.py): by the
-time a request is here its tenant was within them. Owner: the engine thread (engine.py `_admit`).
+time a request is here its tenant was within them. `admissions` makes the decisions one by one, and the engine
+applies each before the next is made (engine.py `_admit`). Owner: the engine thread.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
+from cluster.engine.admission import admit_target, running
+from cluster.engine.held_commit import HeldCommitKV
 from cluster.engine.request_state import RequestState
+from cluster.engine.shared_prompts import SharedPrompts
+from cluster.engine.worker_health import WorkerHealth
+
+ADMIT, YIELD = "admit", "yield"
 
 
 def tenant_of(state: RequestState) -> str:
@@ -97,4 +104,37 @@ class FairOrder:
         self.queues.setdefault(tenant, collections.deque()).appendleft((self._requeued, state))
 
 
-__all__ = ["FairOrder", "awaits_prefill", "prefills_group", "tenant_of"]
+def admissions(waiting: Sequence[RequestState], batch: Sequence[RequestState], max_batch: int, lookahead: int,
+               kv: HeldCommitKV, shared: SharedPrompts, health: WorkerHealth, in_flight: Callable[[], set[str]]
+               ) -> Iterator[tuple[str, RequestState]]:
+    """Waiting requests join the batch, tenants in turn: (ADMIT, a request admitted in the ledger, its overlap
+    group set) or (YIELD, a running request to preempt for a tenant short of its share); the caller applies each to
+    its lists (`waiting`, `batch`: read live) before the next is made. Stops where memory is short."""
+    if not waiting:
+        return
+    order = FairOrder(waiting, batch)
+    in_flight_ids: set[str] | None = None
+    for _ in range(len(waiting) + max_batch):  # each pass admits, yields or passes over one
+        if len(batch) >= max_batch:  # full: a slot yielded to a tenant short of its share, then filled
+            in_flight_ids = in_flight() if in_flight_ids is None else in_flight_ids
+            if (victim := order.to_yield(batch, in_flight_ids)) is None:
+                return
+            yield YIELD, victim
+            order.yielded(victim)
+        if (state := order.next()) is None:
+            return
+        if awaits_prefill(state):
+            order.pass_over(state)  # its group's prompt is being prefilled: other tenants may go first
+            continue
+        forked = shared.fork(state, lookahead, health.verifier_holder)  # a group's member
+        if forked is False:
+            return  # memory is short
+        if forked is None and not admit_target(kv, state, health.verifier_holder, lookahead):
+            return  # memory pressure: wait for running requests to finish
+        order.admitted(state)
+        sizes = [sum(1 for r in batch if r.group == g) for g in (0, 1)]
+        running(state, 0 if sizes[0] <= sizes[1] else 1)
+        yield ADMIT, state
+
+
+__all__ = ["ADMIT", "YIELD", "FairOrder", "admissions", "awaits_prefill", "prefills_group", "tenant_of"]

@@ -86,6 +86,7 @@ class Ahead:
     future: PendingRound | None = None
     failure: Exception | None = None  # the call could not be sent: raised by `land_ahead`, not by the verify's hook
     send_seconds: float = 0.0  # the engine thread's own time in `send` (all of the call where it is in process)
+    wait_seconds: float = 0.0  # the time `land_ahead` waited for its answer after the verify (the ledger's share)
 
     def send(self) -> None:
         if self.future is None and self.failure is None:
@@ -185,11 +186,15 @@ class HeldCommitKV:
     def land_ahead(self, ahead: Ahead) -> None:
         """The ahead call's answer: commits checked, grown windows recorded (a refused extend leaves its window
         as it was: the next round extends it in its own call). Raises what the call raised."""
-        ahead.send()  # a verify that failed before its request left: the call still carries the held commit
-        if ahead.failure is not None:
-            raise ahead.failure
-        assert ahead.future is not None
-        committed, reserved = ahead.future.result()
+        wait_start = time.perf_counter()
+        try:
+            ahead.send()  # a verify that failed before its request left: the call still carries the held commit
+            if ahead.failure is not None:
+                raise ahead.failure
+            assert ahead.future is not None
+            committed, reserved = ahead.future.result()
+        finally:
+            ahead.wait_seconds = time.perf_counter() - wait_start
         self._checked(ahead.commits, committed)
         for item, outcome in zip(ahead.extends, reserved, strict=True):
             if isinstance(outcome, Reservation):

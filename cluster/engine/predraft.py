@@ -48,6 +48,7 @@ from cluster.engine.round_plan import (
     PreDraft,
     RoundPlan,
     penalty_history,
+    predraft_slots,
     with_predraft_k,
     without_draft_grant,
 )
@@ -82,11 +83,6 @@ def next_k(plan: RoundPlan, k_max: int, probe_every: int, costs: NominalCosts = 
         return choose_k_seeded(SeededInputs.of(s.acceptance.merge(after), cap, 0, probe_every,
                                                model_draft=True, costs=costs)).k
     return min(plan.k, cap)
-
-
-def predraft_slots(plan: RoundPlan) -> int:
-    """Draft slots the pre-draft writes after the round's own: d_k, then g_1..g_{k'} (0: no pre-draft)."""
-    return 1 + plan.predraft_k if plan.predraft_k else 0
 
 
 def predraft_item(plan: RoundPlan) -> ProposeItem:

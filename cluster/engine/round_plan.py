@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE
 from cluster.engine.request_state import RequestState
+from kv_manager.errors import KVError
 from kv_manager.schema import Holder, Reservation, ReserveItem
 from specserve_types.round_messages import ProposeItem, VerifyItem
 from verifier_service.tree_contracts import TokenTree
@@ -96,6 +98,39 @@ def draft_slots(plan: RoundPlan) -> int:
     return len(plan.draft_pending) + (MODEL_TREE_WIDTH * (plan.k - 1) if plan.tree_budget else plan.k - 1)
 
 
+def predraft_slots(plan: RoundPlan) -> int:
+    """Draft slots the pre-draft writes after the round's own: d_k, then g_1..g_{k'} (0: no pre-draft, predraft.py)."""
+    return 1 + plan.predraft_k if plan.predraft_k else 0
+
+
+def reserve_items(plans: Sequence[RoundPlan], verifier: Holder, drafter: Holder | None) -> list[ReserveItem]:
+    """The round's ONE reserve: each plan's target slots, then the draft slots of those the drafter writes (a kept
+    pre-draft's reservation exists already)."""
+    items = [ReserveItem(TARGET_NAMESPACE, p.request_id, target_slots(p), verifier) for p in plans]
+    return items + [ReserveItem(DRAFT_NAMESPACE, p.request_id, draft_slots(p) + predraft_slots(p), drafter)
+                    for p in plans if p.uses_model_drafter and not p.predrafted]
+
+
+def granted(plans: Sequence[RoundPlan], results: Sequence[Reservation | KVError]) -> tuple[list[RoundPlan], list[str]]:
+    """The plans with their grants, and the requests refused their target slots that hold a draft grant (to roll
+    back): a plan refused its target slots sits this round out; one refused its draft slots decodes plainly."""
+    grants = {(r.namespace, r.request_id): r for r in results if not isinstance(r, KVError)}
+    kept: list[RoundPlan] = []
+    refused: list[str] = []
+    for plan in plans:
+        rid = plan.request_id
+        target = grants.get((TARGET_NAMESPACE, rid))
+        draft = plan.draft_grant if plan.predrafted else grants.get((DRAFT_NAMESPACE, rid))  # a kept pre-draft's
+        if target is None:
+            if draft is not None:
+                refused.append(rid)
+            continue  # out of blocks this round: skipped; preempted if nothing runs
+        if plan.uses_model_drafter and draft is None:
+            plan = plain(plan, "draft cache out of blocks")
+        kept.append(with_grants(plan, target, draft))
+    return kept, refused
+
+
 def window_items(plans: Sequence[RoundPlan], k_max: int, verifier: Holder, drafter: Holder | None
                  ) -> list[ReserveItem]:
     """The reservation windows a round asks for beside its verify (held_commit.py): each reservation grown by
@@ -147,6 +182,20 @@ def with_drafts(plan: RoundPlan, drafts: Sequence[int], probs: np.ndarray | None
                 parents: Sequence[int] | None = None) -> RoundPlan:
     return replace(plan, drafts=list(drafts), draft_probs=probs,
                    draft_parents=None if parents is None else tuple(parents))
+
+
+def with_proposed(plans: Sequence[RoundPlan], by_id: Mapping[str, Any], ran: Mapping[str, int]
+                  ) -> tuple[list[RoundPlan], dict[str, int]]:
+    """The drafter's answer (checked by `invalid_drafts`) on the plans it drafted; and how many of its chains and
+    trees could stop early (draft_stop_below) and how many did (`ran`: the steps each drafted)."""
+    stops: dict[str, int] = {}
+    for p in plans:
+        if p.needs_propose and p.draft_stop_below > 0:
+            kind = "trees" if p.tree_budget else "chains"
+            stops[f"draft_{kind}_may_stop"] = stops.get(f"draft_{kind}_may_stop", 0) + 1
+            stops[f"draft_{kind}_stopped"] = stops.get(f"draft_{kind}_stopped", 0) + (ran[p.request_id] < p.k)
+    return [with_drafts(p, by_id[p.request_id].draft_ids, by_id[p.request_id].draft_probs,
+                        by_id[p.request_id].draft_parents) if p.needs_propose else p for p in plans], stops
 
 
 def constrained(plan: RoundPlan) -> RoundPlan:
