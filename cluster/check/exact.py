@@ -93,7 +93,7 @@ def check_in_process(model: str, draft: str, texts: Sequence[str], settings: Che
     engine = build_local_engine(model, draft, config.engine_config(), config.local_runtime(), tokenizer=tokenizer)
     try:
         if biased:
-            inject_bias(engine)
+            inject_bias(engine.verifier)
         reference = TargetReference(engine_target_model(engine), settings.sampling(), masks=masks)
         report = run_check(prompts, reference, settings,
                            lambda: sample_in_process(engine, prompts, settings, window, progress, per_group),

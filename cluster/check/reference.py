@@ -80,12 +80,12 @@ def engine_target_model(engine: SpecEngine) -> CausalLM:
     return verifier.runner.rank.model
 
 
-def inject_bias(engine: SpecEngine) -> None:
-    """The negative control: the in-process verifier resamples from p instead of the residual after a
-    rejection, and on a token tree keeps rejected candidates in the target (`VerifierWorker.inject_bias`): the
-    check must then fail."""
+def inject_bias(verifier: object) -> None:
+    """The negative control: the in-process verifier (an engine's `verifier`, before its first round) resamples from
+    p instead of the residual after a rejection, and on a token tree keeps rejected candidates in the target
+    (`VerifierWorker.inject_bias`): the check must then fail."""
     from verifier_service.worker import VerifierWorker
 
-    if not isinstance(engine.verifier, VerifierWorker):
+    if not isinstance(verifier, VerifierWorker):
         raise SpecServeError("--inject-bias needs the in-process verifier")
-    engine.verifier.inject_bias = True
+    verifier.inject_bias = True

@@ -3,7 +3,11 @@
 - a RequestState's token and cache fields are written only by admission (admission.py), by the round's outcome
   (accept.py `accept_round`) and by RequestState's own methods (request_state.py: appending tokens, forgetting KV);
 - a RoundPlan is frozen: its transitions are `dataclasses.replace` in round_plan.py, nowhere else;
-- an engine is complete at construction: no code outside engine.py assigns an attribute of an engine.
+- every other RequestState field has the writers docs/ARCHITECTURE.md §3's table names (`FIELD_WRITERS`);
+- an engine is complete at construction, and its lists are its own: no code outside engine.py writes an engine's
+  attribute or anything under one (`engine.x = `, `engine.x.y = `, `engine.x[k] = `, `engine.x.append(...)`), be it
+  through a parameter named `engine` or one typed as the engine or as a Protocol (a collaborator returns what it
+  decided, the engine applies it: give_back.py's `GiveBack`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,16 @@ SOURCES = sorted(p for d in ("cluster", "chaos", "drafter_service", "verifier_se
 ENGINE_SOURCES = [p for p in SOURCES if p.parent == ROOT / "cluster" / "engine"]  # where RequestStates live
 TOKEN_AND_CACHE = {"token_ids", "target_cached", "draft_cached", "admitted", "draft_admitted"}
 STATE_WRITERS = {"cluster/engine/request_state.py", "cluster/engine/admission.py", "cluster/engine/accept.py"}
+FIELD_WRITERS = {  # the other RequestState fields (ARCHITECTURE.md §3, "Writers"); request_state.py writes any
+    ("k", "policy_events", "rounds_at_zero"): {"cluster/engine/planner.py", "cluster/engine/predraft.py"},
+    ("acceptance", "rounds", "first_token_at", "finished_at", "forced", "forced_accepted"): {"cluster/engine/accept.py"},
+    ("finish_reason",): {"cluster/engine/accept.py", "cluster/engine/give_back.py"},
+    ("draft_seconds", "verify_seconds", "reconcile_seconds"): {"cluster/engine/stats.py"},
+    ("prompt_group",): {"cluster/engine/shared_prompts.py"},
+    ("group", "admitted_at"): {"cluster/engine/admission.py"},
+}
+MUTATORS = {"append", "appendleft", "extend", "extendleft", "insert", "pop", "popleft", "clear", "remove", "update",
+            "setdefault", "add", "discard"}
 
 
 def assigned_attributes(tree: ast.AST, calls: bool = True) -> list[tuple[ast.Attribute, int]]:
@@ -73,11 +87,73 @@ def test_round_plans_change_only_in_round_plan_py() -> None:
     assert not offenders, offenders
 
 
-def test_no_engine_attribute_is_set_from_outside() -> None:
-    offenders = [f"{relative(path)}:{line} engine.{attr.attr}"
-                 for path in SOURCES if relative(path) != "cluster/engine/engine.py"
-                 for attr, line in assigned_attributes(ast.parse(path.read_text()), calls=False)
-                 if isinstance(attr.value, ast.Name) and attr.value.id == "engine"]
+def test_request_state_fields_have_their_writers() -> None:
+    offenders = [f"{relative(path)}:{line} .{attr.attr}"
+                 for path in ENGINE_SOURCES if relative(path) != "cluster/engine/request_state.py"
+                 for attr, line in assigned_attributes(ast.parse(path.read_text()))
+                 if ast.unparse(attr.value) in ("s", "state") or ast.unparse(attr.value).endswith(".state")
+                 for fields, writers in FIELD_WRITERS.items() if attr.attr in fields and relative(path) not in writers]
+    assert not offenders, offenders
+
+
+def protocols() -> set[str]:
+    """The Protocol classes of the sources (the engine as a collaborator sees it, its backends, ...)."""
+    return {node.name for path in SOURCES for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and any(ast.unparse(b).endswith("Protocol") for b in node.bases)}
+
+
+def writes_through(tree: ast.AST, hosts: set[str]) -> list[str]:
+    """Writes under a parameter named `engine` or typed as one of `hosts`: assignments (plain, augmented,
+    annotated, del) to an attribute or item anywhere under it, and in-place calls on one of its attributes."""
+    found = []
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        args = function.args.posonlyargs + function.args.args + function.args.kwonlyargs
+        params = {a.arg for a in args if a.arg == "engine" or (
+            a.annotation is not None and set(ast.unparse(a.annotation).replace("|", " ").split()) & hosts)}
+        for node in ast.walk(function):
+            targets: list[ast.expr] = []
+            if isinstance(node, (ast.Assign, ast.Delete)):
+                targets = list(node.targets)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+                targets = [node.func.value]
+            while targets:
+                target = targets.pop()
+                if isinstance(target, (ast.Tuple, ast.List)):
+                    targets.extend(target.elts)
+                    continue
+                root = target
+                while isinstance(root, (ast.Attribute, ast.Subscript)):
+                    root = root.value
+                if target is not root and isinstance(root, ast.Name) and root.id in params:
+                    found.append(f"{node.lineno} {ast.unparse(target)}")
+    return found
+
+
+def test_the_check_sees_nested_and_protocol_writes() -> None:
+    source = """
+def warm(engine):
+    engine.cost.warm_up_samples = {}
+    engine.totals["rounds"] += 1
+    engine.x = 1
+def requeue(parts: Host | None, state):
+    parts.waiting.appendleft(state)
+    parts.running.remove(state)
+def reads(engine, host: Host):
+    engine.kv.release("r", [])
+    return host.running[0], engine.cost.draft_token
+"""
+    assert [f.split(" ", 1)[1] for f in writes_through(ast.parse(source), {"Host"})] == [
+        "engine.cost.warm_up_samples", "engine.totals['rounds']", "engine.x", "parts.waiting", "parts.running"]
+
+
+def test_no_engine_attribute_is_written_from_outside() -> None:
+    hosts = protocols() | {"SpecEngine"}
+    offenders = [f"{relative(path)}:{found}" for path in SOURCES if relative(path) != "cluster/engine/engine.py"
+                 for found in writes_through(ast.parse(path.read_text()), hosts)]
     assert not offenders, offenders
 
 
