@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = [KERNELS / "amx_linear.cpp", KERNELS / "row_ops.cpp", KERNELS / "layers.cpp"]
 # torch's loader rebuilds when a source or a flag changes: the headers' hash is a flag
-HEADERS = [KERNELS / "ops.h", KERNELS / "simd.h", KERNELS / "layer_loop.h", KERNELS / "portable_ops.h",
-           KERNELS / "head_blocks.h"]
+HEADERS = [KERNELS / "ops.h", KERNELS / "simd.h", KERNELS / "amx_tiles.h", KERNELS / "layer_loop.h",
+           KERNELS / "portable_ops.h", KERNELS / "head_blocks.h"]
 CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
           "-fopenmp"]
 _STATE: dict[str, object] = {}

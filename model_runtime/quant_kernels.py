@@ -31,8 +31,8 @@ from model_runtime.kernel_choice import requested
 log = logging.getLogger(__name__)
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = [KERNELS / "quant_linear.cpp", KERNELS / "q4_layers.cpp"]  # the linears; a q4 model's layer loop
-HEADERS = (KERNELS / "quant_ops.h", KERNELS / "quant_simd.h", KERNELS / "quant_amx.h", KERNELS / "portable_ops.h",
-           KERNELS / "layer_loop.h")
+HEADERS = (KERNELS / "quant_ops.h", KERNELS / "quant_simd.h", KERNELS / "quant_common.h", KERNELS / "quant_amx.h",
+           KERNELS / "amx_tiles.h", KERNELS / "portable_ops.h", KERNELS / "layer_loop.h")
 ISAS = {  # compiler flags and the /proc/cpuinfo flags they need, fastest first
     "amx": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mamx-tile", "-mamx-int8"],
             ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "amx_tile", "amx_int8")),

@@ -13,31 +13,19 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <cmath>
 #include <cstring>
 #include <algorithm>
 #include <atomic>
 #include <initializer_list>
 
+#include "amx_tiles.h"
 #include "ops.h"
 #include "simd.h"
 
 
 namespace {
 constexpr int PREFETCH_TILES = 4;
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16];
-};
-
-// ldtilecfg through an asm that reads the struct as a memory operand: GCC does not see _tile_loadconfig's builtin
-// read through its pointer, and in an out-of-line copy of configure() it dropped the stores that fill the struct
-// (every tile then had 0 rows, and the first tile instruction raised #UD: "Illegal instruction")
-inline void load_config(const TileConfig& cfg) {
-  __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
-}
 
 void configure(int ac_rows = 16, int ac_tiles = 0) {
   // tiles [0, ac_tiles) (accumulators and activations) hold `ac_rows` rows; the rest (weights) 16
@@ -194,10 +182,6 @@ void many_rows(const char* x, int64_t a_stride, const char* w, int64_t NB, int64
   });
 }
 }  // namespace
-
-bool amx_enable() {
-  return syscall(SYS_arch_prctl, 0x1023 /*ARCH_REQ_XCOMP_PERM*/, 18 /*XFEATURE_XTILEDATA*/) == 0;
-}
 
 // x [R, K] bf16; wp [NB, KB, 16, 32] bf16 (NB even); returns [R, n_out] in bf16 or fp32.
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t n_out, c10::optional<torch::Tensor> bias, bool out_fp32) {

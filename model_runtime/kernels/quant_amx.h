@@ -1,7 +1,19 @@
-// The amx build's tile kernels for the K formats (Q4_K, Q6_K), included by quant_linear.cpp inside its anonymous
-// namespace after the vector kernels, whose helpers (Quantized, VI / VF operations, decode6, prefetch_lines) they
-// use. Not a standalone header.
+// The amx build's tile kernels for the K formats (Q4_K, Q6_K), beside the vector kernels of quant_linear.cpp (the
+// one translation unit that includes it, in its amx build only; hence the anonymous namespace).
 #pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "amx_tiles.h"
+#include "quant_common.h"
+
+namespace {
+
 // ---- AMX (the `amx` build: the avx512 build plus -mamx-tile -mamx-int8): the K formats' sums on tiles -------------
 //
 // A tile product sums 64 codes of each row against 64 of each output (TDPBSUD / TDPBSSD: x's int8 codes signed,
@@ -17,12 +29,6 @@
 // avx512 build's bits row for row: the row count decides which kernel runs a call (g_amx_min_rows,
 // g_amx_plane_rows), and no row can tell.
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16];
-};
-
-inline void load_config(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory"); }
-
 // tiles 0, 1 (Q6_K: 0..2): the planes' int32 sums (rows x 16), 5: the rows' codes (rows x 64), 6 and 7: a plane
 void configure_tiles(int rows) {
   TileConfig cfg;
@@ -31,8 +37,6 @@ void configure_tiles(int rows) {
   for (int t = 0; t < 8; ++t) { cfg.rows[t] = static_cast<uint8_t>(t < 6 ? rows : 16); cfg.colsb[t] = 64; }
   load_config(cfg);
 }
-
-bool amx_enable() { return syscall(SYS_arch_prctl, 0x1023 /*ARCH_REQ_XCOMP_PERM*/, 18 /*XFEATURE_XTILEDATA*/) == 0; }
 
 // Which kernel runs a Q4_K / Q6_K call, by its rows (all give the same bits): the vector kernel below
 // g_amx_min_rows, the block tiles (below) from there, the planes from g_amx_plane_rows. Building the planes costs
@@ -386,3 +390,5 @@ void block_tiles(const uint8_t* w, int64_t tiles, int64_t n_out, int64_t nsb, co
     _tile_release();
   });
 }
+
+}  // namespace

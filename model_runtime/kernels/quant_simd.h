@@ -1,7 +1,14 @@
-// The q4 kernels' vector operations per build (VI / VF and their operations, one definition per ISA), included by
-// quant_linear.cpp inside its anonymous namespace, where the kernels written once over them live. Not a standalone
-// header: it uses <immintrin.h>, <cstring> and <cstdint> as that file includes them.
+// The q4 kernels' vector operations per build (VI / VF and their operations, one definition per ISA), over which
+// quant_linear.cpp writes its kernels once. quant_linear.cpp is the one translation unit of each build that
+// includes it (through quant_common.h), hence the anonymous namespace.
 #pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
 #ifdef __AVX512VNNI__
 // ---- AVX-512 VNNI: 16 outputs in one vector ----
 typedef __m512i VI;
@@ -164,3 +171,5 @@ constexpr const char* ISA = "avx2vnni";
 constexpr const char* ISA = "avx2";
 #endif
 #endif
+
+}  // namespace
