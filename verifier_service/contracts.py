@@ -212,19 +212,25 @@ def _drafts(draft_tokens: Sequence[int], p: torch.Tensor) -> torch.Tensor:
 
 def verify_exact(
     draft_tokens: Sequence[int], q: torch.Tensor | None, p: torch.Tensor, seed: int, position: int,
-    inject_bias: bool = False, rule: str = "token",
+    inject_bias: bool = False, rule: str = "token", support: torch.Tensor | None = None,
 ) -> Verdict:
     """Exact contract for one request. q [k,V] or None (point mass); p [k+1,V]; `position` = position of x_1;
     `rule`: "token" (`exact_accept`) or "block" (`block_accept`), the same uniforms.
+    `support`: p is given on these token ids only (ascending, the drafts among them; p = 0 on every other token in
+    every row, e.g. a constraint's columns): [k+1, len(support)], q still [k,V] (narrowed here, as `on_support`).
     `inject_bias`: the negative control of `specserve check exact` (see `exact_accept`); never in production."""
     if rule not in EXACT_RULES:
         raise ValueError(f"unknown exact rule {rule!r}; known: {', '.join(EXACT_RULES)}")
     x, k = _drafts(draft_tokens, p), len(draft_tokens)
-    assert q is None or q.shape == (k, p.shape[-1])
     u = request_uniforms(seed, position, k, "accept", round_start=position).view(1, k)  # fresh per round
     u_next = request_uniforms(seed, position, k + 1, "residual").view(1, k + 1)
     accept = block_accept if rule == "block" else exact_accept
-    x, q, p, ids = on_support(x, q, p)
+    if support is None:
+        assert q is None or q.shape == (k, p.shape[-1])
+        x, q, p, ids = on_support(x, q, p)
+    else:
+        assert p.shape[-1] == len(support) and (q is None or q.shape[0] == k)
+        x, q, ids = torch.searchsorted(support, x), None if q is None else q[:, support], support
     accepted_len, next_token = accept(x, None if q is None else q.unsqueeze(0), p.unsqueeze(0), u, u_next, inject_bias)
     return _verdict(draft_tokens, accepted_len, next_token if ids is None else ids[next_token], "exact")
 

@@ -23,6 +23,8 @@ from specserve_types.round_messages import VerifyBatch, VerifyItem, VerifyOutput
 from verifier_service.contracts import Verdict, verify_exact, verify_greedy, verify_typical
 from verifier_service.logprobs import processed_rows, prompt_logprobs, row_logprobs
 from verifier_service.sampling import (
+    allowed_ids,
+    allows_columns,
     apply_allowed,
     apply_logit_bias,
     greedy_allowed,
@@ -69,14 +71,20 @@ class LocalRunner:
             self.forward([SeqInput([0], n, [0], [n], logits="last")], [])
 
 
-def processed_logits(item: VerifyItem, logits: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+def processed_logits(item: VerifyItem, logits: torch.Tensor, greedy: bool = False,
+                     columns: torch.Tensor | None = None) -> torch.Tensor:
     """The request's logits processors on its scored rows, in one order for plain decoding and every speculative
     path: logit bias, penalties (each row its own history), the constraint's mask (each row its own prefix's).
-    `greedy`: only each row's argmax is read, so only rows whose argmax the constraint forbids are masked."""
+    `greedy`: only each row's argmax is read, so only rows whose argmax the constraint forbids are masked.
+    `columns`: those token ids only (ascending; every token the mask allows in some row among them), [n, len]."""
     params = item.sampling
     logits = apply_logit_bias(logits, params.logit_bias)
     if params.has_penalties:
         logits = penalized_logits_for_positions(logits, item.prompt_ids, item.output_ids, item.draft_ids, params)
+    if columns is not None:
+        assert item.allowed is not None, "columns come from the constraint's mask"
+        logits = logits[:, columns]
+        return logits.masked_fill(~allows_columns(item.allowed[:logits.shape[0]], columns), float("-inf"))
     if item.allowed is not None:
         allowed = item.allowed[:logits.shape[0]]
         logits = greedy_allowed(logits, allowed) if greedy else apply_allowed(logits, allowed)
@@ -88,16 +96,21 @@ def decide(item: VerifyItem, logits: torch.Tensor, inject_bias: bool = False) ->
     `VerifierWorker.inject_bias` (testing the check only)."""
     k = len(item.draft_ids)
     params = item.sampling
-    logits = processed_logits(item, logits, greedy=item.contract == "greedy" or params.is_greedy)
     first_draft_position = item.past_len + len(item.input_ids)
     if item.contract == "greedy" or params.is_greedy:
-        verdict = verify_greedy(item.draft_ids, logits)
+        verdict = verify_greedy(item.draft_ids, processed_logits(item, logits, greedy=True))
         return verdict if item.contract == "greedy" else Verdict(
             verdict.accepted_len, verdict.next_token, verdict.tokens, item.contract, verdict.bonus, k)
-    p = transform_logits(logits, params)
+    q = None if item.draft_probs is None else torch.from_numpy(item.draft_probs)
+    support = None if item.allowed is None or item.contract != "exact" else \
+        allowed_ids(item.allowed[:logits.shape[0]], logits.shape[-1], also=item.draft_ids)
+    if support is not None:  # the round on the columns its constraint allows in any row (and the drafts)
+        p = transform_logits(processed_logits(item, logits, columns=support), params)
+        return verify_exact(item.draft_ids, q, p, item.seed, first_draft_position, inject_bias, item.exact_rule,
+                            support=support)
+    p = transform_logits(processed_logits(item, logits), params)
     if item.contract == "typical":
         return verify_typical(item.draft_ids, p, item.seed, first_draft_position)
-    q = None if item.draft_probs is None else torch.from_numpy(item.draft_probs)
     return verify_exact(item.draft_ids, q, p, item.seed, first_draft_position, inject_bias, item.exact_rule)
 
 

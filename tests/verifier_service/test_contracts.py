@@ -28,6 +28,7 @@ sequence has k + 1 tokens.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -378,3 +379,40 @@ def test_a_small_support_is_verified_on_its_columns_alone(rule: str, point_mass:
         assert (narrowed.accepted_len, narrowed.next_token) == (int(n[0]), int(token[0])), seed
     dense = torch.softmax(torch.randn(k + 1, vocab, generator=g), -1)
     assert on_support(torch.tensor([drafts]), None, dense)[3] is None
+
+
+@pytest.mark.parametrize("rule", ["token", "block"])
+@pytest.mark.parametrize("drafter", ["constrained", "free", "point mass"])
+@pytest.mark.parametrize("extra", [{}, {"top_p": 0.9}])
+def test_a_constrained_round_is_decided_on_its_allowed_columns(rule: str, drafter: str, extra: dict) -> None:
+    """decide on a constrained exact round: the logits narrowed to the tokens the mask allows in any row (and the
+    drafts), each row masked, transformed and judged there, give the verdict of the dense path (every row masked on
+    the whole vocabulary, then `verify_exact`) for every seed; q (the drafter's, under the same constraint or
+    drafting freely) may put mass outside those columns, where p = 0 in every row."""
+    from verifier_service.sampling import apply_allowed
+
+    g = torch.Generator().manual_seed(9)
+    vocab, k = 4096, 3
+    rows = [set(torch.randperm(vocab, generator=g)[:40].tolist()) for _ in range(k + 1)]
+    words = np.zeros((k + 1, vocab // 32), dtype=np.uint32)
+    for row, tokens in enumerate(rows):
+        for token in tokens:
+            words[row, token // 32] |= np.uint32(1 << (token % 32))
+    words = words.view(np.int32)
+    params = SamplingParams(temperature=0.8, **extra)
+    for seed in range(60):
+        g = torch.Generator().manual_seed(100 + seed)
+        logits = torch.randn(k + 1, vocab, generator=g) * 2
+        q = torch.softmax(torch.randn(k, vocab, generator=g), -1)
+        if drafter == "constrained":
+            q = transform_logits(apply_allowed(torch.randn(k, vocab, generator=g), words[:k]), params)
+        drafts = [int(sample_with_uniforms(q[i:i + 1], request_uniforms(seed, 11 + i, 1, "draft"))[0])
+                  for i in range(k)]
+        item = VerifyItem(f"r{seed}", input_ids=[1, 2], draft_ids=drafts,
+                          draft_probs=None if drafter == "point mass" else q.numpy(), past_len=9, block_table=[0],
+                          slot_mapping=list(range(2 + k)), sampling=params, contract="exact", seed=seed, position=11,
+                          exact_rule=rule, allowed=words)
+        p = transform_logits(apply_allowed(logits, words), params)
+        dense = verify_exact(drafts, None if drafter == "point mass" else q, p, seed, 11, rule=rule)
+        assert decide(item, logits) == dense, seed
+        assert dense.next_token in rows[dense.accepted_len]

@@ -302,3 +302,20 @@ def test_sample_on_support_is_the_dense_masked_distribution(extra: dict) -> None
         assert keep[token]
     torch.testing.assert_close(q, dense, atol=1e-6, rtol=1e-5)
     assert float(q[~keep].abs().sum()) == 0.0
+
+
+def test_allowed_ids_unpacks_the_union_of_rows_and_adds_the_extra_ids() -> None:
+    """allowed_ids on several rows' words: the ids any row allows (bits past the vocabulary ignored), with `also`
+    added, ascending; allows_columns reads each row's bits at those ids as the dense mask has them."""
+    from verifier_service.sampling import allowed_ids, allowed_tokens, allows_columns
+
+    vocab = 5000  # not a whole number of words: the last word's high bits lie past the vocabulary
+    rows = [{0, 31, 32, 4999}, {7, 31, 2048}, set()]
+    words = _words(rows, 5024)
+    words[0, -1] |= np.int32(1 << 30)  # token 5022: past the vocabulary
+    ids = allowed_ids(words, vocab, also=[17, 7])
+    assert ids is not None and ids.tolist() == [0, 7, 17, 31, 32, 2048, 4999]
+    assert allowed_ids(words[1], vocab).tolist() == [7, 31, 2048]  # one row
+    dense = allowed_tokens(words, 5024)[:, :vocab]
+    assert torch.equal(allows_columns(words, ids), dense[:, ids])
+    assert allowed_ids(words, vocab, most=6 / vocab) is None  # over the share: None
