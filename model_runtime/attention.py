@@ -22,10 +22,9 @@ It is also faster than SDPA here: Qwen-1.5B heads, 500 keys, one row: ~0.35 ms a
 
 Masked positions point at a real slot of the sequence (finite values) and get probability exactly 0.
 
-In bf16 on CPUs where the AMX extension runs, kernels/row_ops.cpp computes the same contract for rows whose key
-width is at most KERNEL_MAX_WIDTH: each row's scores, softmax and sum over its own visible keys in slot order, in
-float32, by the same instructions whatever else is in the call (masked keys are skipped, not padded). Wider rows take the
-avx512 build's attention (kernels/portable.cpp), which the amx path loads beside it.
+Where our CPU kernels run (model_runtime/kernel_registry.py), kernels/portable.cpp computes the same contract for
+rows of every width: each row's scores, softmax and sum over its own visible keys in slot order, in float32, by the
+same instructions whatever else is in the call (masked keys are skipped, not padded).
 """
 
 from __future__ import annotations
@@ -37,12 +36,6 @@ from types import ModuleType
 import torch
 
 TILE = 64  # keys are padded to a multiple of this per row
-# bf16 rows whose padded key width is at most this go through the kernel (the width is the row's own, so a row
-# takes the same path alone or among others). Measured (Qwen-1.5B heads, 2 threads): one row 132 -> 34 us at
-# width 128, 456 -> 244 us at 1024; but 64 rows of one width 728 -> 843 us at 128, 1786 -> 3699 us at 512 (the
-# float32 matmuls block across rows, the kernel does not). Wider rows take the avx512 build's attention (_for_group):
-# the matmuls were faster for long prefills but their bits follow MKL's kernel choice (capped ISAs: not invariant).
-KERNEL_MAX_WIDTH = 512
 
 
 @dataclass(frozen=True)
@@ -146,39 +139,18 @@ def _lone_group(width: int, member: Member, total: int) -> WidthGroup:
 
 
 def kernel_head_dim(head_dim: int) -> bool:
-    """Whether the extension's attention (kernels/row_ops.cpp) handles heads of this size."""
+    """Whether the kernels' attention (kernels/portable.cpp) handles heads of this size."""
     return head_dim % 16 == 0 and head_dim <= 256
-
-
-def on_kernel(group: WidthGroup) -> bool:
-    """Whether a width group's rows go through the extension's attention (where it runs): the row's own width."""
-    return group.width <= KERNEL_MAX_WIDTH
 
 
 def _row_kernel(q: torch.Tensor, rows: ModuleType | None | str) -> ModuleType | None:
     """The kernels' attention for q's head dim where the model has row kernels (`rows`; "auto": the ones
-    model_runtime/cpu_kernels.py picks for q's dtype now); None: the products below."""
+    model_runtime/cpu_kernels.py resolves for q's dtype now); None: the products below."""
     if rows == "auto":
         from model_runtime.cpu_kernels import for_dtype
 
         rows = for_dtype(q.dtype, q.device).rows
     return rows if kernel_head_dim(q.shape[-1]) else None  # type: ignore[return-value]
-
-
-def _for_group(kernel: ModuleType, group: WidthGroup) -> ModuleType:
-    """The kernel that computes a group's rows. The portable kernels (kernels/portable.cpp) take every width; the
-    AMX build's row_ops.cpp up to KERNEL_MAX_WIDTH, and wider rows go to the avx512 build that the amx path always
-    loads beside it (not to the float32 products: MKL keeps a row's bits apart from the row count on the AMX
-    machines' full ISA, but not with its instructions capped, e.g. MKL_ENABLE_INSTRUCTIONS=AVX2, measured).
-    The choice depends on the row's own width only, so a row takes the same kernel alone or among others."""
-    if hasattr(kernel, "isa") or on_kernel(group):
-        return kernel
-    from model_runtime.cpu_kernels import portable
-
-    wide = portable("avx512")
-    if wide is None:  # unreachable on the amx path (it runs only where the avx512 build loads)
-        raise RuntimeError("the amx path's attention needs the avx512 build for keys wider than KERNEL_MAX_WIDTH")
-    return wide
 
 
 def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
@@ -194,8 +166,7 @@ def paged_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
     scale = d ** -0.5
     for g in groups:
         if kernel is not None:
-            _for_group(kernel, g).paged_attention_group(q, k_flat, v_flat, g.slots, g.rows, g.hidden, g.real, out,
-                                                        scale)
+            kernel.paged_attention_group(q, k_flat, v_flat, g.slots, g.rows, g.hidden, g.real, out, scale)
             continue
         seqs, rows = g.rows.shape
         slots = g.slots.flatten()

@@ -37,5 +37,5 @@ def keep_large_allocations() -> str:
 
 
 def describe() -> str:
-    """One line for `python -m model_runtime.cpu_kernels`."""
+    """One line for `specserve kernels`."""
     return f"large activations: {_STATE.get('result', 'glibc defaults (keep_large_allocations not called)')}"

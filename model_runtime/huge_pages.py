@@ -35,7 +35,7 @@ def system_setting(path: Path = SYSTEM_SETTING) -> str | None:
 
 
 def describe() -> str:
-    """One line for `python -m model_runtime.cpu_kernels`."""
+    """One line for `specserve kernels`."""
     asked = os.environ.get(ENV, "0") == "1"
     system = system_setting()
     effective = asked and system in ("always", "madvise")

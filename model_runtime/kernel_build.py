@@ -1,5 +1,5 @@
-"""What the kernels' builds share: this CPU's flags and one build folder per extension and ISA (cpu_kernels.py,
-quant_kernels.py)."""
+"""What the kernels' builds share: this CPU's flags (the one reader of /proc/cpuinfo's flags) and one build folder
+per extension (model_runtime/kernel_registry.py; drafter_service/suffix_native.py)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def cpu_flags() -> frozenset[str]:
 
 
 def build_dir(isa: str | None = None) -> Path:
-    """One folder per build (torch's loader keeps one build.ninja and object per source in it): `isa`'s, or with
-    None the folder of this torch and Python (the AMX extension's, amx_kernel.py)."""
+    """One folder per build (torch's loader keeps one build.ninja and object per source in it): `isa`'s (a folder
+    name: model_runtime/kernel_registry.py's builds), or with None the folder of this torch and Python."""
     configured = os.environ.get("SPECSERVE_CACHE")
     root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "specserve"
     path = root / "kernels" / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"

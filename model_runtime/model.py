@@ -16,9 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from model_runtime import cpu_kernels, precision
-from model_runtime.amx_kernel import kernel as amx_kernel
-from model_runtime.amx_kernel import status as amx_status
-from model_runtime.attention import KERNEL_MAX_WIDTH, kernel_head_dim, paged_attention
+from model_runtime.attention import kernel_head_dim, paged_attention
 from model_runtime.batch import ForwardBatch, SeqInput
 from model_runtime.config import ModelConfig
 from model_runtime.kv_pool import KVPool
@@ -67,22 +65,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def _packed_for_cpu(weights: ModelWeights, int8: bool) -> tuple[ModelWeights, str, cpu_kernels.Kernels]:
-    """The weights as the linears will run them, the linears' kernel name ("amx", "amx-int8" on AMX; "avx512",
-    "avx2": kernels/portable.cpp; "torch": the libraries, or CUDA) and the model's kernels (cpu_kernels.py)."""
+    """The weights as the linears will run them, the linears' kernel name (the registry path whose build runs them,
+    "-int8" after it for int8 weights, "q4-" before the q4 build's; "torch": the libraries, or CUDA) and the model's
+    kernels (model_runtime/cpu_kernels.py, from the kernel registry)."""
     dtype, device = weights.embed.dtype, weights.embed.device
     kernels = cpu_kernels.for_dtype(dtype, device)
     if isinstance(weights.lm_head, QuantLinear):
         if not kernels.exact:
-            raise UnsupportedQuantError("--dtype q4 needs the portable float32 kernels around its linears "
-                                        f"(SPECSERVE_CPU_KERNEL={cpu_kernels.requested()} turns them off)")
+            raise UnsupportedQuantError("--dtype q4 needs our float32 kernels around its linears, and this process "
+                                        "runs the libraries' (`specserve kernels` says why)")
         return weights, f"q4-{weights.lm_head.isa}", kernels
-    if kernels.path == "amx" and dtype == torch.bfloat16:
+    if kernels.packed is not None:  # a path that packs bf16 weights once at load (and int8 ones)
         if int8:
-            return pack_weights(weights, PackedInt8), "amx-int8", kernels
-        return pack_weights(weights), "amx", kernels
+            return pack_weights(weights, PackedInt8), f"{kernels.path}-int8", kernels
+        return pack_weights(weights), kernels.path, kernels
     if int8:
-        log.warning("int8 linears need the AMX kernel (%s): running bfloat16", amx_status())
-    if kernels.path == "torch" and device.type == "cpu":
+        log.warning("int8 linears need a kernel that packs them (%s): running bfloat16", kernels.packed_why)
+    if not kernels.exact and device.type == "cpu":
         log.warning("SPECSERVE_CPU_KERNEL=torch: the libraries' kernels, whose rows depend on the call's shape: "
                     "greedy speculative output is bounded, not exact (docs/exactness.md)")
     return weights, kernels.path, kernels
@@ -108,8 +107,7 @@ class CausalLM:
         # MKL's few-row block widths, timed per shape: only where the libraries run the linears (not our kernels)
         self.matmul_widths = {} if self.kernels.linear is not None else calibrate_all(
             [first.qkv, first.o, first.gate_up, first.down, self.weights.lm_head])
-        # the widest key row the C++ loop's attention takes (None: any); wider forwards take the Python loop
-        self._stack, self._stack_width = self._layer_stack()
+        self._stack = self._layer_stack()  # the decoder layers as one C++ loop, or None: the Python loop
 
     @classmethod
     def load(
@@ -117,8 +115,8 @@ class CausalLM:
         group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> CausalLM:
-        """`dtype` torch.int8: int8 linears (W8A8, per-row activations) on the AMX kernel, bfloat16 elsewhere in the
-        model; a draft's precision (`--draft-dtype int8`). Where the kernel cannot run, plain bfloat16.
+        """`dtype` torch.int8: int8 linears (W8A8, per-row activations) on the registry's packed kernel, bfloat16
+        elsewhere in the model; a draft's precision (`--draft-dtype int8`). Where no such kernel runs, plain bfloat16.
         `dtype` precision.Q4 (`--dtype q4`): the GGUF's quantized linears, float32 elsewhere (quant_weights.py)."""
         config = ModelConfig.from_dir(checkpoint_dir)
         if dtype == precision.Q4:
@@ -136,28 +134,26 @@ class CausalLM:
                                device=device)
         return cls(config, weights, tp_rank, tp_size, group, int8=int8)
 
-    def _layer_stack(self) -> tuple[object | None, int | None]:
+    def _layer_stack(self) -> object | None:
         """The decoder layers as one C++ loop over the kernels (kernels/layers.cpp), for a model whose every linear is
-        packed, on one rank, and the widest key row its attention takes (row_ops.cpp's KERNEL_MAX_WIDTH); None
-        elsewhere (the Python loop below: the same operations). A q4 model's loop is kernels/q4_layers.cpp's, on the
-        portable attention, which takes any width."""
+        packed, on one rank; None elsewhere (the Python loop below: the same operations). A q4 model's loop is
+        kernels/q4_layers.cpp's. Both loops run the portable row ops (Kernels.rows), which take any key width."""
         if isinstance(self.weights.lm_head, QuantLinear):
-            return self._q4_layer_stack(), None
-        module = amx_kernel() if self.kernels.path == "amx" else None
-        d = self.config.head_dim
-        if module is None or self.tp_size != 1 or not kernel_head_dim(d) or not self.weights.layers:
-            return None, None
+            return self._q4_layer_stack()
+        module, rows, d = self.kernels.packed, self.kernels.rows, self.config.head_dim
+        if module is None or rows is None or self.tp_size != 1 or not kernel_head_dim(d) or not self.weights.layers:
+            return None
         if not all(isinstance(w, PackedBF16 | PackedInt8)
                    for lw in self.weights.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)):
-            return None, None
+            return None
 
         def lin(w: PackedBF16 | PackedInt8) -> tuple[torch.Tensor, torch.Tensor | None, int]:
             return w.packed, w.scale if isinstance(w, PackedInt8) else None, w.shape[0]
 
         layers = [(lw.input_norm, lw.post_norm, lw.qkv_bias, lin(lw.qkv), lin(lw.o), lin(lw.gate_up), lin(lw.down))
                   for lw in self.weights.layers]
-        return (module.LayerStack(layers, self.num_heads, self.num_kv_heads, d, self.config.rms_norm_eps, d ** -0.5),
-                KERNEL_MAX_WIDTH)
+        return module.LayerStack(layers, self.num_heads, self.num_kv_heads, d, self.config.rms_norm_eps, d ** -0.5,
+                                 rows.ops())
 
     def _q4_layer_stack(self) -> object | None:
         """kernels/q4_layers.cpp's loop for a q4 model whose every layer linear is quantized, on one rank, where the
@@ -201,8 +197,7 @@ class CausalLM:
         cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         h = F.embedding(batch.token_ids, self.weights.embed)
         rows, lin = self.kernels.rows, self.kernels.linear
-        if self._stack is not None and (self._stack_width is None
-                                        or all(g.width <= self._stack_width for g in batch.attention)):
+        if self._stack is not None:
             groups = [(g.slots, g.rows, g.hidden, g.real) for g in batch.attention]
             h = self._stack.forward(h, cos, sin, batch.slot_mapping, kv.k, kv.v, groups)  # type: ignore[attr-defined]
         else:
@@ -217,7 +212,7 @@ class CausalLM:
         if isinstance(self.weights.lm_head, PackedBF16 | PackedInt8 | QuantLinear):
             return self.weights.lm_head(h, out_fp32=True)  # float32 logits (bf16's straight from the accumulators)
         if lin is not None:
-            return lin.linear(h, self.weights.lm_head, None, True)  # float32 logits, as the AMX kernel's
+            return lin.linear(h, self.weights.lm_head, None, True)  # float32 logits, as the packed kernels'
         return linear(h, self.weights.lm_head).float()
 
     def _attention(

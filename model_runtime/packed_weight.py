@@ -1,4 +1,4 @@
-"""Weights packed once for the AMX kernels (model_runtime/amx_kernel.py), and the model's weights swapped for
+"""Weights packed once for the AMX kernels (kernels/amx_linear.cpp: the amx path of model_runtime/kernel_registry.py), and the model's weights swapped for
 them at load: bfloat16 (`PackedBF16`, the target) or int8 per output channel (`PackedInt8`, a draft run with
 `--draft-dtype int8`).
 
@@ -24,11 +24,11 @@ class _PackedLinear:
     dtype: torch.dtype
 
     def __init__(self, weight: torch.Tensor) -> None:
-        from model_runtime.amx_kernel import kernel
+        from model_runtime.cpu_kernels import packed_module
 
         assert weight.dim() == 2 and weight.device.type == "cpu"
-        module = kernel()
-        assert module is not None, f"a {type(self).__name__} exists only where the AMX kernel runs"
+        module = packed_module()
+        assert module is not None, f"a {type(self).__name__} exists only where a kernel that packs weights runs"
         self._module = module
         self.shape = torch.Size(weight.shape)
         self.device = weight.device

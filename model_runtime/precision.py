@@ -1,33 +1,23 @@
 """Which precision the models run in: `--dtype` (the target) and `--draft-dtype` (the draft).
 
     auto (target): q4 (the GGUF's own 4-bit codes, model_runtime/quant_weights.py) for a known model whose GGUF
-                   the quantized kernels take, on one rank, on a CPU where the AMX kernels do not run, and on one
-                   where they do for an engine that decodes one request at a time (max_batch 1); else bfloat16
-                   on CUDA and wherever our CPU kernels run (model_runtime/cpu_kernels.py: AMX, AVX-512 or AVX2;
+                   the quantized kernels take, on one rank, where no path packs bf16 weights at load (the kernel
+                   registry's `packed_linear`), and where one does for an engine that decodes one request at a time
+                   (max_batch 1); else bfloat16 on CUDA and wherever our CPU kernels run (model_runtime/cpu_kernels.py:
                    batch-invariant, so greedy speculation is exact) or the CPU has bf16 instructions; else float32
                    (SPECSERVE_CPU_KERNEL=torch on a CPU without them)
-    auto (draft):  int8 on CPUs with AMX (the kernel of model_runtime/amx_kernel.py); q4 where the target's would
+    auto (draft):  int8 where a path packs int8 weights (the registry's `int8_linear`); q4 where the target's would
                    be; bfloat16 on CUDA and where the target's auto is bfloat16, float16 on the rest
 
-Why: decoding streams every weight once per step, so its speed is memory bandwidth over bytes per weight.
-Measured on this project's CPU (2 cores, avx512_bf16 + AMX, torch 2.13), one Qwen2.5-1.5B MLP weight
-[8960 x 1536]: bf16 F.linear 0.87 ms for 1 row, 0.95 ms for 8; fp32 2.6 ms for 1 row, 4.3-4.5 ms for 8 (on a
-slower day: oneDNN bf16 1.5-2.1 ms, our AMX kernel 1.0 ms for 1..16 rows, model_runtime/amx_kernel.py). On a
-CPU without bf16 instructions bf16 products are emulated and slower than fp32, hence the float32 fallback.
-Without AMX, q4 is the fastest exact path at every row count: on the avx512 path of the same CPU
-(`SPECSERVE_CPU_KERNEL=avx512`, `bench runtime --dtype q4|bfloat16 --max-k 16`, 2026-12-04) one row costs 7.2 /
-21.9 / 47.9 ms in q4 against 18.2 / 52.4 / 136 ms in bf16 (SmolLM2, Qwen 0.5B, 1.5B), and 16 rows 2.6-3.3x one
-row in both. With AMX, bf16 rows are nearly free (8 rows 1.10-1.23x one row) and q4's are not (1.71x, row blocks of 8):
-q4 is faster alone (SmolLM2 7.7 against 10.6 ms, the 1.5B 47 against 106) and bf16 from about 8 rows on for
-the small models, a server's batch: there auto runs q4 for an engine of one request at a time (`generate`
-without --n, `bench spec --batches 1`: a round scores 1 + k rows, k <= 8, or a tree the policy sizes on q4's
-measured row costs) and bfloat16 for a batching one (a server, `generate --n`).
-An int8 draft (W8A8 on AMX tiles) streams half a bf16 draft's bytes: its 0.5B step measured 50 against 68 ms
-inside `bench spec`, with the same survival per draft position (k=3: 0.78/0.64/0.51 against 0.77/0.63/0.51;
-docs/speculation.md), so it is the draft's default where the kernel runs. Where the kernel then fails to
-build or load, the draft runs bfloat16 and says so (model_runtime/model.py).
-The weights are converted once at load (model_runtime/weights.py). Greedy outputs are exact per dtype (equal
-to plain greedy decoding of the same dtype); fp32 and bf16 outputs differ from each other (docs/forward.md).
+Why: decoding streams every weight once per step, so its speed is memory bandwidth over bytes per weight, and a
+path's row costs decide between q4 and bf16: without packed bf16 weights q4 is the fastest exact path at every
+row count; with them bf16 rows are nearly free and q4's are not, while q4 decodes one row faster; an int8 draft
+streams half a bf16 draft's bytes with the same survival per draft position. The measurements, per CPU and
+date: docs/precision.md ("Precision"), docs/forward.md; a draft's precision changes only how often its tokens are
+accepted, never the output. Where a packed kernel then fails to build or load, the draft runs bfloat16 and says
+so (model_runtime/model.py). The weights are converted once at load (model_runtime/weights.py). Greedy outputs
+are exact per dtype (equal to plain greedy decoding of the same dtype); fp32 and bf16 outputs differ from each
+other (docs/forward.md).
 """
 
 from __future__ import annotations
@@ -37,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-# int8 (drafts only): int8 linears on the AMX kernel, bfloat16 around them (model_runtime/model.py)
+# int8 (drafts only): int8 linears on the registry's packed kernel, bfloat16 around them (model_runtime/model.py)
 # q4: the GGUF's own quantized linears (model_runtime/quant_weights.py), float32 around them; torch has no dtype
 # for it, so torch.quint4x2 stands for it between the option and the model's loader
 Q4 = torch.quint4x2
@@ -48,27 +38,35 @@ DRAFT_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "q4")
 
 
 def cpu_has_bf16() -> bool:
-    """avx512_bf16 or AMX: bf16 products run natively (oneDNN), at twice fp32's bytes per second. This CPU's flags
-    as the kernels' choice reads them (kernel_build.cpu_flags, SPECSERVE_CPU_FLAGS_OFF honoured)."""
-    from model_runtime.kernel_build import cpu_flags
+    """bf16 products run natively here (the libraries'), at twice fp32's bytes per second: the registry's reading of
+    this CPU's flags (kernel_build.cpu_flags, SPECSERVE_CPU_FLAGS_OFF honoured)."""
+    from model_runtime.kernel_registry import native_bf16
 
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    return native_bf16()
 
 
-def cpu_runs_amx() -> bool:
-    """The AMX kernels may run here: the CPU has AMX and SPECSERVE_CPU_KERNEL does not turn them off (whether
-    they build is known only when a model loads; without the kernel an int8 draft runs bfloat16)."""
-    from model_runtime.amx_kernel import cpu_has_amx, turned_off
+def cpu_packs_bf16() -> bool:
+    """A path that packs bf16 weights at load may run here (the registry's `packed_linear`: the CPU has it and
+    SPECSERVE_CPU_KERNEL does not turn it off); whether it builds is known only when a model loads."""
+    from model_runtime.kernel_registry import PACKED_LINEAR, may_run
 
-    return cpu_has_amx() and not turned_off()
+    return may_run(PACKED_LINEAR)
+
+
+def cpu_packs_int8() -> bool:
+    """A path that packs int8 weights may run here (the registry's `int8_linear`; without it an int8 draft runs
+    bfloat16)."""
+    from model_runtime.kernel_registry import INT8_LINEAR, may_run
+
+    return may_run(INT8_LINEAR)
 
 
 def cpu_runs_own_kernels() -> bool:
-    """The forward runs our batch-invariant kernels here (model_runtime/cpu_kernels.py: amx, avx512 or avx2), which
-    take bf16 on any of them (widened to float32 where the CPU has no bf16 instructions: half fp32's bytes)."""
-    from model_runtime.cpu_kernels import active
+    """The forward runs our batch-invariant kernels here (model_runtime/cpu_kernels.py: every registry path but
+    torch's), which take bf16 on any of them (widened to float32 where the CPU has no bf16 instructions)."""
+    from model_runtime.cpu_kernels import for_dtype
 
-    return active() != "torch"
+    return for_dtype(torch.bfloat16).exact
 
 
 def why_not_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, prepare: bool = True) -> str | None:
@@ -108,17 +106,17 @@ def why_not_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, pre
 
 def auto_q4_here(max_batch: int | None = None) -> bool:
     """auto runs a known model's GGUF codes on this CPU (one rank) for an engine of `max_batch`: a quantized kernel
-    runs, and the AMX kernels do not or the engine decodes one request at a time."""
+    runs, and no path packs bf16 weights here or the engine decodes one request at a time."""
     from model_runtime import quant_kernels
 
-    return (not cpu_runs_amx() or max_batch == 1) and quant_kernels.active() is not None
+    return (not cpu_packs_bf16() or max_batch == 1) and quant_kernels.active() is not None
 
 
 def auto_is_q4(checkpoint: str | Path | None, device: str, tp_size: int = 1, prepare: bool = True,
                max_batch: int | None = None) -> bool:
-    """auto picks q4 for this model: the AMX kernels do not run here, or they do and the engine decodes one request
+    """auto picks q4 for this model: no path packs bf16 weights here, or one does and the engine decodes one request
     at a time (`max_batch` 1; None: not known, a batching engine) (module docstring), and q4 runs it (`why_not_q4`)."""
-    return checkpoint is not None and (not cpu_runs_amx() or max_batch == 1) and \
+    return checkpoint is not None and (not cpu_packs_bf16() or max_batch == 1) and \
         why_not_q4(checkpoint, device, tp_size, prepare) is None
 
 
@@ -146,7 +144,7 @@ def draft_dtype(name: str, device: str, checkpoint: str | Path | None = None) ->
     if name == "auto":
         if str(device).startswith("cuda"):
             return torch.bfloat16
-        if cpu_runs_amx():
+        if cpu_packs_int8():
             return torch.int8
         if auto_is_q4(checkpoint, device):
             return Q4

@@ -72,7 +72,7 @@ class QuantLinear:
 
     @property
     def isa(self) -> str:
-        """Which build of the kernels runs it (quant_kernels.py: avx512 or avx2)."""
+        """Which build of the kernels runs it (quant_kernels.py: the registry's q4 build, e.g. avx512 or avx2)."""
         return str(self._module.isa())
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_fp32: bool = True) -> torch.Tensor:

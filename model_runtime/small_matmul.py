@@ -20,7 +20,7 @@ single-row forwards on SmolLM2 (33 -> 60 ms) and still left attention rows diffe
 model_runtime/attention.py), so for float32 it is bounded instead.
 
 bfloat16 is different, and batch-invariant by construction. Where the AMX kernel runs, weights come packed
-(model_runtime/packed_weight.py, packed at load by weights.pack_weights) and `linear` hands them to it (model_runtime/amx_kernel.py: any row count,
+(model_runtime/packed_weight.py, packed at load by weights.pack_weights) and `linear` hands them to it (kernels/amx_linear.cpp: any row count,
 same bits, ~1.5-2x oneDNN's speed). Elsewhere `bf16_linear`: oneDNN's bf16 products give a
 row the same bits for any 2..32 rows in the call, but not for 1 row (Qwen-1.5B's down projection, K = 8960)
 nor above 32 (another kernel). So bf16 rows go through F.linear in pieces of 2..32 rows (one row is padded
@@ -105,7 +105,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedBF16 | PackedInt8 | Qua
     """`kernel`: the model's portable kernels (model_runtime/cpu_kernels.py: batch-invariant for any row count) for
     plain weights of x's dtype; None: the libraries, as below."""
     if isinstance(weight, PackedBF16 | PackedInt8 | QuantLinear):
-        return weight(x, bias)  # the AMX kernels (amx_kernel.py) or q4's (quant_weights.py): any row count
+        return weight(x, bias)  # the AMX kernels (packed_weight.py) or q4's (quant_weights.py): any row count
     if kernel is not None and weight.dtype == x.dtype and x.device.type == "cpu":
         return kernel.linear(x, weight, bias, False)
     rows = x.shape[0]

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from model_runtime import quant_kernels
+from model_runtime import kernel_registry, q4_tiles
 
 CHECKPOINT = "qwen2.5-coder-1.5b"
 EARLIER = ((9, 48), (9, 48))  # (min rows, plane rows) before the block tiles: planes from 9 / 48 rows
@@ -88,7 +88,7 @@ def forward(module: object, rows: list[int], repeats: int) -> None:
     for n in sorted({1, *rows}):
         steps[n] = alloc.extend(seq, new[:n])
         seq.length = context
-    configs = {"earlier": EARLIER, "current": (quant_kernels.amx_min_rows(), quant_kernels.AMX_PLANE_ROWS)}
+    configs = {"earlier": EARLIER, "current": (q4_tiles.amx_min_rows(), q4_tiles.AMX_PLANE_ROWS)}
     ms: dict[str, dict[int, list[float]]] = {c: {n: [] for n in steps} for c in configs}
     def timed(n: int) -> float:
         start = time.perf_counter()
@@ -119,16 +119,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    module = quant_kernels.build("amx")
+    build = kernel_registry.build_of("amx", kernel_registry.Q4_LINEAR)
+    module = kernel_registry.module(build)
     if module is None:
-        raise SystemExit(f"the amx kernels do not run here: {quant_kernels.status('amx')}")
+        raise SystemExit(f"the amx kernels do not run here: {kernel_registry.status(build)}")
     rows = [int(r) for r in args.rows.split(",")]
     with torch.inference_mode():
         if args.what == "linears":
             linears(module, args.bits, rows, args.kernels.split(","), args.repeats)
         else:
             forward(module, rows, args.repeats)
-    set_kernels(module, (quant_kernels.amx_min_rows(), quant_kernels.AMX_PLANE_ROWS))
+    set_kernels(module, (q4_tiles.amx_min_rows(), q4_tiles.AMX_PLANE_ROWS))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
     specserve bench runtime | spec | serve        -> cluster.cli.bench
     specserve up [--config FILE]                  -> cluster.cli.up
     specserve check exact [flags]                 -> cluster.cli.check
+    specserve kernels                             -> cluster.cli.kernels
     specserve chaos run | list                    -> chaos.cli (a plugin: imported by name, see PLUGINS)
 """
 
@@ -23,6 +24,7 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "cluster.cli.bench",
     "up": "cluster.cli.up",
     "check": "cluster.cli.check",
+    "kernels": "cluster.cli.kernels",
 }
 # plugin subcommands from packages above `cluster` (imported dynamically: cluster never imports them statically)
 PLUGINS: dict[str, str] = {"chaos": "chaos.cli"}

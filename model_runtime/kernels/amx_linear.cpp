@@ -1,5 +1,6 @@
-// Linear layers on Intel AMX (model_runtime/amx_kernel.py): bfloat16, batch-invariant by construction (the
-// target), and int8 weights x int8 activations quantized per row (the draft: only its speed matters).
+// Linear layers on Intel AMX (the amx path of model_runtime/kernel_registry.py): bfloat16, batch-invariant by
+// construction (the target), and int8 weights x int8 activations quantized per row (the draft: only its speed
+// matters).
 //
 // y[r, n] = sum_k x[r, k] * W[n, k] (+ bias[n]), x and W in bfloat16, accumulated in float32 tiles.
 // W is packed once at load (model_runtime/packed_weight.py) into AMX's B-operand layout:
@@ -340,8 +341,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, py::arg("x"), py::arg("wp"), py::arg("n_out"), py::arg("bias") = py::none(), py::arg("out_fp32") = false);
   m.def("amx_linear_i8", &amx_linear_i8, py::arg("x"), py::arg("wq"), py::arg("wscale"), py::arg("n_out"),
         py::arg("bias") = py::none());
-  m.def("silu_mul", &silu_mul, py::arg("gate_up"));
-  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
-  m.def("paged_attention_group", &paged_attention_group, py::arg("q"), py::arg("k_flat"), py::arg("v_flat"),
-        py::arg("slots"), py::arg("rows"), py::arg("hidden"), py::arg("real"), py::arg("out"), py::arg("scale"));
+  m.def("isa", [] { return std::string("amx"); });  // model_runtime/kernel_build.py checks it
 }

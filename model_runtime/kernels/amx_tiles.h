@@ -19,7 +19,7 @@ struct alignas(64) TileConfig {
 inline void load_config(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory"); }
 
 // Linux hands a process the tiles' register state only on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA):
-// the loader asks once per build it loads (model_runtime/quant_kernels.py, amx_kernel.py); false where Linux refuses
+// the loader asks once per build it loads (model_runtime/kernel_registry.py); false where Linux refuses
 inline bool amx_enable() {
   return syscall(SYS_arch_prctl, 0x1023 /*ARCH_REQ_XCOMP_PERM*/, 18 /*XFEATURE_XTILEDATA*/) == 0;
 }

@@ -1,6 +1,6 @@
 // A row's query heads 0..G-1 in blocks of at most HB (1..4) whose size is a compile-time constant: run(nh, g) for
 // the nh heads from g (std::integral_constant nh). Attention's sums of p v take a row's heads together this way in
-// both builds (portable.cpp and row_ops.cpp, pv_heads), so that each block's sums stay in registers.
+// portable.cpp's pv_heads, so that each block's sums stay in registers.
 #pragma once
 #include <cstdint>
 #include <type_traits>

@@ -1,8 +1,8 @@
 // The decoder layers' loop that both C++ stacks run (layers.cpp in the AMX build, q4_layers.cpp in the quantized
 // builds): model_runtime/model.py's CausalLM.forward and _attention, operation for operation in the same order, so
 // either stack gives the Python loop's bits. What differs between them is the linear (Linear: a callable
-// `(x, optional bias) -> out`) and where the norms, activation and attention come from (PortableOps: the AMX build's
-// own row ops, or the portable build's by address). Both builds hash this header into their flags.
+// `(x, optional bias) -> out`); the norms, activation and attention are the portable build's, by address
+// (PortableOps). Both builds hash this header into their flags.
 #pragma once
 #include <torch/extension.h>
 

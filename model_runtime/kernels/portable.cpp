@@ -1,6 +1,7 @@
-// Batch-invariant kernels for any x86-64 CPU with AVX2 and FMA (model_runtime/cpu_kernels.py builds this file twice:
-// `-mavx512f ...` into specserve_avx512 and `-mavx2 -mfma` into specserve_avx2). The linear, RMSNorm, SiLU * up and
-// paged attention of the forward, for bfloat16 and float32 rows.
+// Batch-invariant kernels for any x86-64 CPU with AVX2 and FMA (model_runtime/kernel_registry.py builds this file
+// twice: `-mavx512f ...` into specserve_avx512 and `-mavx2 -mfma` into specserve_avx2). The linear, RMSNorm, SiLU * up
+// and paged attention of the forward, for bfloat16 and float32 rows: the only source of each of these ops (the AMX
+// and quantized builds' layer loops call them by address, portable_ops.h).
 //
 // Why our own: the libraries pick their kernel (and with it a row's reduction order) by the call's shape and by
 // the CPU. On an AMD EPYC (AVX-512 with bf16, no AMX) torch's float32 attention products gave a decoded row other
@@ -635,7 +636,7 @@ void paged_attention_group(torch::Tensor q, torch::Tensor k_flat, torch::Tensor 
   });
 }
 
-// The ISA this build was compiled for (model_runtime/cpu_kernels.py checks it against the module's name).
+// The ISA this build was compiled for (model_runtime/kernel_build.py checks it against the registry's row).
 std::string isa() {
 #ifdef __AVX512F__
   return "avx512";

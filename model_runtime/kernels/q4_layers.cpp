@@ -6,7 +6,6 @@
 // q4 layer loop in C++"). One rank only (no all-reduce between the layers).
 #include <torch/extension.h>
 
-#include <string>
 #include <vector>
 
 #include "layer_loop.h"
@@ -48,11 +47,6 @@ Linear linear_from(const py::handle& parts) {  // [(packed, n, bits, superblock,
   }
   TORCH_CHECK(!lin.parts.empty(), "a linear has at least one part");
   return lin;
-}
-
-const PortableOps& ops_from(const py::capsule& ops) {
-  TORCH_CHECK(ops.name() != nullptr && std::string(ops.name()) == PORTABLE_OPS, "ops: the portable module's ops()");
-  return *static_cast<const PortableOps*>(ops.get_pointer());
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // What the quantized builds' vector kernels (quant_linear.cpp) and tile kernels (quant_amx.h) share: the packed
 // weight's layout, the activations quantized per row, a block's codes decoded into vectors, the weight stream's
 // prefetch. quant_linear.cpp is the one translation unit of each build that includes it, hence the anonymous
-// namespace. model_runtime/quant_kernels.py hashes the headers into the builds' flags.
+// namespace. model_runtime/kernel_registry.py hashes the headers into the builds' flags.
 #pragma once
 #include <torch/extension.h>
 #include <immintrin.h>

@@ -1,5 +1,5 @@
 // Linears on the GGUF's own quantized weights (model_runtime/quant_weights.py converts them losslessly), for any
-// row count at one pass over the weight. model_runtime/quant_kernels.py builds this file per ISA:
+// row count at one pass over the weight. model_runtime/kernel_registry.py builds this file per ISA:
 // `-mavx512f -mavx512bw -mavx512vl -mavx512vnni` into specserve_quant_avx512 (integer dot products on VNNI),
 // `-mavx2 -mfma -mf16c -mavxvnni` into specserve_quant_avx2vnni (AVX2 CPUs with AVX-VNNI: the 256-bit dot products)
 // and `-mavx2 -mfma -mf16c` into specserve_quant_avx2 (the same sums through vpmaddubsw: sums16, signed8).

@@ -1,5 +1,5 @@
 // Across the quantized builds' two sources: quant_linear.cpp's linear for q4_layers.cpp's loop, and the loop's
-// bindings for quant_linear.cpp's module. model_runtime/kernel_build.py hashes this header into the builds.
+// bindings for quant_linear.cpp's module. model_runtime/kernel_registry.py hashes this header into the builds.
 #pragma once
 #include <torch/extension.h>
 

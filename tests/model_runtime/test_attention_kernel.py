@@ -1,9 +1,9 @@
-"""The AMX extension's paged attention (kernels/row_ops.cpp, used by model_runtime/attention.py for bf16 on CPU):
-within bf16 rounding of the float32 products it replaces, on decodes, verifies, prefills, batches with padded
-groups and tree masks; masked keys are skipped. (Its rows' bitwise invariance, and a tree row against the chain of its ancestors, are
-tests/model_runtime/test_cpu_kernels.py's amx cases, on every path.)
+"""The kernels' paged attention (kernels/portable.cpp, the rows module the kernel registry resolves for bf16 here,
+used by model_runtime/attention.py): within bf16 rounding of the float32 products it replaces, on decodes, verifies,
+prefills, batches with padded groups and tree masks; masked keys are skipped. (Its rows' bitwise invariance, and a
+tree row against the chain of its ancestors, are tests/model_runtime/test_cpu_kernels.py's, on every path.)
 
-Skipped (with the kernel's own reason) where it cannot run."""
+Skipped where no kernel of ours runs (SPECSERVE_CPU_KERNEL=torch)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import model_runtime.attention as attention
-from model_runtime.amx_kernel import kernel, status
 from model_runtime.attention import paged_attention, plan_attention
+from model_runtime.cpu_kernels import for_dtype
 
-pytestmark = pytest.mark.skipif(kernel() is None, reason=f"AMX kernel {status()}")
+pytestmark = pytest.mark.skipif(for_dtype(torch.bfloat16).rows is None, reason="no kernel of ours runs here")
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""Every kernel path this CPU can run (model_runtime/cpu_kernels.py: amx, avx512, avx2), op by op on the real
+"""Every kernel path this CPU can run (model_runtime/kernel_registry.py: amx, avx512, avx2), op by op on the real
 models' shapes: a row's bits are the same decoded alone, verified among k+1 rows (k up to 8) and in a batch of 8
 requests' verifies; the ops agree with the torch formulas they replace to rounding; and the avx2 build gives the
 avx512 build's bits (so capping the ISA here stands in for an AVX2-only CPU). The path is in each test id.
@@ -12,35 +12,39 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_runtime import amx_kernel, cpu_kernels
-from model_runtime.attention import KERNEL_MAX_WIDTH, paged_attention, plan_attention
+from model_runtime import cpu_kernels
+from model_runtime import kernel_registry as registry
+from model_runtime.attention import paged_attention, plan_attention
 from tests.model_runtime.test_attention import causal_mask
 
-PORTABLE = [p for p in ("avx512", "avx2") if cpu_kernels.cpu_has(p)]
-PATHS = [p for p in cpu_kernels.PATHS if cpu_kernels.cpu_has(p)]
+PORTABLE = [p.name for p in registry.PATHS if registry.LINEAR in p.ops and registry.cpu_has(p.name)]
+# the paths a forward can take (q4-only paths aside: test_quant_kernels.py)
+PATHS = [p.name for p in registry.PATHS
+         if {registry.LINEAR, registry.PACKED_LINEAR} & set(p.ops) and registry.cpu_has(p.name)]
+WIDE = 512  # attention widths on both sides of it (the AMX build's own attention once stopped there)
 LINEAR_SHAPES = [(576 * 3 // 1, 576), (1536 * 2, 576), (576, 1536), (4096, 576),  # SmolLM2 (qkv ~, gate_up, down)
                  (2048, 1536), (17920, 1536), (1536, 8960), (4096, 1536),  # Qwen 1.5B (qkv, gate_up, down, lm_head)
                  (9728, 896), (896, 4864), (37, 19)]  # Qwen 0.5B, an odd one (tails)
 ROW_COUNTS = (1, 9, 72, 200)  # decode; k = 8 verify; 8 requests x (k + 1); a prefill past the linear's L2 row chunk
 
 
-def rows_module(path: str, dtype: torch.dtype) -> object:
-    """The module a model of `dtype` runs its row ops on under `path`."""
-    if path == "amx" and dtype == torch.bfloat16:
-        from model_runtime.amx_kernel import kernel
+def portable(path: str) -> object:
+    """The path's own build of the portable kernels (None where it does not load)."""
+    return registry.module(registry.build_of(path, registry.LINEAR))
 
-        return kernel()
-    return cpu_kernels.portable("avx512" if path == "amx" else path)
+
+def rows_module(path: str, dtype: torch.dtype) -> object:
+    """The module a model of `dtype` runs its row ops on under `path` (one for both dtypes: the registry's)."""
+    found = registry.resolve(registry.RMS_NORM, path)
+    assert found is not None, path
+    return found[1]
 
 
 def needs(path: str) -> None:
-    if path == "amx":
-        from model_runtime.amx_kernel import kernel, status
-
-        if kernel() is None:
-            pytest.skip(f"AMX kernel {status()}")
-    elif cpu_kernels.portable(path) is None:
-        pytest.skip(cpu_kernels.portable_status(path))
+    """Skip where the path's defining build does not load here (with its reason)."""
+    build = registry.BY_NAME[path].builds[0]
+    if registry.module(build) is None:
+        pytest.skip(f"{build.name}: {registry.status(build)}")
 
 
 def assert_rows_invariant(op, x: torch.Tensor) -> None:  # noqa: ANN001
@@ -58,7 +62,7 @@ def assert_rows_invariant(op, x: torch.Tensor) -> None:  # noqa: ANN001
 def test_linear_rows_are_batch_invariant_and_near_the_exact_product(path: str, dtype: torch.dtype, n: int,
                                                                      k: int) -> None:
     needs(path)
-    module = cpu_kernels.portable(path)
+    module = portable(path)
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
@@ -117,11 +121,11 @@ def attention_case(dtype: torch.dtype, heads: int, kv_heads: int, d: int, shapes
                          ids=["smollm2", "qwen1.5b", "qwen0.5b"])
 def test_attention_rows_alone_equal_rows_among_others(path: str, dtype: torch.dtype, heads: int, kv_heads: int,
                                                       d: int) -> None:
-    """Decodes, k=8 verifies and a prefill in one batch, at widths below and above the AMX kernel's
-    KERNEL_MAX_WIDTH; each row equals that token decoded alone (one row, its own prefix)."""
+    """Decodes, k=8 verifies and a prefill in one batch, at widths below and above WIDE; each row equals that
+    token decoded alone (one row, its own prefix)."""
     needs(path)
     module = rows_module(path, dtype)
-    shapes = [(40, 1), (100, 9), (10, 9), (0, 30), (KERNEL_MAX_WIDTH - 3, 9), (KERNEL_MAX_WIDTH + 70, 9), (700, 1)]
+    shapes = [(40, 1), (100, 9), (10, 9), (0, 30), (WIDE - 3, 9), (WIDE + 70, 9), (700, 1)]
     q, k, v, seqs = attention_case(dtype, heads, kv_heads, d, shapes, heads + d)
     together = paged_attention(q, k, v, plan_attention(seqs), rows=module)
     for (offset, slots, _mask), (past, n) in zip(seqs, shapes, strict=True):
@@ -156,7 +160,7 @@ def test_a_tree_row_equals_the_chain_of_its_ancestors(path: str, heads: int, kv_
 
 @pytest.mark.skipif(len(PORTABLE) < 2, reason="this CPU runs one portable build only")
 def test_the_avx2_build_gives_the_avx512_builds_bits() -> None:
-    wide, narrow = cpu_kernels.portable("avx512"), cpu_kernels.portable("avx2")
+    wide, narrow = portable("avx512"), portable("avx2")
     if wide is None or narrow is None:
         pytest.skip("a portable build did not load")
     g = torch.Generator().manual_seed(3)
@@ -179,10 +183,9 @@ def test_the_switch_names_a_path_or_is_refused(monkeypatch: pytest.MonkeyPatch) 
     assert not cpu_kernels.for_dtype(torch.bfloat16).exact
     for path in PATHS:
         monkeypatch.setenv("SPECSERVE_CPU_KERNEL", path)
-        # the AMX module's state is the process's (a run under SPECSERVE_CPU_KERNEL=avx2 has it off for good)
-        if (amx_kernel.kernel() is not None) if path == "amx" else cpu_kernels.portable(path) is not None:
-            assert cpu_kernels.for_dtype(torch.bfloat16).exact
-    if not cpu_kernels.cpu_has("amx"):
+        if registry.module(registry.BY_NAME[path].builds[0]) is not None:
+            assert cpu_kernels.active() == path and cpu_kernels.for_dtype(torch.bfloat16).exact
+    if not registry.cpu_has("amx"):
         monkeypatch.setenv("SPECSERVE_CPU_KERNEL", "amx")
         with pytest.raises(ValueError, match="cannot run it"):
             cpu_kernels.active()

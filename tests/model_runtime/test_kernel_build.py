@@ -50,24 +50,24 @@ def test_flags_named_off_are_absent(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_every_reader_of_the_cpu_flags_honours_the_override(monkeypatch: pytest.MonkeyPatch) -> None:
     """AMX and bf16 detection read the same flags as the kernels' choice: with them named off, neither is seen."""
-    from model_runtime import amx_kernel, precision
+    from model_runtime import kernel_registry, precision
 
     cpu_flags.cache_clear()
     monkeypatch.delenv(FLAGS_OFF, raising=False)
     try:
         every = cpu_flags()
-        assert amx_kernel.cpu_has_amx() == ({"amx_bf16", "amx_int8", "amx_tile", "avx512_bf16"} <= every)
+        assert kernel_registry.cpu_has("amx") == ({"amx_bf16", "amx_int8", "amx_tile", "avx512_bf16"} <= every)
         assert precision.cpu_has_bf16() == bool({"avx512_bf16", "amx_bf16"} & every)
         cpu_flags.cache_clear()
         monkeypatch.setenv(FLAGS_OFF, "amx_tile,avx512_bf16,amx_bf16")
-        assert not amx_kernel.cpu_has_amx() and not precision.cpu_has_bf16()
+        assert not kernel_registry.cpu_has("amx") and not precision.cpu_has_bf16() and not precision.cpu_packs_bf16()
     finally:
         cpu_flags.cache_clear()
 
 
 def test_with_avx_vnni_off_the_avx2_build_is_the_quantized_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the full suite runs under SPECSERVE_CPU_FLAGS_OFF=avx_vnni SPECSERVE_CPU_KERNEL=avx2 (docs/exactness.md)."""
-    from model_runtime import quant_kernels
+    from model_runtime import kernel_registry as registry
 
     cpu_flags.cache_clear()
     monkeypatch.delenv(FLAGS_OFF, raising=False)
@@ -77,7 +77,9 @@ def test_with_avx_vnni_off_the_avx2_build_is_the_quantized_kernel(monkeypatch: p
     monkeypatch.setenv(FLAGS_OFF, "avx_vnni")
     monkeypatch.setenv("SPECSERVE_CPU_KERNEL", "avx2")
     try:
-        assert not quant_kernels.cpu_has("avx2vnni") and quant_kernels.cpu_has("avx2")
-        assert [isa for isa in quant_kernels.allowed() if quant_kernels.cpu_has(isa)] == ["avx2"]
+        assert not registry.cpu_has("avx2vnni") and registry.cpu_has("avx2")
+        q4 = [p.name for p in registry.chain(registry.requested()) if registry.Q4_LINEAR in p.ops
+              and registry.cpu_has(p.name) and p.ops[registry.Q4_LINEAR].needs <= cpu_flags()]
+        assert q4 == ["avx2"]
     finally:
         cpu_flags.cache_clear()

@@ -1,8 +1,8 @@
 """The decoder layers' C++ loops (CausalLM._stack: model_runtime/kernels/layers.cpp for AMX-packed linears,
 kernels/q4_layers.cpp for the GGUF's codes) give the Python loop's bits: ragged batches (prefill, decode, verify, a
-tree, rows in several key-width groups, padded groups), bf16, int8 and q4 linears, random and real weights. The AMX
-loop's tests are skipped where the AMX kernel cannot run, the q4 loop's where no quantized kernel builds (the model
-then has no stack)."""
+tree, rows in several key-width groups, padded groups, rows of any width), bf16, int8 and q4 linears, random and real
+weights. The packed loop's tests are skipped where no kernel packs weights here (no AMX), the q4 loop's where no
+quantized kernel builds (the model then has no stack)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from model_runtime import quant_kernels
-from model_runtime.amx_kernel import kernel, status
-from model_runtime.attention import KERNEL_MAX_WIDTH
 from model_runtime.batch import SeqInput
+from model_runtime.cpu_kernels import for_dtype
 from model_runtime.kv_pool import KVPool
 from model_runtime.local_alloc import LocalAllocator, LocalSequence
 from model_runtime.model import CausalLM
 from model_runtime.precision import Q4
 from tests.model_runtime.random_checkpoint import make_random_checkpoint
 
-amx = pytest.mark.skipif(kernel() is None, reason=f"AMX kernel {status()}")
+amx = pytest.mark.skipif(for_dtype(torch.bfloat16).packed is None, reason=for_dtype(torch.bfloat16).packed_why)
+WIDE = 552  # keys: past the 512 the AMX build's own attention once stopped at (both loops now take any width)
 q4 = pytest.mark.skipif(quant_kernels.active() is None, reason=quant_kernels.describe())
 
 
@@ -85,35 +85,41 @@ def test_smollm2_gives_the_python_loops_bits(smollm2_dir: Path) -> None:
     _assert_same_bits(CausalLM.load(smollm2_dir, dtype=torch.bfloat16))  # llama: no bias, 3 query heads per kv head
 
 
-@amx
-def test_wide_rows_take_the_python_loop(tmp_path: Path) -> None:
-    """A forward with a row wider than the attention kernel's limit runs the Python loop (its wide groups on the
-    float32 products); the rows within the limit get the same bits as in a forward of their own."""
-    model = CausalLM.load(make_random_checkpoint(tmp_path, arch="qwen2", seed=6), dtype=torch.bfloat16)
-    assert model._stack is not None
-    alloc = LocalAllocator(64, 16)
-    kv = model.allocate_kv(64, 16)
-    long, short = LocalSequence(), LocalSequence()
-    model.forward_seqs([alloc.extend(long, [3 + i % 200 for i in range(KERNEL_MAX_WIDTH)], logits="none"),
-                        alloc.extend(short, list(range(3, 40)), logits="none")], kv)
-    calls: list[int] = []
+def _rows_of_any_width_give_the_python_loops_bits(model: CausalLM) -> None:
+    """A prompt of WIDE keys and a verify after it run the C++ loop (each forward once) with the Python loop's bits,
+    logits and cache."""
     stack = model._stack
+    calls: list[int] = []
 
     class Counting:
         def forward(self, *args: object) -> torch.Tensor:
             calls.append(1)
-            return stack.forward(*args)  # type: ignore[attr-defined]
+            return stack.forward(*args)  # type: ignore[union-attr]
 
-    model._stack = Counting()
-    try:
-        both = model.forward_seqs([alloc.extend(long, [7]), alloc.extend(short, [8])], kv)
-        assert calls == []  # the long row's width is past the limit: the Python loop
-        short.length -= 1
-        (alone,) = model.forward_seqs([alloc.extend(short, [8])], kv)
-        assert calls == [1]
-    finally:
-        model._stack = stack
-    assert torch.equal(both[1], alone)
+    def run(use_stack: bool) -> tuple[list[torch.Tensor], KVPool]:
+        model._stack = Counting() if use_stack else None
+        try:
+            alloc, kv, seq = LocalAllocator(64, 16), model.allocate_kv(64, 16), LocalSequence()
+            first = model.forward_seqs([alloc.extend(seq, [3 + i % 200 for i in range(WIDE)], logits="last")], kv)
+            return [*first, *model.forward_seqs([alloc.extend(seq, [7, 8, 9])], kv)], kv
+        finally:
+            model._stack = stack
+
+    ours, kv_ours = run(True)
+    assert calls == [1, 1]
+    theirs, kv_theirs = run(False)
+    for got, want in zip(ours, theirs, strict=True):
+        assert torch.equal(got, want)
+    for a, b in zip(kv_ours.k + kv_ours.v, kv_theirs.k + kv_theirs.v, strict=True):
+        assert torch.equal(a, b)
+
+
+@amx
+def test_the_packed_loop_takes_rows_of_any_width(tmp_path: Path) -> None:
+    """Its attention is the portable kernels' (the registry's rows), which take every key width."""
+    model = CausalLM.load(make_random_checkpoint(tmp_path, arch="qwen2", seed=6), dtype=torch.bfloat16)
+    assert type(model._stack).__name__ == "LayerStack"
+    _rows_of_any_width_give_the_python_loops_bits(model)
 
 
 @q4
@@ -136,31 +142,5 @@ def test_q4_with_a_qkv_bias_gives_the_python_loops_bits(smollm2_dir: Path) -> No
 
 @q4
 def test_q4_loop_takes_rows_of_any_width(smollm2_dir: Path) -> None:
-    """The q4 loop's attention is the portable kernels', which take every key width: a row past the AMX loop's
-    limit runs it too, with the Python loop's bits."""
-    model = CausalLM.load(smollm2_dir, dtype=Q4)
-    stack = model._stack
-    calls: list[int] = []
-
-    class Counting:
-        def forward(self, *args: object) -> torch.Tensor:
-            calls.append(1)
-            return stack.forward(*args)  # type: ignore[union-attr]
-
-    def run(use_stack: bool) -> tuple[list[torch.Tensor], KVPool]:
-        model._stack = Counting() if use_stack else None
-        try:
-            alloc, kv, seq = LocalAllocator(64, 16), model.allocate_kv(64, 16), LocalSequence()
-            first = model.forward_seqs([alloc.extend(seq, [3 + i % 200 for i in range(KERNEL_MAX_WIDTH + 40)],
-                                                     logits="last")], kv)
-            return [*first, *model.forward_seqs([alloc.extend(seq, [7, 8, 9])], kv)], kv
-        finally:
-            model._stack = stack
-
-    ours, kv_ours = run(True)
-    assert calls == [1, 1]
-    theirs, kv_theirs = run(False)
-    for got, want in zip(ours, theirs, strict=True):
-        assert torch.equal(got, want)
-    for a, b in zip(kv_ours.k + kv_ours.v, kv_theirs.k + kv_theirs.v, strict=True):
-        assert torch.equal(a, b)
+    """The q4 loop's attention is the portable kernels', which take every key width."""
+    _rows_of_any_width_give_the_python_loops_bits(CausalLM.load(smollm2_dir, dtype=Q4))

@@ -1,6 +1,7 @@
 """The AMX kernels through packed weights: bf16 batch invariance, accuracy, padding, round trip; int8 accuracy.
 
-Skipped (with the kernel's own reason) where it cannot run: no AMX, no compiler, SPECSERVE_CPU_KERNEL naming another path.
+Skipped (with the registry's reason) where it cannot run: no AMX, no compiler, SPECSERVE_CPU_KERNEL naming a path
+below amx.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_runtime.amx_kernel import kernel, status
+from model_runtime.cpu_kernels import for_dtype
 from model_runtime.packed_weight import PackedBF16, PackedInt8, as_tensor
 from model_runtime.small_matmul import linear
 
-pytestmark = pytest.mark.skipif(kernel() is None, reason=f"AMX bf16 kernel {status()}")
+pytestmark = pytest.mark.skipif(for_dtype(torch.bfloat16).packed is None,
+                                reason=f"no kernel packs weights here: {for_dtype(torch.bfloat16).packed_why}")
 
 # Qwen-1.5B's down, gate_up, qkv and lm_head-like width; SmolLM2's down and qkv; odd shapes (padding)
 SHAPES = [(1536, 8960), (17920, 1536), (2048, 1536), (576, 1536), (960, 576), (100, 70), (33, 31)]

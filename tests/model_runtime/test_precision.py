@@ -21,10 +21,12 @@ needs_bf16 = pytest.mark.skipif(not precision.cpu_has_bf16(), reason="no bf16 in
 
 def test_auto_follows_the_device_and_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)
-    monkeypatch.setattr(precision, "cpu_runs_amx", lambda: True)
+    monkeypatch.setattr(precision, "cpu_packs_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_packs_int8", lambda: True)
     assert target_dtype("auto", "cpu") == torch.bfloat16 and draft_dtype("auto", "cpu") == torch.int8
     assert draft_dtype("auto", "cuda:0") == torch.bfloat16
-    monkeypatch.setattr(precision, "cpu_runs_amx", lambda: False)
+    monkeypatch.setattr(precision, "cpu_packs_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_packs_int8", lambda: False)
     assert draft_dtype("auto", "cpu") == torch.bfloat16
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)  # an AVX2 CPU: bf16 on our kernels
     monkeypatch.setattr(precision, "cpu_runs_own_kernels", lambda: True)
@@ -44,7 +46,7 @@ def test_auto_follows_the_device_and_the_cpu(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_the_kernel_switch_turns_int8_drafts_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSERVE_CPU_KERNEL", "onednn")
-    assert not precision.cpu_runs_amx()
+    assert not precision.cpu_packs_bf16() and not precision.cpu_packs_int8()
     assert draft_dtype("auto", "cpu") in (torch.bfloat16, torch.float16)
 
 
@@ -58,7 +60,8 @@ def test_auto_runs_the_ggufs_codes_where_amx_does_not(smollm2_dir: Path, tmp_pat
 
     if quant_kernels.active() is None:
         pytest.skip(quant_kernels.describe())
-    monkeypatch.setattr(precision, "cpu_runs_amx", lambda: False)
+    monkeypatch.setattr(precision, "cpu_packs_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_packs_int8", lambda: False)
     assert target_dtype("auto", "cpu", smollm2_dir) == precision.Q4
     assert draft_dtype("auto", "cpu", smollm2_dir) == precision.Q4
     assert precision.why_not_q4(smollm2_dir, "cpu") is None
@@ -76,11 +79,13 @@ def test_auto_runs_the_ggufs_codes_where_amx_does_not(smollm2_dir: Path, tmp_pat
     (refused / "manifest.json").write_text('{"name": "smollm2-135m", "quant_formats": "none: Q2_K unsupported"}')
     assert precision.why_not_q4(refused, "cpu") == "none: Q2_K unsupported"  # read, not packed again
     assert target_dtype("auto", "cpu", smollm2_dir, max_batch=16) == precision.Q4  # any batch
-    monkeypatch.setattr(precision, "cpu_runs_amx", lambda: True)
+    monkeypatch.setattr(precision, "cpu_packs_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_packs_int8", lambda: True)
     assert target_dtype("auto", "cpu", smollm2_dir) != precision.Q4
     assert target_dtype("auto", "cpu", smollm2_dir, max_batch=8) != precision.Q4
     assert draft_dtype("auto", "cpu", smollm2_dir) == torch.int8
-    monkeypatch.setattr(precision, "cpu_runs_amx", lambda: False)
+    monkeypatch.setattr(precision, "cpu_packs_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_packs_int8", lambda: False)
     monkeypatch.setenv("SPECSERVE_CPU_KERNEL", "torch")  # no quantized kernel allowed: the dtype is refused
     assert target_dtype("auto", "cpu", smollm2_dir) != precision.Q4
 
@@ -96,7 +101,8 @@ def test_with_amx_one_stream_runs_the_ggufs_codes(smollm2_dir: Path, monkeypatch
 
     if quant_kernels.active() is None:
         pytest.skip(quant_kernels.describe())
-    monkeypatch.setattr(precision, "cpu_runs_amx", lambda: True)
+    monkeypatch.setattr(precision, "cpu_packs_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_packs_int8", lambda: True)
     assert target_dtype("auto", "cpu", smollm2_dir, max_batch=1) == precision.Q4
     assert target_dtype("auto", "cpu", smollm2_dir, max_batch=2) != precision.Q4
     assert target_dtype("auto", "cpu", smollm2_dir, max_batch=None) != precision.Q4  # not known: a server's

@@ -9,19 +9,21 @@ import numpy as np
 import pytest
 import torch
 
-from model_runtime import quant_kernels
+from model_runtime import kernel_registry as registry
+from model_runtime import q4_tiles, quant_kernels
+from model_runtime.kernel_build import cpu_flags
 from model_runtime.quant_formats import SUPPORTED, Affine, to_affine
 from model_runtime.quant_pack import pack
 from tests.model_runtime.test_quant_formats import raw_tensor
 
-BUILDS = [isa for isa in quant_kernels.ISAS if quant_kernels.cpu_has(isa)]
-NEEDS_AMX = pytest.mark.skipif(not quant_kernels.cpu_has("amx") or not quant_kernels.cpu_has("avx512"),
-                               reason="this CPU has no AMX")
+BY_ISA = {b.isa: b for b in quant_kernels.builds()}
+BUILDS = [isa for isa, b in BY_ISA.items() if b.needs <= cpu_flags()]
+NEEDS_AMX = pytest.mark.skipif(not {"amx", "avx512"} <= set(BUILDS), reason="this CPU has no AMX")
 
 
 def module(isa: str):  # noqa: ANN201
-    built = quant_kernels.build(isa)
-    assert built is not None, quant_kernels.status(isa)  # this CPU has the ISA: the build must work
+    built = registry.module(BY_ISA[isa])
+    assert built is not None, registry.status(BY_ISA[isa])  # this CPU has the ISA: the build must work
     return built
 
 
@@ -105,8 +107,8 @@ def assert_tiles_give_the_vector_kernels_bits(a: Affine, x: torch.Tensor, kernel
         for rows in row_counts:
             assert torch.equal(run(amx, a, packed, x[:rows]), expected[:rows]), rows
     finally:
-        amx.set_amx_min_rows(*quant_kernels.amx_min_rows())
-        amx.set_amx_plane_rows(*quant_kernels.AMX_PLANE_ROWS)
+        amx.set_amx_min_rows(*q4_tiles.amx_min_rows())
+        amx.set_amx_plane_rows(*q4_tiles.AMX_PLANE_ROWS)
 
 
 @NEEDS_AMX
@@ -122,8 +124,8 @@ def test_amx_tiles_give_the_vector_kernels_bits_at_every_row_count(name: str, ke
     x[7] = 0
     assert_tiles_give_the_vector_kernels_bits(a, x, kernel, (1, 2, 3, 8, 9, 15, 16, 17, 31, 32, 33, 50, 64, 70))
     amx = module("amx")
-    assert amx.amx_min_rows() == quant_kernels.AMX_MIN_ROWS
-    assert amx.amx_plane_rows() == quant_kernels.AMX_PLANE_ROWS
+    assert amx.amx_min_rows() == q4_tiles.AMX_MIN_ROWS
+    assert amx.amx_plane_rows() == q4_tiles.AMX_PLANE_ROWS
 
 
 @NEEDS_AMX
@@ -167,16 +169,16 @@ def test_amx_q6_k_tiles_at_every_scale_and_the_largest_sums(kernel: str) -> None
 
 def test_amx_min_rows_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSERVE_Q4_AMX_MIN_ROWS", "4, 9")
-    assert quant_kernels.amx_min_rows() == (4, 9)
+    assert q4_tiles.amx_min_rows() == (4, 9)
     for bad in ("4", "a,b", "0,3"):
         monkeypatch.setenv("SPECSERVE_Q4_AMX_MIN_ROWS", bad)
         with pytest.raises(ValueError, match="SPECSERVE_Q4_AMX_MIN_ROWS"):
-            quant_kernels.amx_min_rows()
+            q4_tiles.amx_min_rows()
     monkeypatch.delenv("SPECSERVE_Q4_AMX_MIN_ROWS")
-    assert quant_kernels.amx_min_rows() == quant_kernels.AMX_MIN_ROWS
+    assert q4_tiles.amx_min_rows() == q4_tiles.AMX_MIN_ROWS
 
 
-@pytest.mark.skipif(not quant_kernels.cpu_has("amx"), reason="this CPU has no AMX")
+@pytest.mark.skipif("amx" not in BUILDS, reason="this CPU has no AMX")
 def test_describe_says_where_the_tiles_take_over(monkeypatch: pytest.MonkeyPatch) -> None:
     if quant_kernels.active() is None or quant_kernels.active().isa() != "amx":
         pytest.skip(quant_kernels.describe())

@@ -90,7 +90,8 @@ def test_cli_list_says_what_auto_runs(tmp_path: Path, capsys: pytest.CaptureFixt
 
     if quant_kernels.active() is None:
         pytest.skip(quant_kernels.describe())
-    monkeypatch.setattr(precision, "cpu_runs_amx", lambda: amx)
+    monkeypatch.setattr(precision, "cpu_packs_bf16", lambda: amx)
+    monkeypatch.setattr(precision, "cpu_packs_int8", lambda: amx)
     assert main(["models", "list", "--cache-dir", str(tmp_path)]) == 0
     header, *lines = capsys.readouterr().out.splitlines()
     start, end = header.index("RUNS AS"), header.index("--dtype q4")

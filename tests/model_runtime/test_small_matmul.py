@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from model_runtime import small_matmul
+from model_runtime.kernel_registry import native_bf16
 from model_runtime.small_matmul import SMALL_ROWS, best_splits, calibrate, linear
 
 
@@ -67,7 +68,7 @@ def test_best_splits_minimise_total_time() -> None:
     assert best_splits({4: 1.0}, 5) == ((4,), (4,), (4,), (4,), (4, 4))
 
 
-@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported(),
+@pytest.mark.skipif(not native_bf16(),
                     reason="bf16 products are emulated on this CPU (the dtype auto runs float32 here)")
 @pytest.mark.parametrize("shape", [(1536, 8960), (17920, 1536), (2048, 1536), (576, 1536), (960, 576)])
 def test_bf16_rows_are_bitwise_the_same_for_any_row_count(shape: tuple[int, int]) -> None:

@@ -1,16 +1,17 @@
 """Greedy speculative output equals plain greedy decoding of the same dtype, token by token, alone and in a
 batch of 8 with k up to 8, on the real SmolLM2 weights, on every kernel path this CPU can run (the path is in the
-test id: model_runtime/cpu_kernels.py); the stats say which precision and kernels run."""
+test id: model_runtime/kernel_registry.py); the stats say which precision and kernels run."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
-from model_runtime import cpu_kernels, precision, quant_kernels
-from model_runtime.amx_kernel import kernel as amx_kernel
-from model_runtime.amx_kernel import status as amx_status
+from model_runtime import cpu_kernels, precision
+from model_runtime import kernel_registry as registry
+from model_runtime.kernel_build import cpu_flags
 from tests.cluster.engine.engine_helpers import local_engine, plain_greedy, request, run
 from tests.cluster.engine.test_engine_models import EIGHT_PROMPTS
 
@@ -31,7 +32,8 @@ def check_equals_plain(smollm2_dir: Path, dtype: str, k: int, batch: int, draft:
     engine.check_ledger()
 
 
-PATHS = [p for p in cpu_kernels.PATHS if cpu_kernels.cpu_has(p)]
+PATHS = [p.name for p in registry.PATHS  # the paths a forward can take (torch's is bounded, not exact)
+         if {registry.LINEAR, registry.PACKED_LINEAR} & set(p.ops) and registry.cpu_has(p.name)]
 
 
 @pytest.fixture(params=PATHS)
@@ -97,7 +99,8 @@ def test_float32_greedy_equals_plain_float32_on_every_path(smollm2_dir: Path, ke
 
 
 @pytest.mark.model
-@pytest.mark.skipif(amx_kernel() is None, reason=f"AMX kernel {amx_status()}")
+@pytest.mark.skipif(cpu_kernels.for_dtype(torch.bfloat16).packed is None,
+                    reason=f"no kernel packs int8 weights here: {cpu_kernels.for_dtype(torch.bfloat16).packed_why}")
 def test_int8_draft_changes_acceptance_never_the_output(smollm2_dir: Path) -> None:
     """An int8 draft (W8A8 on AMX) proposes other tokens than its bf16 self now and then; the output is still
     plain bf16 decoding, token by token, at batch 8."""
@@ -115,7 +118,9 @@ def test_stats_name_the_precision(smollm2_dir: Path) -> None:
     assert ngram.stats()["dtype"] == {"target": auto}
 
 
-QUANT_PATHS = [p for p in ("avx512", "avx2") if cpu_kernels.cpu_has(p) and quant_kernels.cpu_has(p)]
+QUANT_PATHS = [p.name for p in registry.PATHS  # each path with its own portable and q4 builds, where this CPU has both
+               if {registry.LINEAR, registry.Q4_LINEAR} <= set(p.ops) and registry.cpu_has(p.name)
+               and p.ops[registry.Q4_LINEAR].needs <= cpu_flags()]
 
 
 @pytest.mark.model
