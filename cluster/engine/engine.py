@@ -95,6 +95,14 @@ class InvalidDrafts(Exception):
     """The drafter answered with drafts the engine refuses (ids outside the vocabulary, a wrong count)."""
 
 
+def record_k(plans: Sequence[RoundPlan]) -> None:
+    """Each plan's k and why, and the request's plain-decoding rounds, recorded on its request: the planner's
+    choice as planned, a fallback to plain decoding as verified (a repeated k is recorded once)."""
+    for plan in plans:
+        if plan.reason:
+            plan.state.record_k(plan.k, plan.reason, plan.rounds_at_zero)
+
+
 class SpecEngine:
     def __init__(
         self, verifier: VerifierBackend, drafter: DrafterBackend | None, kv: KVClient, tokenizer: Any,
@@ -274,6 +282,7 @@ class SpecEngine:
         self.suffix.retain(s.request_id for s in self.running)  # tries of requests that left (aborted, requeued)
         plans = [kept[s.request_id] if kept and s.request_id in kept else
                  self.shared.prefill_plan(s, context.drafter_usable) or plan_request(s, context) for s in states]
+        record_k(plans)
         if void:
             self.kv.rollback(void)
         return [self._enter_draft(plan) for plan in plans]
@@ -340,6 +349,7 @@ class SpecEngine:
         """Constrained rows, then ONE verifier call (`windows`: reservation windows beside it, serial steps only:
         pre-drafting reserves its drafts' slots itself, two groups interleave their rounds). A lost verifier: every
         request is requeued and re-prefills from its tokens, and None."""
+        record_k(plans)  # the fallbacks to plain decoding since the plan
         if any(p.state.constraint is not None for p in plans):
             with self.trace.phase("constrain"):
                 plans = [constrained(p) for p in plans]  # each row's allowed tokens; forbidden drafts cut

@@ -1,6 +1,7 @@
 """Plan: how many draft tokens k one request proposes this round, and by which drafter.
 
-    plan_request(state, context) -> RoundPlan(k, target_pending, drafts (n-gram, suffix), uses_model_drafter)
+    plan_request(state, context) -> RoundPlan(k, target_pending, drafts (n-gram, suffix), uses_model_drafter,
+                                              reason, rounds_at_zero)
 
 Fixed k, or auto (spec_policy.py): seeded sampled requests from their own history only, the others from
 the measured costs. n-gram and suffix drafts are made here (in process); a suffix draft is a token tree of k
@@ -11,8 +12,9 @@ second are no lower than the draft model's choice (spec_policy.lookup_wins); the
 in its next round. Each source's acceptance is measured apart, so an n-gram that copies long spans (edits,
 summaries) never makes the draft model look better, nor the model the lookup; a lookup's estimate reads the
 request's own lookups only (other requests' copy more or less than it does). The plan is built once, on
-the engine thread; the engine then enters a model-drafted request in the draft namespace, sets its
-`draft_pending` and reserves the plan's maximum (docs/ARCHITECTURE.md §2).
+the engine thread, and writes nothing: the engine records its k, reason and rounds at zero on the request, enters
+a model-drafted request in the draft namespace, sets its `draft_pending` and reserves the plan's maximum
+(docs/ARCHITECTURE.md §2).
 """
 
 from __future__ import annotations
@@ -69,17 +71,15 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
     k_cap = max(0, min(ctx.k_max if spec.k is None else spec.k, remaining - 1))
     pending = state.token_ids[state.target_cached:]
     if spec.draft == "none" or k_cap == 0:
-        state.record_k(0, "no speculation requested" if spec.draft == "none" or spec.k == 0 else "end of output")
-        return RoundPlan(state=state, k=0, target_pending=pending)
+        return RoundPlan(state=state, k=0, target_pending=pending, reason="no speculation requested"
+                         if spec.draft == "none" or spec.k == 0 else "end of output")
     forced = state.constraint.forced(k_cap) if state.constraint is not None else []
     if forced:  # the constraint's own next tokens: drafted at no draft cost, whatever the drafter
-        state.rounds_at_zero = 0
-        state.record_k(len(forced), "constraint: forced tokens")
-        return RoundPlan(state=state, k=len(forced), target_pending=pending, drafts=forced, forced=len(forced))
+        return RoundPlan(state=state, k=len(forced), target_pending=pending, drafts=forced, forced=len(forced),
+                         reason="constraint: forced tokens", rounds_at_zero=0)
     lookup = _lookup(state, ctx, k_cap)
     if spec.draft == "model" and not ctx.drafter_usable and not lookup:
-        state.record_k(0, "fallback: drafter unavailable, plain decoding")
-        return RoundPlan(state=state, k=0, target_pending=pending)
+        return RoundPlan(state=state, k=0, target_pending=pending, reason="fallback: drafter unavailable, plain decoding")
     looked_up = False  # this round drafts the lookup's chain
     if spec.k is not None:
         k, reason = k_cap, "fixed k"
@@ -96,10 +96,10 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
             looked_up = lookup_wins(chosen, rival) or not ctx.drafter_usable
             decision = chosen if looked_up else decision
         k, reason = decision.k, decision.reason
-    state.rounds_at_zero = state.rounds_at_zero + 1 if k == 0 else 0
+    at_zero = state.rounds_at_zero + 1 if k == 0 else 0  # auto's plain-decoding rounds in a row (it re-probes)
     if looked_up:
-        state.record_k(k, f"{reason}; lookup: n-gram chain" if k else reason)
-        return RoundPlan(state=state, k=k, target_pending=pending, drafts=lookup[:k], lookup=k > 0)
+        return RoundPlan(state=state, k=k, target_pending=pending, drafts=lookup[:k], lookup=k > 0,
+                         reason=f"{reason}; lookup: n-gram chain" if k else reason, rounds_at_zero=at_zero)
     drafts: list[int] = []
     parents: tuple[int, ...] | None = None
     if spec.draft == "ngram" and k > 0:
@@ -119,10 +119,9 @@ def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:
     # tree feeds no level whose best path it is unsure of (fixed k and sampled requests draft as asked)
     stop_below = ctx.draft_stop_below if (spec.draft == "model" and k > 1 and spec.k is None
                                           and sampling.is_greedy) else 0.0
-    state.record_k(k, reason)
     return RoundPlan(state=state, k=k, target_pending=pending, drafts=drafts,
                      uses_model_drafter=spec.draft == "model" and k > 0, draft_parents=parents, tree_budget=budget,
-                     draft_stop_below=stop_below)
+                     draft_stop_below=stop_below, reason=reason, rounds_at_zero=at_zero)
 
 
 def _lookup(state: RequestState, ctx: PlanContext, k_cap: int) -> list[int]:

@@ -120,11 +120,9 @@ def settle(plan: RoundPlan, tokens: Sequence[int], accepted_len: int, kept: Sequ
 def plan_from_kept(state: RequestState, kept: KeptPreDraft) -> RoundPlan:
     """Round r + 1 of a kept pre-draft: its drafts and draft reservation exist; `draft_pending` (set by the
     engine's plan as for any model-drafted round) is round r's catch-up + d_1..d_k + b."""
-    state.rounds_at_zero = 0
-    state.record_k(len(kept.drafts), "pre-drafted during the last verify")
     return RoundPlan(state=state, k=len(kept.drafts), target_pending=state.token_ids[state.target_cached:],
                      drafts=list(kept.drafts), draft_probs=kept.probs, draft_grant=kept.grant, uses_model_drafter=True,
-                     predrafted=True)
+                     predrafted=True, reason="pre-drafted during the last verify", rounds_at_zero=0)
 
 
 @dataclass(frozen=True)

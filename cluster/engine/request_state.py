@@ -234,10 +234,14 @@ class RequestState:
         draft namespace and re-prefills its draft cache."""
         self.draft_cached, self.draft_admitted = 0, False
 
-    def record_k(self, k: int, reason: str) -> None:
+    def record_k(self, k: int, reason: str, rounds_at_zero: int | None = None) -> None:
+        """A round's k and why (a repeated k is kept once), and its plain-decoding rounds so far (None: as they
+        were). The engine calls it with what a plan holds (RoundPlan.reason, rounds_at_zero)."""
         if k != self.k or not self.policy_events:
             self.policy_events.append(PolicyEvent(time.monotonic() - self.arrival, k, reason))
         self.k = k
+        if rounds_at_zero is not None:
+            self.rounds_at_zero = rounds_at_zero
 
     def all_acceptance(self) -> AcceptanceStats:
         """Every draft it proposed: its drafter's and its n-gram lookups' (planner.py)."""

@@ -70,6 +70,11 @@ class RoundPlan:
     # drafts the constraint cut (counted as proposed and rejected)
     allowed: np.ndarray | None = None
     cut: int = 0
+    # why k is what it is (the planner's choice, or why the round decodes plainly; "": nothing to record) and the
+    # request's rounds of plain decoding after this one (None: as they were): intents the engine records on the
+    # request (`RequestState.record_k`), the planner's when planned, a fallback's when verified
+    reason: str = ""
+    rounds_at_zero: int | None = None
 
     @property
     def request_id(self) -> str:
@@ -153,10 +158,9 @@ def window_items(plans: Sequence[RoundPlan], k_max: int, verifier: Holder, draft
 
 
 def plain(plan: RoundPlan, reason: str) -> RoundPlan:
-    """This round decodes plainly: no drafts, no draft grant (the state records k = 0 and why)."""
-    plan.state.record_k(0, reason)
+    """This round decodes plainly: no drafts, no draft grant; `reason` is why (recorded when it is verified)."""
     return replace(plan, uses_model_drafter=False, lookup=False, k=0, drafts=[], draft_probs=None, draft_grant=None,
-                   draft_parents=None, tree_budget=0)
+                   draft_parents=None, tree_budget=0, reason=reason)
 
 
 def plain_proposed(plans: Iterable[RoundPlan], reason: str) -> list[RoundPlan]:

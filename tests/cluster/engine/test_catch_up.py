@@ -110,7 +110,7 @@ def test_the_plan_decodes_plainly_or_looks_up_where_the_catch_up_does_not_pay() 
     state.acceptance.record(0, 2, "greedy")  # its drafts were rejected, so drafting saves nothing
     plan = plan_request(state, context(costs(0.005)))
     assert plan.k == 0 and not plan.uses_model_drafter
-    assert plan.state.policy_events[-1].reason.startswith("draft catch-up: 120 tokens cost 590 ms")
+    assert plan.reason.startswith("draft catch-up: 120 tokens cost 590 ms")
     # where the draft cache holds all but the usual two tokens, the draft model drafts as before
     state = state_of(prompt)
     state.acceptance.record(0, 2, "greedy")

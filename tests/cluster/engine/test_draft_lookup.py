@@ -146,7 +146,7 @@ def test_plan_takes_the_lookup_chain_where_it_pays_and_the_model_elsewhere() -> 
     for _ in range(12):
         state.lookup_acceptance.record(0, 3, "greedy")
     plan = plan_request(state, context(True, flat_costs(0.05)))
-    assert not plan.lookup and plan.uses_model_drafter, plan.state.policy_events
+    assert not plan.lookup and plan.uses_model_drafter, plan.reason
 
 
 def test_a_lost_drafter_still_drafts_from_the_lookup() -> None:
@@ -154,4 +154,4 @@ def test_a_lost_drafter_still_drafts_from_the_lookup() -> None:
     plan = plan_request(state_after(periodic), context(True, flat_costs(0.5), drafter_usable=False))
     assert plan.lookup and plan.k > 0 and not plan.uses_model_drafter
     plan = plan_request(state_after([1, 2, 3, 4, 5, 6, 7]), context(True, flat_costs(0.5), drafter_usable=False))
-    assert plan.k == 0 and plan.state.policy_events[-1].reason == "fallback: drafter unavailable, plain decoding"
+    assert plan.k == 0 and plan.reason == "fallback: drafter unavailable, plain decoding"

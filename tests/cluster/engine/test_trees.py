@@ -156,8 +156,8 @@ def test_suffix_falls_back_to_the_n_gram_match_where_its_tries_have_no_candidate
                            drafter_usable=False, engine_acceptance=AcceptanceStats(), cost=CostModel(), batch=1,
                            suffix=SuffixDrafter(min_score=min_score), tree_nodes=0)
 
-    own = fresh()
-    assert plan_request(own, context(0.0)).drafts == [5, 6] and "n-gram" not in own.policy_events[-1].reason
-    state = fresh()
-    fallback = plan_request(state, context(0.9))  # nothing scores 0.9: the n-gram drafter's latest match
-    assert fallback.drafts == [5, 6] and "suffix: no match, n-gram" in state.policy_events[-1].reason
+    own = plan_request(fresh(), context(0.0))
+    assert own.drafts == [5, 6] and "n-gram" not in own.reason
+    fallback = plan_request(fresh(), context(0.9))  # nothing scores 0.9: the n-gram drafter's latest match
+    assert fallback.drafts == [5, 6] and "suffix: no match, n-gram" in fallback.reason
+    assert not fallback.state.policy_events  # the plan is an intent: the engine records it

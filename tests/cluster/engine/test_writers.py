@@ -3,7 +3,9 @@
 - a RequestState's token and cache fields are written only by admission (admission.py), by the round's outcome
   (accept.py `accept_round`) and by RequestState's own methods (request_state.py: appending tokens, forgetting KV);
 - a RoundPlan is frozen: its transitions are `dataclasses.replace` in round_plan.py, nowhere else;
-- every other RequestState field has the writers docs/ARCHITECTURE.md §3's table names (`FIELD_WRITERS`);
+- every other RequestState field has the writers docs/ARCHITECTURE.md §3's table names (`FIELD_WRITERS`); a
+  round's k, its reason and the plain-decoding rounds are a plan's intent (RoundPlan.reason, rounds_at_zero) that
+  the engine alone records (`record_k`), the planners and `plain` write nothing;
 - an engine is complete at construction, and its lists are its own: no code outside engine.py writes an engine's
   attribute or anything under one (`engine.x = `, `engine.x.y = `, `engine.x[k] = `, `engine.x.append(...)`), be it
   through a parameter named `engine` or one typed as the engine or as a Protocol (a collaborator returns what it
@@ -18,8 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from cluster.engine.acceptance_stats import AcceptanceStats
+from cluster.engine.engine import record_k
+from cluster.engine.planner import PlanContext, plan_request
 from cluster.engine.request_state import new_request_state
 from cluster.engine.round_plan import RoundPlan, plain, with_drafts
+from cluster.engine.spec_policy import CostModel
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -29,7 +35,7 @@ ENGINE_SOURCES = [p for p in SOURCES if p.parent == ROOT / "cluster" / "engine"]
 TOKEN_AND_CACHE = {"token_ids", "target_cached", "draft_cached", "admitted", "draft_admitted"}
 STATE_WRITERS = {"cluster/engine/request_state.py", "cluster/engine/admission.py", "cluster/engine/accept.py"}
 FIELD_WRITERS = {  # the other RequestState fields (ARCHITECTURE.md §3, "Writers"); request_state.py writes any
-    ("k", "policy_events", "rounds_at_zero"): {"cluster/engine/planner.py", "cluster/engine/predraft.py"},
+    ("k", "policy_events", "rounds_at_zero"): set(),  # RequestState.record_k, called by engine.py alone
     ("acceptance", "rounds", "first_token_at", "finished_at", "forced", "forced_accepted"): {"cluster/engine/accept.py"},
     ("finish_reason",): {"cluster/engine/accept.py", "cluster/engine/give_back.py"},
     ("draft_seconds", "verify_seconds", "reconcile_seconds"): {"cluster/engine/stats.py"},
@@ -94,6 +100,34 @@ def test_request_state_fields_have_their_writers() -> None:
                  if ast.unparse(attr.value) in ("s", "state") or ast.unparse(attr.value).endswith(".state")
                  for fields, writers in FIELD_WRITERS.items() if attr.attr in fields and relative(path) not in writers]
     assert not offenders, offenders
+
+
+def test_k_is_recorded_by_the_engine_alone() -> None:
+    offenders = [f"{relative(path)}:{node.lineno}" for path in SOURCES
+                 if relative(path) not in ("cluster/engine/engine.py", "cluster/engine/request_state.py")
+                 for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "record_k"]
+    assert not offenders, offenders
+
+
+def test_a_plan_is_an_intent_the_engine_records() -> None:
+    request = GenerationRequest("r", (1, 2, 3), SamplingParams(max_tokens=8), SpecParams(k=None, draft="model"))
+    state = new_request_state(request, None, frozenset(), 10, 64, has_drafter=True)
+    context = PlanContext(k_max=4, probe_every=16, pressure_free_fraction=0.1, free_fraction=1.0,
+                          drafter_usable=False, engine_acceptance=AcceptanceStats(), cost=CostModel(), batch=1)
+    plan = plan_request(state, context)  # no drafter: plain decoding, and why
+    assert (plan.k, plan.reason) == (0, "fallback: drafter unavailable, plain decoding")
+    assert not state.policy_events and state.k == 0  # the planner wrote nothing
+    record_k([plan])
+    assert [(e.k, e.reason) for e in state.policy_events] == [(0, plan.reason)]
+    counted = RoundPlan(state=state, k=3, target_pending=[3], reason="auto", rounds_at_zero=0)
+    state.rounds_at_zero = 5
+    record_k([counted])
+    assert (state.k, state.rounds_at_zero, len(state.policy_events)) == (3, 0, 2)
+    fallback = plain(counted, "draft cache out of blocks")  # recorded when verified; the count stays
+    assert (state.k, fallback.rounds_at_zero, fallback.reason) == (3, 0, "draft cache out of blocks")
+    record_k([fallback, fallback])  # a repeated k is recorded once
+    assert [(e.k, e.reason) for e in state.policy_events][1:] == [(3, "auto"), (0, "draft cache out of blocks")]
 
 
 def protocols() -> set[str]:
