@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-multinode lint bench-runtime bench-spec bench-serve
+.PHONY: setup test test-multinode test-image lint bench-runtime bench-spec bench-serve
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ test:
 # several Ray nodes, each in a network namespace of its own (tests/cluster/multinode; opt-in: ~3 minutes)
 test-multinode:
 	SPECSERVE_MULTINODE=1 scripts/in-netns.sh $(BIN)/python -m pytest -q tests/cluster/multinode
+
+# the serving image built on a stand-in for Ray's base (Debian's packages) and run, step by step (tests/deploy/
+# test_image.py; opt-in: root, Debian's container tools, PyPI, ~20 minutes cold). Not in the namespace: the build
+# fetches; Ray runs only inside the container, with --network none. The image alone: sudo scripts/build-image.sh
+test-image:
+	SPECSERVE_IMAGE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/deploy/test_image.py
 
 lint:
 	$(BIN)/ruff check .
