@@ -1,6 +1,7 @@
 """Accept: one round's verifier outputs become emitted tokens, ledger commits and chunks.
 
     accept_round(plans, outputs, holders) -> RoundOutcome(commits, chunks, finished, release_draft, acceptance)
+    record_acceptance(outcome.acceptance, ...)  the round's acceptance into the engine's statistics, by source
 
 A prompt group's prefill-only plan (`prefill_to`) commits its prefix and nothing else: no token, no chunk.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE
 from cluster.engine.predraft import KeptPreDraft, settle
 from cluster.engine.request_state import RequestState
@@ -137,6 +139,21 @@ def accept_round(plans: Sequence[RoundPlan], outputs: Sequence[VerifyOutput], ve
             outcome.finished.append(s)
         outcome.chunks.append(chunk)
     return outcome
+
+
+def record_acceptance(records: Sequence[AcceptanceRecord], drafter: AcceptanceStats, lookup: AcceptanceStats
+                      ) -> dict[str, float]:
+    """A round's acceptance records into the engine's statistics, each source apart (the drafter's drafts, the
+    n-gram lookups'); the constraint's forced drafts are counted apart, never read by auto's k: their totals."""
+    totals: dict[str, float] = {}
+    for record in records:
+        if record.forced:
+            totals["forced_proposed"] = totals.get("forced_proposed", 0) + record.proposed
+            totals["forced_accepted"] = totals.get("forced_accepted", 0) + record.accepted
+            continue
+        (lookup if record.lookup else drafter).record(record.accepted, record.proposed, record.contract,
+                                                      record.ranks, record.tree_nodes)
+    return totals
 
 
 def _commit_prefill(plan: RoundPlan, outcome: RoundOutcome, verifier_holder: Holder,

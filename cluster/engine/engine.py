@@ -1,12 +1,12 @@
 """SpecEngine: the continuous-batching speculative-decoding loop (plain Python; no Ray).
 
 One round for the running batch (docs/ARCHITECTURE.md §2), as `step` reads; each phase returns new values
-(round_plan.py: a plan is frozen, its transitions live there):
+(round_plan.py: a plan is frozen, its transitions live there), and the engine applies what its functions decide:
 
     plan     k per request (fixed or auto; 0 = plain decode); n-gram, suffix drafts (trees)   planner.py
     reserve  ONE ledger call: target slots (catch-up + k), draft slots (catch-up + k - 1)
-    propose  ONE drafter call for the model-drafted requests (n-gram drafts were made by the plan)
-    verify   ONE verifier call: one forward scores every request's catch-up + drafts, then each
+    propose  ONE drafter call for the model-drafted requests (n-gram drafts were made by the plan)  drafting.py
+    verify   ONE verifier call: one forward scores every request's catch-up + drafts, then each   verify_call.py
              request's contract decides accepted drafts + one correction/bonus token
     accept   the outcome applied: tokens appended one by one with stop checks, exactly where plain
              decoding stops; the commits, chunks and finished requests as values  accept.py
@@ -16,8 +16,8 @@ One round for the running batch (docs/ARCHITECTURE.md §2), as `step` reads; eac
 How a step strings the phases together is its mode, chosen at construction (step_modes.py: one function each):
 serial (a steady round's commit rides with the next reserve, held_commit.py), two groups in ping-pong
 (overlap.py), or pre-drafting (predraft.py). The phases here ask no mode question: the step passes what differs.
-What the collaborators decide comes back as values applied here (give_back.py's `GiveBack`, the pre-drafter's
-kept plans and stale reservations).
+What the collaborators decide comes back as values applied here: a plan's k and reason (`record_k`), the drafter's
+answer (`Drafted`), the verify's totals, give_back.py's `GiveBack`, the pre-drafter's kept plans.
 
 Ownership (docs/ARCHITECTURE.md §3): the thread that calls `step` (the engine thread) owns every
 RequestState, RoundPlan and the ledger client. `submit` and `abort` may be called from other threads:
@@ -34,12 +34,11 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from cluster.engine.accept import RoundOutcome, accept_round
+from cluster.engine.accept import RoundOutcome, accept_round, record_acceptance
 from cluster.engine.acceptance_stats import AcceptanceStats
-from cluster.engine.admission import admit_draft
 from cluster.engine.backends import DrafterBackend, VerifierBackend
-from cluster.engine.catch_up import observe_propose
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
+from cluster.engine.drafting import Drafted, enter_draft, propose, propose_batch
 from cluster.engine.fair_share import YIELD, admissions
 from cluster.engine.give_back import (
     OUT_OF_BLOCKS,
@@ -56,43 +55,31 @@ from cluster.engine.inbox import RequestInbox
 from cluster.engine.kv_client import KVClient
 from cluster.engine.overlap import DraftPipeline
 from cluster.engine.overlap_policy import engine_overlap
-from cluster.engine.planner import PlanContext, plan_request
+from cluster.engine.planner import plan_context, plan_request
 from cluster.engine.predraft import PreDrafter
 from cluster.engine.request_state import RequestState, new_request_state
 from cluster.engine.round_plan import (
     RoundPlan,
-    constrained,
-    drafted_steps,
     granted,
-    invalid_drafts,
-    plain,
-    plain_proposed,
-    propose_item,
     reserve_items,
-    verify_item,
     window_items,
-    with_draft_pending,
-    with_proposed,
 )
 from cluster.engine.shared_prompts import SharedPrompts, group_states
-from cluster.engine.spec_policy import CostModel, NominalCosts, nominal_costs
+from cluster.engine.spec_policy import CostModel, nominal_costs
 from cluster.engine.stats import add_round_times, engine_stats
-from cluster.engine.step_modes import PREDRAFTING, SERIAL, STEPS, Verified, step_mode
+from cluster.engine.step_modes import PREDRAFTING, SERIAL, STEPS, step_mode
 from cluster.engine.step_record import EngineObserver
 from cluster.engine.step_trace import StepTrace
-from cluster.engine.verify_call import VerifierLost, call_verifier
+from cluster.engine.verify_call import VerifierLost, VerifyCall, verify_round
 from cluster.engine.worker_health import WorkerHealth
 from drafter_service.suffix_drafts import SuffixDrafter
 from kv_manager.errors import KVError
+from kv_manager.schema import ReserveItem
 from specserve_types.api import GenerationRequest, InvalidRequestError, TokenChunk
-from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyBatch, VerifyResult
+from specserve_types.round_messages import ProposeBatch, VerifyResult
 from verifier_service.constraint import ConstraintCompiler
 
 log = logging.getLogger("specserve.engine")
-
-
-class InvalidDrafts(Exception):
-    """The drafter answered with drafts the engine refuses (ids outside the vocabulary, a wrong count)."""
 
 
 def record_k(plans: Sequence[RoundPlan]) -> None:
@@ -128,6 +115,7 @@ class SpecEngine:
         self.model_name = model_name
         self.draft_name = draft_name
         self.dtypes: dict[str, str] = dict(dtypes or {})
+        self.nominal = nominal_costs(self.dtypes.get("target", "float32"), self.dtypes.get("draft"))  # seeded k's
         self.cost = cost if cost is not None else CostModel()
         self.acceptance = acceptance if acceptance is not None else AcceptanceStats()
         self.lookup_acceptance = lookup_acceptance if lookup_acceptance is not None else AcceptanceStats()
@@ -159,21 +147,20 @@ class SpecEngine:
     # ------------------------------------------------------------------ requests in and out (any thread)
     def submit(self, request: GenerationRequest) -> None:
         """Validate and enqueue; raises InvalidRequestError / CapacityError at once, changing nothing."""
-        state = new_request_state(request, self.tokenizer, self.eos_token_ids, self.vocab_size,
-                                  self.config.max_context, has_drafter=self.drafter is not None,
-                                  constraints=self.constraints)
-        self.inbox.put(state, waiting=len(self.waiting))
+        self.inbox.put(self._new_state(request), waiting=len(self.waiting))
 
     def submit_group(self, requests: list[GenerationRequest]) -> None:
         """The n completions of one prompt, all or none (raises like `submit`, changing nothing): the prompt is
         prefilled once and the others fork its KV (shared_prompts.py); each draws from its own seed."""
-        states = [new_request_state(r, self.tokenizer, self.eos_token_ids, self.vocab_size, self.config.max_context,
-                                    has_drafter=self.drafter is not None, constraints=self.constraints)
-                  for r in requests]
+        states = [self._new_state(r) for r in requests]
         if any(r.prompt_token_ids != requests[0].prompt_token_ids for r in requests):
             raise InvalidRequestError("prompt", "the completions of one group share one prompt")
         group = group_states(states)
         self.inbox.put_group(states, waiting=len(self.waiting), reserved=(group.key,) if group else ())
+
+    def _new_state(self, request: GenerationRequest) -> RequestState:
+        return new_request_state(request, self.tokenizer, self.eos_token_ids, self.vocab_size, self.config.max_context,
+                                 has_drafter=self.drafter is not None, constraints=self.constraints)
 
     def abort(self, request_id: str) -> None:
         self.inbox.abort(request_id)
@@ -252,45 +239,25 @@ class SpecEngine:
         batch = self.propose_batch(plans, own_step)
         if batch is None:
             return plans, 0.0
-        start = time.perf_counter()
-        try:
-            with self.trace.phase("draft.propose", requests=len(batch.items), k=max(i.k for i in batch.items)):
-                result = self.drafter.propose(batch)  # type: ignore[union-attr]
-            plans = self.apply_drafts(plans, result)
-        except Exception as exc:  # the drafter died: this round and the next ones decode plainly
-            plans = self.drafter_failed(plans, exc)
-        return plans, time.perf_counter() - start
-
-    def nominal_costs(self) -> NominalCosts:
-        return nominal_costs(self.dtypes.get("target", "float32"), self.dtypes.get("draft"))
+        drafted = propose(self.drafter, batch, plans, self.trace, self.health, self.cost,  # type: ignore[arg-type]
+                          self.vocab_size)
+        return self.drafted(drafted), drafted.seconds
 
     def plan(self, states: list[RequestState], model_trees: bool, kept: Mapping[str, RoundPlan] | None = None,
              void: Sequence[tuple[str, str]] = ()) -> list[RoundPlan]:
         """A plan per state (`kept`: the pre-drafter's, by request id; `void`: its stale reservations, rolled back);
         model-drafted ones enter the draft namespace (or decode plainly if it is full). `model_trees`: a draft
         model may draft token trees (serial steps only: the others draft ahead in chains)."""
-        cfg = self.config
-        context = PlanContext(
-            k_max=cfg.k_max, probe_every=cfg.probe_every, pressure_free_fraction=cfg.pressure_free_fraction,
-            free_fraction=self.kv.free_fraction(TARGET_NAMESPACE) if any(  # read by auto only
-                s.request.spec.k is None and s.request.spec.draft != "none" for s in states) else 1.0,
-            drafter_usable=any(s.request.spec.draft == "model" for s in states) and self.health.drafter_usable(),
-            engine_acceptance=self.acceptance, cost=self.cost, batch=len(states), max_batch=cfg.max_batch,
-            nominal=self.nominal_costs(),
-            suffix=self.suffix, tree_nodes=cfg.tree_nodes, model_tree_nodes=cfg.model_tree_nodes if model_trees else 0,
-            draft_stop_below=cfg.draft_stop_below, lookup=cfg.draft_lookup)
+        context = plan_context(self.config, states, lambda: self.kv.free_fraction(TARGET_NAMESPACE),
+                               self.health.drafter_usable, self.acceptance, self.cost, self.nominal, self.suffix,
+                               model_trees)
         self.suffix.retain(s.request_id for s in self.running)  # tries of requests that left (aborted, requeued)
         plans = [kept[s.request_id] if kept and s.request_id in kept else
                  self.shared.prefill_plan(s, context.drafter_usable) or plan_request(s, context) for s in states]
         record_k(plans)
         if void:
             self.kv.rollback(void)
-        return [self._enter_draft(plan) for plan in plans]
-
-    def _enter_draft(self, plan: RoundPlan) -> RoundPlan:
-        if plan.uses_model_drafter and not admit_draft(self.kv, plan.state, self.health.drafter_holder):
-            return plain(plan, "draft cache out of blocks")
-        return with_draft_pending(plan) if plan.uses_model_drafter else plan
+        return [enter_draft(self.kv, plan, self.health.drafter_holder) for plan in plans]
 
     def reserve(self, plans: list[RoundPlan], may_preempt: bool, own_step: bool) -> list[RoundPlan]:
         """Each plan's maximum, in one call; a plan refused its target slots sits this round out. `own_step`: the
@@ -311,76 +278,48 @@ class SpecEngine:
         return kept
 
     def propose_batch(self, plans: list[RoundPlan], own_step: bool) -> ProposeBatch | None:
-        """The drafter call for the plans whose drafts it makes (None: none)."""
-        model_plans = [p for p in plans if p.needs_propose]
-        if not model_plans:
-            return None
-        # under two groups the batch drafts the other group's next round: it carries no trace of this step's
+        """The drafter call's batch (None: no plan needs it); under two groups it drafts the other group's next
+        round and carries no trace of this step's (`own_step` False)."""
         if own_step:
             self.trace.begin(plans)
-        return ProposeBatch([propose_item(p, self.config.constrain_drafts) for p in model_plans],
-                            self.trace.trace_context if own_step else ())
+        return propose_batch(plans, self.config.constrain_drafts, self.trace.trace_context if own_step else ())
 
-    def apply_drafts(self, plans: list[RoundPlan], result: ProposeResult) -> list[RoundPlan]:
-        """The drafter's answer on the plans it drafted; a replaced drafter or invalid drafts: plain decoding."""
-        model_plans = [p for p in plans if p.needs_propose]
-        if self.health.drafter_answered(result.worker_instance):
-            # a new process drafted from an empty KV pool: worthless, so this round decodes plainly
+    def drafted(self, drafted: Drafted) -> list[RoundPlan]:
+        """What drafting.py decided, applied (every draft cache restarts if the drafter's epoch changed; early
+        stops counted); its plans."""
+        if drafted.restart:
             self.restart_draft_caches()
-            return plain_proposed(plans, "drafter replaced: re-prefilling its cache")
-        by_id = {o.request_id: o for o in result.outputs}
-        ran = {p.request_id: drafted_steps(p, by_id.get(p.request_id)) for p in model_plans}  # may stop early
-        observe_propose(self.cost, model_plans, max(ran.values()), result.seconds)
-        refusal = invalid_drafts(model_plans, by_id, self.vocab_size)
-        if refusal is not None:  # never trusted: the drafter is treated as failed, this round decodes plainly
-            return self.drafter_failed(plans, InvalidDrafts(refusal), "fallback: drafter returned invalid drafts")
-        plans, stops = with_proposed(plans, by_id, ran)
-        for key, count in stops.items():
-            self.totals[key] += count
-        return plans
+        self._count(drafted.stops)
+        return drafted.plans
 
-    def drafter_failed(self, plans: list[RoundPlan], exc: BaseException,
-                       reason: str = "fallback: drafter failed, plain decoding") -> list[RoundPlan]:
-        self.health.drafter_failed(exc)  # its epoch expired: every draft grant is gone
-        self.restart_draft_caches()
-        return plain_proposed(plans, reason)
-
-    def verify(self, plans: list[RoundPlan], windows: bool) -> Verified | None:
+    def verify(self, plans: list[RoundPlan], windows: bool) -> VerifyCall | None:
         """Constrained rows, then ONE verifier call (`windows`: reservation windows beside it, serial steps only:
         pre-drafting reserves its drafts' slots itself, two groups interleave their rounds). A lost verifier: every
         request is requeued and re-prefills from its tokens, and None."""
         record_k(plans)  # the fallbacks to plain decoding since the plan
-        if any(p.state.constraint is not None for p in plans):
-            with self.trace.phase("constrain"):
-                plans = [constrained(p) for p in plans]  # each row's allowed tokens; forbidden drafts cut
-            self.totals["constraint_cut"] += sum(p.cut for p in plans)
         try:
-            return Verified(plans, self._verify(plans, windows))
+            call = verify_round(self.verifier, self.kv, self.health, self.trace, self.cost, plans,
+                                self.config.exact_rule, self._windows if windows else None)
         except VerifierLost as lost:
-            reason = str(lost)
+            self._count(lost.totals)
             flights = self.pipeline.drain() if self.pipeline is not None else []
-            self.give_back(recover_verifier(self.parts, self.running, flights, reason))
+            self.give_back(recover_verifier(self.parts, self.running, flights, str(lost)))
             self.shared.target_lost(self.waiting)
             return None
+        self._count(call.totals)
+        return call
 
-    def _verify(self, plans: list[RoundPlan], windows: bool) -> VerifyResult:
-        items = [verify_item(p, self.config.exact_rule) for p in plans]
-        self.trace.begin(plans)
-        # the held commit and the next round's windows (while the target pool is not short of blocks), on a ledger
-        # call sent once the verify is on its way (held_commit.py; in process it runs before the verify)
-        ahead = self.kv.ahead(window_items(plans, self.config.k_max, self.health.verifier_holder,
-                                           self.health.drafter_holder)) if windows and self.config.reservation_windows \
-            and self.kv.free_fraction(TARGET_NAMESPACE) > self.config.pressure_free_fraction else None
-        try:
-            call = call_verifier(self.verifier, self.kv, self.health, self.trace,
-                                 VerifyBatch(items, self.trace.trace_context), ahead)
-        finally:
-            if ahead is not None:  # the time waited for the ledger's answer after the verify is its share
-                self.totals["kv_seconds"] += ahead.wait_seconds + ahead.send_seconds
-                self.totals["kv_ahead_wait_seconds"] += ahead.wait_seconds
-        self.totals["verify_call_seconds"] += call.seconds
-        self.cost.observe_verify(sum(len(i.input_ids) + len(i.draft_ids) for i in items), call.result.seconds)
-        return call.result
+    def _windows(self, plans: list[RoundPlan]) -> list[ReserveItem] | None:
+        """The held commit's ledger call's reservation windows (held_commit.py), while the target pool is not short
+        of blocks (None: no call beside the verify; in process it runs before the verify)."""
+        if not self.config.reservation_windows or \
+                self.kv.free_fraction(TARGET_NAMESPACE) <= self.config.pressure_free_fraction:
+            return None
+        return window_items(plans, self.config.k_max, self.health.verifier_holder, self.health.drafter_holder)
+
+    def _count(self, totals: Mapping[str, float]) -> None:
+        for key, value in totals.items():
+            self.totals[key] += value
 
     def accept(self, plans: list[RoundPlan], result: VerifyResult) -> RoundOutcome:
         with self.trace.phase("accept"):
@@ -402,13 +341,7 @@ class SpecEngine:
         return outcome.chunks
 
     def _commit(self, outcome: RoundOutcome, hold: bool) -> None:
-        for record in outcome.acceptance:
-            if record.forced:  # the constraint's drafts: counted apart, never read by auto's k
-                self.totals["forced_proposed"] += record.proposed
-                self.totals["forced_accepted"] += record.accepted
-                continue
-            (self.lookup_acceptance if record.lookup else self.acceptance).record(
-                record.accepted, record.proposed, record.contract, record.ranks, record.tree_nodes)
+        self._count(record_acceptance(outcome.acceptance, self.acceptance, self.lookup_acceptance))
         for request_id in outcome.release_draft:
             self.kv.release(request_id, [DRAFT_NAMESPACE])
         kv_start = time.perf_counter()
@@ -458,4 +391,4 @@ class SpecEngine:
         return out
 
 
-__all__ = ["InvalidDrafts", "SpecEngine", "VerifierLost"]
+__all__ = ["SpecEngine", "VerifierLost", "record_k"]

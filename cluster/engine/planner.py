@@ -1,5 +1,6 @@
 """Plan: how many draft tokens k one request proposes this round, and by which drafter.
 
+    plan_context(config, states, ...) -> PlanContext                 the engine-wide values, once per round
     plan_request(state, context) -> RoundPlan(k, target_pending, drafts (n-gram, suffix), uses_model_drafter,
                                               reason, rounds_at_zero)
 
@@ -19,10 +20,12 @@ a model-drafted request in the draft namespace, sets its `draft_pending` and res
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cluster.engine.acceptance_stats import AcceptanceStats
 from cluster.engine.catch_up import USUAL_CATCH_UP, price_catch_up
+from cluster.engine.config import EngineConfig
 from cluster.engine.request_state import RequestState
 from cluster.engine.round_plan import RoundPlan
 from cluster.engine.spec_policy import (
@@ -63,6 +66,23 @@ class PlanContext:
     model_tree_nodes: int = 0  # most nodes of a draft model's tree (0: chains; always 0 outside the serial mode)
     draft_stop_below: float = 0.0  # auto greedy model-draft chains stop after a draft below this probability
     lookup: bool = False  # auto model-drafted requests may draft a round from their n-gram lookup instead
+
+
+def plan_context(config: EngineConfig, states: Sequence[RequestState], free_fraction: Callable[[], float],
+                 drafter_usable: Callable[[], bool], engine_acceptance: AcceptanceStats, cost: CostModel,
+                 nominal: NominalCosts, suffix: SuffixDrafter, model_trees: bool) -> PlanContext:
+    """The context of one round's plans for `states`: the target pool's free fraction asked only where auto reads
+    it, the drafter's health only where a request drafts with the model (asking may start its retry).
+    `model_trees`: a draft model may draft token trees (serial steps only: the others draft ahead in chains)."""
+    return PlanContext(
+        k_max=config.k_max, probe_every=config.probe_every, pressure_free_fraction=config.pressure_free_fraction,
+        free_fraction=free_fraction() if any(s.request.spec.k is None and s.request.spec.draft != "none"
+                                             for s in states) else 1.0,
+        drafter_usable=any(s.request.spec.draft == "model" for s in states) and drafter_usable(),
+        engine_acceptance=engine_acceptance, cost=cost, batch=len(states), max_batch=config.max_batch,
+        nominal=nominal, suffix=suffix, tree_nodes=config.tree_nodes,
+        model_tree_nodes=config.model_tree_nodes if model_trees else 0, draft_stop_below=config.draft_stop_below,
+        lookup=config.draft_lookup)
 
 
 def plan_request(state: RequestState, ctx: PlanContext) -> RoundPlan:

@@ -1,6 +1,7 @@
 """The engine's three ways to run a round, one chosen when the engine is built (`step_mode`): each is one function
-that strings the engine's phases together (engine.py: each takes values and returns new ones; none asks which mode
-runs, the step passes what differs).
+that strings the round's phases together (engine.py; drafting.py and verify_call.py are their functions on values,
+whose decisions the engine applies: `drafted`, the verify's totals); none asks which mode runs, the step passes what
+differs.
 
     serial        plan, reserve, propose (waited for), verify (with reservation windows), accept, commit (held: it
                   rides with the next reserve), emit
@@ -17,28 +18,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from cluster.engine.accept import RoundOutcome
 from cluster.engine.config import EngineConfig
+from cluster.engine.drafting import Drafted, answered, failed
 from cluster.engine.overlap import DraftPipeline, InFlight
 from cluster.engine.predraft import PreDrafter, void_draft_grants
 from cluster.engine.request_state import RequestState
 from cluster.engine.round_plan import RoundPlan, plain_proposed, with_predraft
-from cluster.engine.spec_policy import NominalCosts
+from cluster.engine.spec_policy import CostModel, NominalCosts
 from cluster.engine.step_trace import StepTrace
+from cluster.engine.verify_call import VerifyCall
 from cluster.engine.worker_health import WorkerHealth
 from specserve_types.api import TokenChunk
-from specserve_types.round_messages import ProposeBatch, ProposeResult, VerifyResult
+from specserve_types.round_messages import ProposeBatch, VerifyResult
 
 SERIAL, PING_PONG, PREDRAFTING = "serial", "ping-pong", "pre-drafting"
-
-
-@dataclass(frozen=True)
-class Verified:
-    plans: list[RoundPlan]  # as verified (a constraint may have cut drafts)
-    result: VerifyResult
 
 
 class RoundHost(Protocol):
@@ -46,7 +42,10 @@ class RoundHost(Protocol):
 
     config: EngineConfig
     running: list[RequestState]
+    vocab_size: int
     health: WorkerHealth
+    cost: CostModel
+    nominal: NominalCosts  # seeded requests' costs, by the target's dtype
     trace: StepTrace
     pipeline: DraftPipeline | None
     predrafter: PreDrafter | None
@@ -60,11 +59,9 @@ class RoundHost(Protocol):
 
     def propose_batch(self, plans: list[RoundPlan], own_step: bool) -> ProposeBatch | None: ...
 
-    def apply_drafts(self, plans: list[RoundPlan], result: ProposeResult) -> list[RoundPlan]: ...
+    def drafted(self, drafted: Drafted) -> list[RoundPlan]: ...
 
-    def drafter_failed(self, plans: list[RoundPlan], exc: BaseException) -> list[RoundPlan]: ...
-
-    def verify(self, plans: list[RoundPlan], windows: bool) -> Verified | None: ...
+    def verify(self, plans: list[RoundPlan], windows: bool) -> VerifyCall | None: ...
 
     def accept(self, plans: list[RoundPlan], result: VerifyResult) -> RoundOutcome: ...
 
@@ -75,7 +72,6 @@ class RoundHost(Protocol):
 
     def restart_draft_caches(self) -> None: ...
 
-    def nominal_costs(self) -> NominalCosts: ...
 
 
 def serial(engine: RoundHost) -> list[TokenChunk]:
@@ -130,12 +126,12 @@ def _land(engine: RoundHost, flight: InFlight) -> tuple[list[RoundPlan], float]:
     try:
         result, seconds = flight.future.result()
     except Exception as exc:
-        return engine.drafter_failed(flight.plans, exc), 0.0
+        return engine.drafted(failed(flight.plans, engine.health, exc)), 0.0
     # made on the draft thread during the last verify
     engine.trace.add_phase("draft.propose", seconds, requests=len(flight.model_plans), overlapped=True)
     if flight.drafter_holder != engine.health.drafter_holder:
         return plain_proposed(flight.plans, "drafter epoch changed while drafting: plain decoding"), seconds
-    return engine.apply_drafts(flight.plans, result), seconds
+    return engine.drafted(answered(flight.plans, result, engine.health, engine.cost, engine.vocab_size)), seconds
 
 
 def predrafting(engine: RoundHost) -> list[TokenChunk]:
@@ -146,7 +142,7 @@ def predrafting(engine: RoundHost) -> list[TokenChunk]:
     assert predrafter is not None
     kept, void = predrafter.take(engine.running)
     plans = predrafter.budget(engine.plan(engine.running, False, kept, void), cfg.k_max, cfg.probe_every,
-                              engine.nominal_costs())
+                              engine.nominal)
     plans, draft_seconds = engine.propose(engine.reserve(plans, may_preempt=True, own_step=True), own_step=True)
     predrafter.start(plans)  # the next round's drafts, made on the draft thread during the verify
     if not plans or (verified := engine.verify(plans, windows=False)) is None:
@@ -189,4 +185,4 @@ def step_mode(config: EngineConfig, has_drafter: bool) -> str:
     return PREDRAFTING if config.predraft else PING_PONG
 
 
-__all__ = ["PING_PONG", "PREDRAFTING", "SERIAL", "STEPS", "RoundHost", "Verified", "step_mode"]
+__all__ = ["PING_PONG", "PREDRAFTING", "SERIAL", "STEPS", "RoundHost", "step_mode"]
