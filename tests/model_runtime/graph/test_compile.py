@@ -5,8 +5,8 @@ outputs equal the eager ones'.
 
 Every bucket compiles with the aot_eager backend (Dynamo's trace and AOTAutograd's functionalized graph, the ops
 run as they are: outputs and the pool bitwise the eager step's); one bucket per program with inductor (fused
-kernels: other roundings, so within the static forward's bounds and the greedy tokens equal). Compile times on
-this project's EPYC (2 vCPUs, shared), 2026-12-07: tests/model_runtime/graph/README-style figures in docs/gpu.md.
+kernels: other roundings, so within the static forward's bounds and the greedy tokens equal). The compile times
+are on docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from model_runtime.graph.buckets import Bucket, Buckets
 from model_runtime.graph.runner import CapturedRunner
 from model_runtime.model import CausalLM
-from tests.model_runtime.graph.scenarios import BLOCK, NUM_BLOCKS, free_all, mixed_step, prefilled
+from tests.model_runtime.graph.scenarios import BLOCK, NUM_BLOCKS, chain_step, free_all, mixed_step, prefilled
 from tests.model_runtime.graph.test_static_forward import assert_close
 from tests.model_runtime.random_checkpoint import make_random_checkpoint
 
@@ -71,10 +71,7 @@ def test_the_draft_chain_compiles_whole_on_every_bucket(tmp_path: Path) -> None:
     drafts = []
     for runner in (eager, compiled):
         alloc, seqs = prefilled(runner)
-        catch_up = [alloc.extend(seq, [token]) for seq, token in zip(seqs, (40, 41, 42), strict=True)]
-        slots = [alloc.extend(seq, [0] * (CHAIN - 1)).slot_mapping for seq in seqs]
-        catch_up = [s.__class__(s.token_ids, s.past_len, list(seq.block_table), s.slot_mapping)
-                    for s, seq in zip(catch_up, seqs, strict=True)]
+        catch_up, slots = chain_step(alloc, seqs, [[40], [41], [42]], CHAIN)
         drafts.append(runner.draft_greedy(catch_up, slots))
         free_all(alloc, seqs)
     assert drafts[0] == drafts[1] and all(len(d) == CHAIN for d in drafts[0])
@@ -97,10 +94,7 @@ def test_inductor_compiles_a_bucket_within_the_bounds(chain: int, tmp_path: Path
         if chain == 1:
             outs.append(runner.forward_seqs(mixed_step(alloc, seqs)))
         else:
-            catch_up = [alloc.extend(seq, [t]) for seq, t in zip(seqs, (40, 41, 42), strict=True)]
-            slots = [alloc.extend(seq, [0] * (chain - 1)).slot_mapping for seq in seqs]
-            catch_up = [s.__class__(s.token_ids, s.past_len, list(seq.block_table), s.slot_mapping)
-                        for s, seq in zip(catch_up, seqs, strict=True)]
+            catch_up, slots = chain_step(alloc, seqs, [[40], [41], [42]], chain)
             outs.append(runner.draft_greedy(catch_up, slots))
         free_all(alloc, seqs)
     if chain == 1:
