@@ -13,8 +13,9 @@ Modes (`CaptureMode`):
                        input buffer marked static)
 
 Warm-up runs every bucket on all-padding inputs (they write only the scratch slots), so capturing never touches a
-block the ledger granted. Owner: the worker's compute thread (one program runs at a time; a program's outputs are
-overwritten by the next run of its bucket).
+block the ledger granted. Owner: the worker's compute thread (one program runs at a time). A program's outputs are
+valid until the next run of any bucket: the CUDA graphs share one memory pool, so a later graph's intermediates
+may lie where an earlier graph's outputs were read (the runner reads or copies them at once).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class CapturedSteps:
 
     def run(self, bucket: Bucket, staged: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The bucket's program on `staged` (its host buffer from staging.stage): its outputs, on the device, valid
-        until this bucket runs again."""
+        until the next run."""
         captured = self._captured[bucket]
         if captured.copied is not None:
             captured.copied.synchronize()  # the previous step's copy has left the pinned buffer

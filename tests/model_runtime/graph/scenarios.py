@@ -53,12 +53,3 @@ def free_all(alloc: LocalAllocator, seqs: list[LocalSequence]) -> None:
         alloc.free(seq)
     assert sorted(alloc.free_blocks) == list(range(NUM_BLOCKS))
 
-
-def chain_step(alloc: LocalAllocator, seqs: list[LocalSequence], tokens: list[list[int]], chain: int
-               ) -> tuple[list[SeqInput], list[list[int]]]:
-    """A draft chain's catch-up rows (`tokens[i]` for seq i) and its chain - 1 later slots, the table's next ones
-    (the catch-up's SeqInput carries the table that holds them)."""
-    catch_up = [alloc.extend(seq, list(t)) for seq, t in zip(seqs, tokens, strict=True)]
-    slots = [alloc.extend(seq, [0] * (chain - 1)).slot_mapping for seq in seqs]
-    return ([dataclasses.replace(s, block_table=list(seq.block_table)) for s, seq in zip(catch_up, seqs, strict=True)],
-            slots)

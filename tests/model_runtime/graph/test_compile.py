@@ -19,9 +19,10 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from model_runtime.graph.buckets import Bucket, Buckets
+from model_runtime.graph.local_loop import chain_step
 from model_runtime.graph.runner import CapturedRunner
 from model_runtime.model import CausalLM
-from tests.model_runtime.graph.scenarios import BLOCK, NUM_BLOCKS, chain_step, free_all, mixed_step, prefilled
+from tests.model_runtime.graph.scenarios import BLOCK, NUM_BLOCKS, free_all, mixed_step, prefilled
 from tests.model_runtime.graph.test_static_forward import assert_close
 from tests.model_runtime.random_checkpoint import make_random_checkpoint
 
