@@ -148,6 +148,8 @@ step_base() {
     --build-arg "RAY_VERSION=$RAY_VERSION" -f "$REPO/deploy/image/standin-base.Containerfile" \
     -t "$STANDIN_IMAGE" "$context"
   rm -rf "$context"
+  podman run --rm --network none "$STANDIN_IMAGE" \
+    python -c "import ray, torch; print('ray', ray.__version__, 'torch', torch.__version__)"
 }
 
 step_image() {

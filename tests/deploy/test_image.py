@@ -138,6 +138,9 @@ def test_kernels(steps: Steps) -> None:
     ran = re.search(r"^SPECSERVE_CPU_KERNEL=auto: this process runs (\w+)$", output, re.M)
     assert ran is not None and ran.group(1) != "torch", output[-2000:]  # our own kernels, built in the image
     assert "suffix trie: C++" in output
+    for row in re.findall(r"^  \w+ +cpu yes  (.*)$", output, re.M):  # every build of a path this CPU has: built
+        statuses = re.findall(r"\): ([^;]+)", row)
+        assert all(status == "built" for status in statuses), row
     assert list((WORK / "models" / "kernels").glob("torch-*/*"))  # the builds, on the cache volume
 
 
