@@ -17,7 +17,14 @@
 # Where the models cannot be prepared (no GGUF files: the lent GPU machines here), GPU_CHECK_MODEL_DIRS names
 # folders holding their config.json (random weights of those shapes), and the steps that need prepared weights or
 # Ray (parity on SmolLM2's weights, serve-fractional) are skipped with the reason in summary.json.
-#   6. bench-runtime.json, bench-spec.json
+#   6. captured-parity      tests/model_runtime/graph/test_capture.py -k cuda_graphs: one CUDA graph per bucket
+#                           (cuda-graph, compile+cuda-graph, reduce-overhead; fp32, bf16) replays the eager step
+#   7. captured.json        the captured step (model_runtime/graph/, scripts/gpu_captured_steps.py) on the same
+#                           models: capture time and memory of every bucket, step times at batch 1 and 8 with 1..17
+#                           rows (the eager forward beside them), launches and syncs per step, greedy speculative
+#                           vs plain, and transformers' static-cache compiled generate (the peer); its parts stop
+#                           at CAPTURED_BUDGET_S (default 240 s) so one run of this script fits in 8 minutes
+#   8. bench-runtime.json, bench-spec.json
 #                           `specserve bench runtime` and `bench spec --quick` with `--device cuda` where those
 #                           commands take it; until they do they measure the CPU only and are skipped here
 # Without CUDA it prints what it would run (the preflight), writes OUT_DIR/summary.json saying so, and exits 0.
@@ -60,6 +67,8 @@ info = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
 open(sys.argv[1], "w").write(json.dumps(info, indent=2) + "\n")
 print(json.dumps(info))
 EOF
+CAPTURED_BUDGET_S="${CAPTURED_BUDGET_S:-240}"
+CAPTURED_TEST=("$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/model_runtime/graph/test_capture.py)
 CUDA=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
 PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/model_runtime/test_cuda.py)
 
@@ -71,6 +80,9 @@ if [ "$CUDA" = "0" ]; then
   log "  tp-nccl:          ${PYTEST[*]} -k nccl --junitxml $OUT_DIR/tp-nccl.xml   (2+ GPUs; else skipped)"
   log "  serve-fractional: scripts/in-netns.sh ${PYTEST[*]} -k serve --junitxml $OUT_DIR/serve.xml"
   log "  step-times:       scripts/gpu_step_times.py on the prepared models -> $OUT_DIR/step-times.json"
+  log "  captured-parity:  ${CAPTURED_TEST[*]} -k cuda_graphs --junitxml $OUT_DIR/captured-parity.xml"
+  log "  captured:         scripts/gpu_captured_steps.py on the prepared models --budget-s $CAPTURED_BUDGET_S" \
+      "-> $OUT_DIR/captured.json (capture, step times, profile, greedy, transformers' static-cache generate)"
   for bench in runtime spec; do
     if bench_has_device "$bench"; then
       log "  bench-$bench:     $SPECSERVE bench $bench --device cuda ... --json-out $OUT_DIR/bench-$bench.json"
@@ -80,6 +92,7 @@ if [ "$CUDA" = "0" ]; then
   done
   # The same tests here skip cleanly (what the suite does on a CPU machine).
   step preflight-skips "${PYTEST[@]}"
+  step preflight-captured "${CAPTURED_TEST[@]}"
   "$PYTHON" - "$OUT_DIR" <<'EOF'
 import json, sys
 out = sys.argv[1]
@@ -130,6 +143,14 @@ else
   skip step-times "no prepared models and no GPU_CHECK_MODEL_DIRS"
 fi
 
+step captured-parity "${CAPTURED_TEST[@]}" -k cuda_graphs --junitxml "$OUT_DIR/captured-parity.xml"
+if [ "${#MODEL_DIRS[@]}" -gt 0 ]; then  # the captured step; its parts stop at the budget, the timeout is a backstop
+  step captured timeout "$((CAPTURED_BUDGET_S + 150))" "$PYTHON" scripts/gpu_captured_steps.py "${MODEL_DIRS[@]}" \
+    --budget-s "$CAPTURED_BUDGET_S" --out "$OUT_DIR/captured.json"
+else
+  skip captured "no prepared models and no GPU_CHECK_MODEL_DIRS"
+fi
+
 for bench in runtime spec; do
   if bench_has_device "$bench"; then
     extra=(); [ "$bench" = spec ] && extra=(--quick)
@@ -145,7 +166,7 @@ import json, os, sys
 out = sys.argv[1]
 steps = [dict(zip(("step", "exit", "ms", "command"), line.rstrip("\n").split("\t"))) for line in open(f"{out}/steps.tsv")]
 summary = {"cuda": True, "device": json.load(open(f"{out}/device.json")), "steps": steps}
-for name in ("step-times", "bench-runtime", "bench-spec"):
+for name in ("step-times", "captured", "bench-runtime", "bench-spec"):
     if os.path.exists(f"{out}/{name}.json"):
         summary[name] = json.load(open(f"{out}/{name}.json"))
 open(f"{out}/summary.json", "w").write(json.dumps(summary, indent=2) + "\n")
