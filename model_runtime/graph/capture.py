@@ -87,8 +87,10 @@ class CapturedSteps:
 
     def warm_up(self, buckets: Sequence[Bucket], padding: Callable[[Bucket], torch.Tensor]) -> WarmUp:
         """Make every bucket's program; `padding(bucket)`: its all-padding host buffer."""
-        if self.mode != "eager":  # dynamic=False: one compile per bucket, all of them kept
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(buckets) + 1)
+        if self.mode != "eager":  # dynamic=False: one compile per bucket, all kept; the limits count per process
+            # (every CapturedSteps compiles the same code object), so each warm-up adds room for its own
+            torch._dynamo.config.recompile_limit += len(buckets)
+            torch._dynamo.config.accumulated_recompile_limit += len(buckets)
         report = WarmUp()
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.device) if cuda else 0

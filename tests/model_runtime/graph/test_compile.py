@@ -102,3 +102,13 @@ def test_inductor_compiles_a_bucket_within_the_bounds(chain: int, tmp_path: Path
         assert_close(outs[1], outs[0], torch.float32)
     else:
         assert outs[1] == outs[0]
+
+
+def test_two_runners_compile_all_their_buckets_in_one_process(tmp_path: Path) -> None:
+    """Dynamo counts recompiles per code object: every runner's programs share one, so each warm-up makes room for
+    its own buckets (12 here, past the default limit of 8)."""
+    model = CausalLM.load(make_random_checkpoint(tmp_path, seed=3, num_layers=1))
+    buckets = Buckets(batches=(1, 2), rows=(1, 3, 5), blocks=(4,))
+    for _ in range(2):
+        runner = CapturedRunner(model, NUM_BLOCKS, BLOCK, buckets, mode="compile", backend="aot_eager")
+        assert len(runner.warm_up()["verify"].seconds) == 6
