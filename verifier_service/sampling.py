@@ -144,15 +144,16 @@ def allowed_ids(allowed: np.ndarray, vocab_size: int, most: float = SUPPORT_SHAR
     words = np.asarray(allowed, dtype=np.int32)
     if words.ndim == 2:
         words = np.bitwise_or.reduce(words, axis=0)
-    nonzero = np.flatnonzero(words)
-    if len(nonzero) > most * vocab_size:  # each nonzero word allows a token at least: wide, nothing unpacked
+    if int(np.bitwise_count(words.view(np.uint32)).sum()) > most * vocab_size:  # wide: nothing unpacked
         return None
+    nonzero = np.flatnonzero(words)
     bits = np.unpackbits(np.ascontiguousarray(words[nonzero]).view(np.uint8).reshape(-1, 4), axis=-1,
                          bitorder="little").astype(bool)
     ids = (nonzero[:, None].astype(np.int64) * 32 + np.arange(32))[bits]
     ids = ids[ids < vocab_size]
-    if len(also):
-        ids = np.union1d(ids, np.asarray(also, dtype=np.int64))
+    if len(also):  # a few drafts: sorted in where they are missing
+        extra = np.setdiff1d(np.asarray(also, dtype=np.int64), ids, assume_unique=False)
+        ids = np.sort(np.concatenate([ids, extra])) if len(extra) else ids
     return torch.from_numpy(ids) if len(ids) <= most * vocab_size else None
 
 
