@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from cluster.engine.config import DRAFT_NAMESPACE, TARGET_NAMESPACE, EngineConfig
@@ -27,6 +28,8 @@ from model_runtime.batch import SeqInput
 from model_runtime.local_alloc import LocalAllocator, LocalSequence
 from model_runtime.model import CausalLM
 from model_runtime.precision import target_dtype
+from model_runtime.prepare import cached_path
+from model_runtime.registry import resolve_model
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
 from verifier_service.worker import VerifierWorker
 
@@ -185,3 +188,13 @@ def fake_engine(num_blocks: int = 256, block_size: int = 4, max_batch: int = 4, 
                       DraftWorker(FakeRunner(draft_rule, block_size)), LocalKV(BlockLedger(namespaces)),
                       tokenizer=None, eos_token_ids=(), vocab_size=FAKE_VOCAB, config=config,
                       model_name="fake", draft_name="fake-draft", observer=observer, cost=cost)
+
+
+def prepared_model(name: str) -> Path:
+    """A bundled model's prepared checkpoint, or the test skipped and saying how to prepare it (`make setup`
+    prepares SmolLM2 only)."""
+    source = resolve_model(name)
+    path = source if isinstance(source, Path) else cached_path(source)
+    if path is None:
+        pytest.skip(f"{name} is not prepared on this machine (`specserve models prepare {name}`)")
+    return path

@@ -19,22 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from model_runtime.prepare import cached_path
-from model_runtime.registry import resolve_model
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
-from tests.cluster.engine.engine_helpers import local_engine
+from tests.cluster.engine.engine_helpers import local_engine, prepared_model
 
 TOLERANCE = 1e-4
 TOP = 5
 MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
-
-
-def prepared(name: str) -> Path:
-    source = resolve_model(name)
-    path = source if isinstance(source, Path) else cached_path(source)
-    if path is None:
-        pytest.skip(f"{name} is not prepared on this machine (`specserve models prepare {name}`)")
-    return path
 
 
 def engine_rows(checkpoint: Path, prompt: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -65,7 +55,7 @@ def transformers_rows(checkpoint: Path, prompt: list[int]) -> torch.Tensor:
 def test_prompt_logprobs_are_transformers_float32(name: str) -> None:
     from transformers import AutoTokenizer
 
-    checkpoint = prepared(name)
+    checkpoint = prepared_model(name)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])

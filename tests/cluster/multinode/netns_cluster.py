@@ -34,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chaos.nodes import marked_pids
+
 SUBNET = "10.77.0"
 BRIDGE = "ssmn0"
 CLIENT_ADDRESS = f"{SUBNET}.1"  # the outer namespace, on the bridge
@@ -180,17 +182,7 @@ class LoopbackNode(Node):
         return list(argv)
 
     def pids(self) -> list[int]:
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
-            try:
-                environ = Path(f"/proc/{entry}/environ").read_bytes()
-            except OSError:
-                continue
-            if self.mark in environ.split(b"\0"):
-                found.append(int(entry))
-        return found
+        return marked_pids(self.mark)
 
 
 class NetnsCluster:

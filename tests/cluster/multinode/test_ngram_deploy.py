@@ -14,7 +14,7 @@ import requests
 from cluster.client import SpecServeClient, collect
 from tests.cluster.multinode.conftest import MAX_TOKENS, PROMPTS
 from tests.cluster.multinode.netns_cluster import NetnsCluster
-from tests.cluster.multinode.test_serving import GRPC_PORT, HTTP_PORT, cluster_config, serve_on
+from tests.cluster.multinode.test_serving import HTTP_PORT, cluster_config, serving
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -24,13 +24,8 @@ def ngram_cluster(netns_cluster: NetnsCluster) -> Iterator[SpecServeClient]:
     placement = {k: v for k, v in cluster_config()["placement"].items() if k != "drafter"}
     fields = {**cluster_config(), "draft": "ngram", "placement": placement}
     fields.pop("draft_dtype")
-    driver = serve_on(netns_cluster, fields, "up-ngram")
-    try:
-        with SpecServeClient(f"{netns_cluster.head.address}:{GRPC_PORT}", timeout_s=120) as client:
-            yield client
-    finally:
-        driver.terminate()
-        driver.wait(timeout=60)
+    with serving(netns_cluster, fields, "up-ngram", timeout_s=120) as client:
+        yield client
 
 
 def test_ngram_cluster_across_nodes(netns_cluster: NetnsCluster, ngram_cluster: SpecServeClient,

@@ -8,31 +8,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
 from cluster.client import SpecServeClient, collect
-from model_runtime.prepare import cached_path
-from model_runtime.registry import resolve_model
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
 from tests.cluster.multinode.conftest import MAX_CONTEXT, MAX_TOKENS, PROMPTS
 from tests.cluster.multinode.netns_cluster import NetnsCluster
-from tests.cluster.multinode.test_serving import GRPC_PORT, HTTP_PORT, cluster_config, serve_on
+from tests.cluster.multinode.test_serving import HTTP_PORT, cluster_config, serving
 
 pytestmark = pytest.mark.timeout(900)
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
-
-
-def prepared(name: str) -> Path:
-    source = resolve_model(name)
-    path = source if isinstance(source, Path) else cached_path(source)
-    if path is None:
-        pytest.skip(f"{name} is not prepared on this machine (`specserve models prepare {name}`)")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +29,10 @@ def qwen_reference() -> dict[str, list[int]]:
     """The in-process engine's greedy token ids, one request at a time, with the deployment's dtypes."""
     import torch
 
-    from tests.cluster.engine.engine_helpers import local_engine
+    from tests.cluster.engine.engine_helpers import local_engine, prepared_model
 
-    prepared(TARGET)
-    prepared(DRAFT)
+    prepared_model(TARGET)
+    prepared_model(DRAFT)
     torch.set_num_threads(1)
     engine = local_engine(TARGET, DRAFT, max_batch=1, max_context=MAX_CONTEXT, dtype="q4", draft_dtype="q4")
     out = {}
@@ -59,13 +48,8 @@ def qwen_reference() -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def qwen_cluster(netns_cluster: NetnsCluster, qwen_reference: dict[str, list[int]]) -> Iterator[SpecServeClient]:
     fields = {**cluster_config(), "model": TARGET, "draft": DRAFT, "dtype": "q4", "draft_dtype": "q4"}
-    driver = serve_on(netns_cluster, fields, "up-qwen")
-    try:
-        with SpecServeClient(f"{netns_cluster.head.address}:{GRPC_PORT}", timeout_s=300) as client:
-            yield client
-    finally:
-        driver.terminate()
-        driver.wait(timeout=60)
+    with serving(netns_cluster, fields, "up-qwen", timeout_s=300) as client:
+        yield client
 
 
 def test_qwen_pair_across_nodes(netns_cluster: NetnsCluster, qwen_cluster: SpecServeClient,

@@ -8,6 +8,7 @@ TCP to their nodes' own addresses (its channel log lines and the sockets seen wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -65,6 +66,19 @@ def serve_on(cluster: NetnsCluster, config_fields: dict[str, Any], name: str) ->
             pass
         assert time.monotonic() < deadline, f"not serving after {DEPLOY_TIMEOUT_S:.0f} s: {_tail(cluster, name)}"
         time.sleep(2.0)
+
+
+@contextlib.contextmanager
+def serving(cluster: NetnsCluster, config_fields: dict[str, Any], name: str,
+            timeout_s: float = 120) -> Iterator[SpecServeClient]:
+    """`serve_on`, a gRPC client to the head's door for the block, and `up` stopped after it (Serve shut down)."""
+    driver = serve_on(cluster, config_fields, name)
+    try:
+        with SpecServeClient(f"{cluster.head.address}:{GRPC_PORT}", timeout_s=timeout_s) as client:
+            yield client
+    finally:
+        driver.terminate()
+        driver.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,10 @@ from cluster.client import SpecServeClient, collect
 from tests.cluster.multinode.conftest import PROMPTS
 from tests.cluster.multinode.netns_cluster import NetnsCluster
 from tests.cluster.multinode.test_serving import (
-    GRPC_PORT,
     cluster_config,
     describe_split,
     measure_rounds,
-    serve_on,
+    serving,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -28,13 +27,8 @@ ON_HEAD = {"resources": {"specserve-frontend": 1}}
 def single(netns_cluster: NetnsCluster) -> Iterator[SpecServeClient]:
     fields = {**cluster_config(), "placement": dict.fromkeys(
         ("ingress", "scheduler", "verifier", "drafter", "kv_manager"), ON_HEAD)}
-    driver = serve_on(netns_cluster, fields, "up-single")
-    try:
-        with SpecServeClient(f"{netns_cluster.head.address}:{GRPC_PORT}", timeout_s=120) as client:
-            yield client
-    finally:
-        driver.terminate()
-        driver.wait(timeout=60)
+    with serving(netns_cluster, fields, "up-single", timeout_s=120) as client:
+        yield client
 
 
 def test_single_node_layout_rounds(netns_cluster: NetnsCluster, single: SpecServeClient) -> None:
