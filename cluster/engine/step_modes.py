@@ -78,12 +78,7 @@ def serial(engine: RoundHost) -> list[TokenChunk]:
     round_start = time.perf_counter()
     plans = engine.reserve(engine.plan(engine.running, model_trees=True), may_preempt=True, own_step=True)
     plans, draft_seconds = engine.propose(plans, own_step=True)
-    if not plans or (verified := engine.verify(plans, windows=True)) is None:
-        return []
-    accept_start = time.perf_counter()
-    outcome = engine.accept(verified.plans, verified.result)
-    return engine.close_round(verified.plans, outcome, True, draft_seconds, verified.result.seconds, round_start,
-                              accept_start)
+    return _verify_and_close(engine, plans, True, draft_seconds, round_start)
 
 
 def ping_pong(engine: RoundHost) -> list[TokenChunk]:
@@ -110,12 +105,7 @@ def ping_pong(engine: RoundHost) -> list[TokenChunk]:
     # out of blocks: no group reserved anything in a whole cycle (or the other group is empty)
     if pipeline.out_of_blocks(planned=bool(plans), idle=bool(idle)):
         engine.preempt(idle[-1])
-    if not plans or (verified := engine.verify(plans, windows=False)) is None:
-        return []
-    accept_start = time.perf_counter()
-    outcome = engine.accept(verified.plans, verified.result)
-    return engine.close_round(verified.plans, outcome, False, draft_seconds, verified.result.seconds, round_start,
-                              accept_start)
+    return _verify_and_close(engine, plans, False, draft_seconds, round_start)
 
 
 def _land(engine: RoundHost, flight: InFlight) -> tuple[list[RoundPlan], float]:
@@ -153,6 +143,18 @@ def predrafting(engine: RoundHost) -> list[TokenChunk]:
     # kept ones are the next round's drafts; dropped ones go back in the commit
     predrafter.keep(outcome.predrafts_kept, outcome.predraft_results)
     return engine.close_round(plans, outcome, True, draft_seconds + beside, verified.result.seconds, round_start,
+                              accept_start)
+
+
+def _verify_and_close(engine: RoundHost, plans: list[RoundPlan], own_step: bool, draft_seconds: float,
+                      round_start: float) -> list[TokenChunk]:
+    """A chain round's end in the serial and ping-pong steps: verify (reservation windows beside it only when the
+    step is the round's own), accept, close."""
+    if not plans or (verified := engine.verify(plans, windows=own_step)) is None:
+        return []
+    accept_start = time.perf_counter()
+    outcome = engine.accept(verified.plans, verified.result)
+    return engine.close_round(verified.plans, outcome, own_step, draft_seconds, verified.result.seconds, round_start,
                               accept_start)
 
 
