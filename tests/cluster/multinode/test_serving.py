@@ -348,20 +348,39 @@ def test_verifier_node_lost_under_load_then_readded(served: NetnsCluster, client
     """The verifier's node killed at once under 4 streams and started again 5 s later: Serve places a new
     Verifier there (the only node with its label); the requests in flight are requeued and re-prefilled (§6):
     none fails, none diverges."""
+    errors, error_finish, diverged = lost_under_load(served, client, reference, "verifier", "Verifier")
+    assert (errors, error_finish, diverged) == ([], 0, 0), sorted(set(errors))[:5]
+
+
+def test_kv_node_lost_under_load_then_readded(served: NetnsCluster, client: SpecServeClient,
+                                              reference: dict[str, dict[str, Any]]) -> None:
+    """The KV manager's node killed at once under 4 streams and started again 5 s later: the restarted actor
+    (on the node that came back) rebuilds its ledger from the scheduler's live record (§6) and the requests in
+    flight go on: none fails, none diverges, nothing leaks."""
+    errors, error_finish, diverged = lost_under_load(served, client, reference, "kv", "KVManager")
+    assert (errors, error_finish, diverged) == ([], 0, 0), sorted(set(errors))[:5]
+    with SpecServeClient(f"{served.head.address}:{GRPC_PORT}", timeout_s=60) as fresh:
+        assert fresh.stats()["kv"]["leaked_blocks"] == 0
+
+
+def lost_under_load(served: NetnsCluster, client: SpecServeClient, reference: dict[str, dict[str, Any]],
+                    name: str, part: str) -> tuple[list[str], int, int]:
+    """Node `name` (hosting `part`) lost 3 s into 4 greedy streams and started again (`lose_node`); the streams'
+    (errors, error finishes, diverged), the counts printed."""
     import threading
 
     outcomes: list[str] = []
     stop = threading.Event()
     threads = run_streams(client, reference, outcomes, stop)
     time.sleep(3.0)
-    recovered = lose_node(served, "verifier", "Verifier", outcomes)
+    recovered = lose_node(served, name, part, outcomes)
     stop.set()
     for thread in threads:
         thread.join(timeout=180)
     ok, errors, error_finish, diverged = summary(outcomes)
-    print(f"\nverifier node lost, back after 5 s: {ok} ok, {len(errors)} errors, {error_finish} error_finish, "
+    print(f"\n{name} node lost, back after 5 s: {ok} ok, {len(errors)} errors, {error_finish} error_finish, "
           f"{diverged} diverged; 4 more served {recovered:.1f} s after the loss")
-    assert (errors, error_finish, diverged) == ([], 0, 0), sorted(set(errors))[:5]
+    return errors, error_finish, diverged
 
 
 def lose_node(served: NetnsCluster, name: str, part: str, outcomes: list[str], back_after_s: float = 5.0) -> float:
@@ -379,30 +398,3 @@ def lose_node(served: NetnsCluster, name: str, part: str, outcomes: list[str], b
         assert time.monotonic() < deadline, outcomes[-10:]
         time.sleep(1.0)
     return time.monotonic() - lost_at
-
-
-def test_kv_node_lost_under_load_then_readded(served: NetnsCluster, client: SpecServeClient,
-                                              reference: dict[str, dict[str, Any]]) -> None:
-    """The KV manager's node killed at once under 4 streams and started again 5 s later. Today (§6) the ledger
-    is lost with it: the requests in flight end with finish_reason error (their tokens so far exact), Serve
-    replaces the scheduler (a new engine and ledger, the new actor on the node that came back) and the cluster
-    serves again; none diverges, nothing leaks. Issue 72 asks for more (the ledger rebuilt from the live state,
-    no request failed): the error_finish count is printed, not yet held at 0."""
-    import threading
-
-    outcomes: list[str] = []
-    stop = threading.Event()
-    threads = run_streams(client, reference, outcomes, stop)
-    time.sleep(3.0)
-    recovered = lose_node(served, "kv", "KVManager", outcomes)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=180)
-    ok, errors, error_finish, diverged = summary(outcomes)
-    print(f"\nKV node lost, back after 5 s: {ok} ok, {len(errors)} errors, {error_finish} error_finish, "
-          f"{diverged} diverged; 4 more served {recovered:.1f} s after the loss")
-    for error in sorted(set(errors))[:4]:
-        print("  ", error)
-    assert diverged == 0
-    with SpecServeClient(f"{served.head.address}:{GRPC_PORT}", timeout_s=60) as fresh:
-        assert fresh.stats()["kv"]["leaked_blocks"] == 0
