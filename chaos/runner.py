@@ -128,6 +128,20 @@ def alive_actors() -> int:
     return sum(1 for a in ray._private.state.actors().values() if a.get("State") == "ALIVE")
 
 
+def engine_events(tries: int = 3, timeout_s: float = 60.0) -> tuple[list[dict[str, Any]], str | None]:
+    """The scheduler engine's fallback events (its whole life), and why they could not be read (None: read). A busy
+    or restarting replica is asked again (`tries` in all, 2 s apart): an unread record must not pass for an empty one,
+    so the error is kept beside the events in the scenario's figures."""
+    error: str | None = None
+    for attempt in range(tries):
+        try:
+            return list(call("Scheduler", "stats", timeout_s=timeout_s)["engine"]["fallback_events"]), None
+        except Exception as exc:
+            error = f"stats unread after {attempt + 1} tries: {exc!r}"[:300]
+            time.sleep(2.0)
+    return [], error
+
+
 def run_scenario(name: str, trial: int, duration: float, seed: int, workload: list[RequestSpec],
                  baseline: dict[str, list[int]], baseline_acceptance: float | None, out_dir: Path,
                  actors_expected: int, model: str,
@@ -164,16 +178,13 @@ def run_scenario(name: str, trial: int, duration: float, seed: int, workload: li
     orphans = orphaned_actors(actors_expected)
     if orphans:
         verdict.violations.append(f"{orphans} orphaned Ray actors")
-    try:
-        events = call("Scheduler", "stats")["engine"]["fallback_events"]
-    except Exception:
-        events = []
+    events, stats_error = engine_events()
     fallback_times = [float(e["at"]) for e in events if "at" in e]
     last_fault = run.faults[-1].at if run.faults else 0.0
     after = [r for r in run.records if r.start >= last_fault + 5.0]
     acceptance = {"baseline": baseline_acceptance, "after": acceptance_rate(after),
                   "baseline_same_mix": same_mix_rate(baseline_by_spec or {}, after),
-                  "fallback_events": sorted({str(e.get("event")) for e in events})}
+                  "fallback_events": sorted({str(e.get("event")) for e in events}), "stats_error": stats_error}
     figures = scenario_figures(name if trial == 0 else f"{name}#{trial}", verdict, run.records, run.faults,
                                fallback_times, acceptance)
     figures["orphaned_actors"] = orphans
