@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model_runtime.batch import SeqInput
+from model_runtime.graph.modes import CapturePlan, CaptureUnsupportedError
 from model_runtime.model import CausalLM
 
 
@@ -39,15 +40,33 @@ def init_tp_group(rank: int, world_size: int, init_method: str, device: str = "c
 
 
 class TPRank:
-    """One rank: its shard of the weights and its shard of the paged KV pool (owner of both)."""
+    """One rank: its shard of the weights and its shard of the paged KV pool (owner of both).
+
+    `capture` (one rank only; model_runtime/graph/modes.py): the steps run through a CapturedRunner over the same
+    model, whose pool is this rank's (`kv`: the ledger's `num_blocks`, then the runner's scratch blocks), every
+    bucket captured here, at start-up; a step outside the buckets (a prefill) runs the eager forward on that pool.
+    None: the eager forward, as it always ran."""
 
     def __init__(self, checkpoint_dir: str | Path, rank: int, world_size: int, num_blocks: int, block_size: int,
-                 device: str = "cpu", dtype: torch.dtype | None = None) -> None:
+                 device: str = "cpu", dtype: torch.dtype | None = None, capture: CapturePlan | None = None) -> None:
+        if capture is not None and world_size != 1:
+            raise CaptureUnsupportedError(f"capture: {capture.mode!r} runs one rank, not {world_size}")
         self.model = CausalLM.load(checkpoint_dir, tp_rank=rank, tp_size=world_size,
                                    dtype=dtype or default_dtype(device), device=device)
-        self.kv = self.model.allocate_kv(num_blocks, block_size)
+        self.captured = None
+        if capture is None:
+            self.kv = self.model.allocate_kv(num_blocks, block_size)
+            return
+        from model_runtime.graph.runner import CapturedRunner
+
+        self.captured = CapturedRunner(self.model, num_blocks, block_size, capture.buckets, capture.mode,
+                                       backend=capture.backend)
+        self.kv = self.captured.kv
+        self.capture_warm_up = self.captured.warm_up()  # every bucket's program, on padding (scratch slots only)
 
     def forward(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
+        if self.captured is not None and seqs:
+            return self.captured.forward_seqs(seqs)
         return self.model.forward_seqs(seqs, self.kv)
 
 

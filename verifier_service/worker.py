@@ -18,6 +18,7 @@ import torch
 
 from model_runtime.batch import SeqInput
 from model_runtime.config import ModelConfig
+from model_runtime.graph.modes import CapturePlan
 from specserve_types.api import RowLogprobs
 from specserve_types.round_messages import VerifyBatch, VerifyItem, VerifyOutput, VerifyResult
 from verifier_service.contracts import Verdict, verify_exact, verify_greedy, verify_typical
@@ -46,13 +47,15 @@ class ForwardRunner(Protocol):
 
 
 class LocalRunner:
-    """TP=1 in this process: the model and its pool (owner of both)."""
+    """TP=1 in this process: the model and its pool (owner of both). `capture`: the steps through captured
+    programs (model_runtime/graph/: `CaptureSettings.plan`), made here, at the worker's start-up; None: the eager
+    forward."""
 
     def __init__(self, checkpoint_dir: str, num_blocks: int, block_size: int, device: str = "cpu",
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, capture: CapturePlan | None = None) -> None:
         from model_runtime.tp import TPRank
 
-        self.rank = TPRank(checkpoint_dir, 0, 1, num_blocks, block_size, device, dtype)
+        self.rank = TPRank(checkpoint_dir, 0, 1, num_blocks, block_size, device, dtype, capture)
         self.config = self.rank.model.config
 
     def forward(self, seqs: list[SeqInput], copy_blocks: list[tuple[int, int]],

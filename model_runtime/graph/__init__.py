@@ -8,6 +8,9 @@
     greedy.py          argmax, a greedy chain's acceptance, a draft's greedy chain of k steps, in tensor form
     capture.py         one program per bucket: eager, torch.compile, or a CUDA graph replayed per round
     runner.py          CausalLM.forward_seqs' contract through the captured programs (eager past the buckets)
+    modes.py           the config's `capture` (off, auto, a mode) resolved per worker: device, ranks, precision
 
-The CPU's default path (the C++ kernels, q4, the AMX layer loop) does not go through here: docs/gpu.md.
+The workers run it through model_runtime/tp.py's TPRank (one rank) when `capture` resolves to a mode (auto: CUDA
+graphs on a CUDA device). The CPU's default path (the C++ kernels, q4, the AMX layer loop) does not go through
+here: docs/gpu.md.
 """

@@ -23,15 +23,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from model_runtime.graph.buckets import Bucket
+from model_runtime.graph.modes import CUDA_MODES, CaptureMode
 from model_runtime.graph.staging import StepInputs, buffer_size, views
 
-CaptureMode = Literal["eager", "compile", "cuda-graph", "compile+cuda-graph", "reduce-overhead"]
-CUDA_MODES = ("cuda-graph", "compile+cuda-graph", "reduce-overhead")
 Backend = str | Callable[..., object]  # torch.compile's backend: "inductor", "aot_eager", or a callable
 Program = Callable[[StepInputs], tuple[torch.Tensor, ...]]
 WARM_UP_RUNS = 2  # runs before a capture (allocator and library warm-up, on a side stream)

@@ -21,8 +21,9 @@ import torch
 
 from model_runtime.batch import SeqInput
 from model_runtime.graph.buckets import Bucket, Buckets, smallest_holding
-from model_runtime.graph.capture import Backend, CapturedSteps, CaptureMode, WarmUp
+from model_runtime.graph.capture import Backend, CapturedSteps, WarmUp
 from model_runtime.graph.greedy import greedy_chain, greedy_verdict
+from model_runtime.graph.modes import CaptureMode
 from model_runtime.graph.staging import Scratch, StepInputs, needed_blocks, stage
 from model_runtime.graph.static_forward import StaticModel, static_forward
 from model_runtime.model import CausalLM
