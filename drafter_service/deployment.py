@@ -20,6 +20,7 @@ from ray import serve
 from drafter_service.draft_constraints import DraftConstraints, tokenizer_compiler
 from drafter_service.worker import DraftWorker
 from model_runtime.compute_thread import ComputeThread
+from model_runtime.graph.modes import CaptureSettings
 from specserve_types.faults import FAULTS, FaultHooks
 from specserve_types.ray_channel import ChannelHost
 from specserve_types.round_channel import Handler
@@ -31,8 +32,11 @@ logger = logging.getLogger("ray.serve")
 
 class Drafter(FaultHooks, ChannelHost):
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
-                 worker_threads: int = 0, dtype: str = "auto", cpus: Sequence[int] | None = None) -> None:
-        from model_runtime.precision import draft_dtype
+                 worker_threads: int = 0, dtype: str = "auto", cpus: Sequence[int] | None = None,
+                 capture: CaptureSettings | None = None) -> None:
+        """`capture`: the config's (model_runtime/graph/modes.py), resolved here against the device and the
+        precision; None: off."""
+        from model_runtime.precision import draft_dtype, dtype_name
         from model_runtime.prepare import prepare_model
         from verifier_service.worker import LocalRunner
 
@@ -40,13 +44,15 @@ class Drafter(FaultHooks, ChannelHost):
         checkpoint = prepare_model(model, progress=False)
         device = "cuda:0" if device.startswith("cuda") else device  # Ray shows only the assigned GPU
         precision = draft_dtype(dtype, device, checkpoint)
-        runner = self.compute.call(LocalRunner, str(checkpoint), num_blocks, block_size, device, precision)
+        plan = (capture or CaptureSettings()).plan(device, 1, dtype_name(precision), block_size)
+        runner = self.compute.call(LocalRunner, str(checkpoint), num_blocks, block_size, device, precision, plan)
         self.compute.call(runner.warm_up, block_size)  # a replacement's first propose is not a cold start
         constraints = DraftConstraints(tokenizer_compiler(str(checkpoint), runner.config.vocab_size), prebuild=True)
         self.worker = self.compute.call(DraftWorker, runner, constraints)
         self.model = model
         configure_tracing(TracingSettings.from_env(), "specserve-drafter")  # env set by the app (runtime_env)
-        logger.info("drafter ready: %s (%s), %d KV blocks of %d", model, precision, num_blocks, block_size)
+        logger.info("drafter ready: %s (%s), %d KV blocks of %d, forward %s", model, precision, num_blocks, block_size,
+                    "eager" if plan is None else f"captured ({plan.mode})")
 
     async def propose(self, batch: ProposeBatch) -> ProposeResult:
         """Through Serve (`round_transport: ray`)."""

@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from model_runtime.batch import SeqInput
 from model_runtime.compute_thread import ComputeThread, bind_thread
+from model_runtime.graph.modes import CaptureSettings
 from specserve_types.faults import FAULTS, FaultHooks, InjectedFault
 from specserve_types.ray_channel import ChannelHost, link_to
 from specserve_types.round_channel import Handler
@@ -159,10 +160,12 @@ class Verifier(FaultHooks, ChannelHost):
     def __init__(self, model: str, num_blocks: int, block_size: int, device: str = "cpu",
                  tensor_parallel_size: int = 1, worker_threads: int = 0, gpus_per_rank: float = 0.0,
                  dtype: str = "auto", round_transport: str = "channel",
-                 rank_cpus: Sequence[Sequence[int]] | None = None, max_batch: int | None = None) -> None:
+                 rank_cpus: Sequence[Sequence[int]] | None = None, max_batch: int | None = None,
+                 capture: CaptureSettings | None = None) -> None:
         """`rank_cpus`: each TP rank's compute CPUs on a local node (cluster/serving/cpu_binding.py); None: unbound.
-        `max_batch`: the engine's (auto's dtype reads it: model_runtime/precision.py)."""
-        from model_runtime.precision import target_dtype
+        `max_batch`: the engine's (auto's dtype reads it: model_runtime/precision.py). `capture`: the config's
+        (model_runtime/graph/modes.py), resolved here against the device, the ranks and the precision; None: off."""
+        from model_runtime.precision import dtype_name, target_dtype
         from model_runtime.prepare import prepare_model
 
         # owns the runner and its KV pool; with TP > 1 it only drives the ranks (no CPUs of its own)
@@ -170,9 +173,11 @@ class Verifier(FaultHooks, ChannelHost):
                                      rank_cpus[0] if rank_cpus and tensor_parallel_size == 1 else None)
         checkpoint = str(prepare_model(model, progress=False))
         precision = target_dtype(dtype, worker_device(device), checkpoint, tensor_parallel_size, max_batch)
-        if tensor_parallel_size == 1:
+        plan = (capture or CaptureSettings()).plan(worker_device(device), tensor_parallel_size, dtype_name(precision),
+                                                   block_size)
+        if tensor_parallel_size == 1:  # a plan: every bucket captured on the compute thread, before serving
             self.runner: Any = self.compute.call(LocalRunner, checkpoint, num_blocks, block_size,
-                                                 worker_device(device), precision)
+                                                 worker_device(device), precision, plan)
             self.compute.call(self.runner.warm_up, block_size)  # a replacement's first verify is not a cold start
         else:
             self.runner = TPGroupRunner(checkpoint, tensor_parallel_size, num_blocks, block_size, device,
@@ -180,8 +185,8 @@ class Verifier(FaultHooks, ChannelHost):
         self.worker = VerifierWorker(self.runner)
         self.tensor_parallel_size = tensor_parallel_size
         configure_tracing(TracingSettings.from_env(), "specserve-verifier")  # env set by the app (runtime_env)
-        logger.info("verifier ready: %s (%s), TP=%d, %d KV blocks of %d", model, precision, tensor_parallel_size,
-                    num_blocks, block_size)
+        logger.info("verifier ready: %s (%s), TP=%d, %d KV blocks of %d, forward %s", model, precision,
+                    tensor_parallel_size, num_blocks, block_size, "eager" if plan is None else f"captured ({plan.mode})")
 
     async def verify(self, batch: VerifyBatch) -> VerifyResult:
         """Through Serve (`round_transport: ray`)."""

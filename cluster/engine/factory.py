@@ -2,6 +2,9 @@
 
     specserve generate (in process):  engine -> {VerifierWorker(LocalRunner), DraftWorker(LocalRunner)}
                                       engine <-> LocalKV(BlockLedger)
+
+A LocalRunner runs the eager forward, or with `LocalRuntime.capture` resolved to a mode, captured programs per
+bucket (model_runtime/graph/), made as the runner starts.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from drafter_service.worker import DraftWorker
 from kv_manager.ledger import BlockLedger
 from kv_manager.schema import NamespaceConfig
 from model_runtime.config import ModelConfig, eos_token_ids
+from model_runtime.graph.modes import CapturePlan, CaptureSettings, capture_mode
 from model_runtime.precision import draft_dtype, dtype_name, target_dtype
 from specserve_types.api import InvalidRequestError, SpecServeError
 from verifier_service.worker import LocalRunner, VerifierWorker
@@ -52,12 +56,15 @@ class LocalRuntime:
     dtype: str  # the target's precision: see model_runtime.precision.target_dtype
     draft_dtype: str  # see model_runtime.precision.draft_dtype
     warm_up: bool  # measure verify/draft costs before serving (cluster/engine/warmup.py)
+    capture: str = "off"  # the workers' forward: off, auto or a capture mode (model_runtime/graph/modes.py)
+    capture_backend: str = "inductor"  # torch.compile's backend for the compile modes (tests: aot_eager)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 1:
             raise ValueError(f"block_size and num_blocks must be positive: {self}")
         if not self.device:
             raise ValueError(f"device must be non-empty: {self}")
+        capture_mode(self.capture, self.device)  # CaptureUnsupportedError: unknown, or a CUDA mode off CUDA
 
 
 def model_dir(name_or_path: str) -> Path:
@@ -144,16 +151,23 @@ def build_local_engine(model: str, draft: str, config: EngineConfig, runtime: Lo
     """`model` and a model-valued `draft` are registry names or local HF checkpoint dirs; `config` and
     `runtime` come from a ClusterConfig (`engine_config()`, `local_runtime()`)."""
 
-    def runner(checkpoint_dir: Path, dtype: torch.dtype | None = None) -> LocalRunner:
-        return LocalRunner(str(checkpoint_dir), runtime.num_blocks, runtime.block_size, runtime.device, dtype)
-
     # auto reads the models (precision.py: q4 where it is the fastest exact path)
     target = target_dtype(runtime.dtype, runtime.device, model_dir(model), max_batch=config.max_batch)
     drafts = draft_dtype(runtime.draft_dtype, runtime.device, model_dir(draft) if draft not in NON_MODEL_DRAFTS else None)
+    # the workers' forward (model_runtime/graph/modes.py), refused before anything loads where it cannot run
+    capture = CaptureSettings(runtime.capture, config.max_batch, config.k_max, min(
+        config.max_context, ModelConfig.from_dir(model_dir(model)).max_position_embeddings), runtime.capture_backend)
+    target_plan = capture.plan(runtime.device, 1, dtype_name(target), runtime.block_size)
+    draft_plan = None if draft in NON_MODEL_DRAFTS else \
+        capture.plan(runtime.device, 1, dtype_name(drafts), runtime.block_size)
+
+    def runner(checkpoint_dir: Path, dtype: torch.dtype, plan: CapturePlan | None) -> LocalRunner:
+        return LocalRunner(str(checkpoint_dir), runtime.num_blocks, runtime.block_size, runtime.device, dtype, plan)
+
     engine = assemble_engine(
         model, draft, config, runtime.num_blocks, runtime.block_size,
-        make_verifier=lambda d: VerifierWorker(runner(d, target)),
-        make_drafter=lambda d: draft_worker(runner(d, drafts), d),
+        make_verifier=lambda d: VerifierWorker(runner(d, target, target_plan)),
+        make_drafter=lambda d: draft_worker(runner(d, drafts, draft_plan), d),
         make_kv=lambda namespaces: LocalKV(BlockLedger(namespaces)), tokenizer=tokenizer,
         dtypes={"target": dtype_name(target), "draft": dtype_name(drafts)}, observer=observer,
     )

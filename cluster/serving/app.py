@@ -74,7 +74,7 @@ def bind_verifier(config: ClusterConfig, cpu_plan: CpuPlan | None = None) -> ser
     return VerifierDeployment.options(**options).bind(
         config.model, config.kv_pool_blocks, config.block_size, config.device, config.tensor_parallel_size,
         config.threads_per_worker, gpus, config.dtype, config.round_transport,
-        cpu_plan.ranks if cpu_plan is not None else None, config.max_batch)
+        cpu_plan.ranks if cpu_plan is not None else None, config.max_batch, config.capture_settings())
 
 
 def bind_drafter(config: ClusterConfig, cpu_plan: CpuPlan | None = None) -> serve.Application | None:
@@ -87,7 +87,7 @@ def bind_drafter(config: ClusterConfig, cpu_plan: CpuPlan | None = None) -> serv
                            **config.placement.drafter.actor_options(), **_tracing_env(config)},
         **_common_options(config),
     ).bind(config.draft, config.kv_pool_blocks, config.block_size, config.device, config.threads_per_worker,
-           config.draft_dtype, cpu_plan.drafter if cpu_plan is not None else None)
+           config.draft_dtype, cpu_plan.drafter if cpu_plan is not None else None, config.capture_settings())
 
 
 def build_app(config: ClusterConfig, engine_builder: EngineBuilder | None = None,

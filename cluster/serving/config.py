@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from cluster.engine.overlap_policy import OverlapDecision
     from cluster.serving.auth import KeySources
     from cluster.serving.client_shares import ClientLimits
+    from model_runtime.graph.modes import CaptureSettings
 
 __all__ = ["ENGINE_OPTIONS", "MODEL_FREE_DRAFTS", "NGRAM_DRAFT", "ClusterConfig", "ConfigError", "NodeSelector",
            "Placement", "load_config", "make_config"]
@@ -136,6 +137,12 @@ class ClusterConfig(BaseModel):
                             "decoding of the same dtype")
     draft_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8", "q4"] = Field(
         "auto", description=f"draft model precision (auto: {DRAFT_AUTO}); changes acceptance, never the output")
+    capture: Literal["off", "auto", "eager", "compile", "cuda-graph", "compile+cuda-graph", "reduce-overhead"] = Field(
+        "auto", description="the workers' forward: off = the eager forward (the CPU's kernels); auto = CUDA graphs "
+        "(cuda-graph) on a CUDA device for a one-rank float32/bfloat16 model, off elsewhere (the CPU's path never "
+        "changes); or a mode of model_runtime/graph/capture.py, refused where it cannot run (a CUDA mode off CUDA, "
+        "tensor_parallel_size > 1, q4/int8/float16 weights): each step padded to a bucket of max_batch x k_max + 1 "
+        "rows x max_context, captured at the worker's start-up; a longer step (a prefill) runs the eager forward")
 
     # deployments
     ingress_replicas: int = Field(1, ge=1, le=64)
@@ -367,7 +374,17 @@ class ClusterConfig(BaseModel):
                              f"{self.tensor_parallel_size} (one entry per rank, or none)")
         if self.max_batch > self.queue_capacity:
             raise ValueError(f"max_batch ({self.max_batch}) must be <= queue_capacity ({self.queue_capacity})")
+        self._check_capture()
         return self
+
+    def _check_capture(self) -> None:
+        """A capture mode each worker can run (model_runtime/graph/modes.py); an auto precision is checked once the
+        worker resolves it."""
+        from model_runtime.graph.modes import capture_mode
+
+        capture_mode(self.capture, self.device, self.tensor_parallel_size, self.dtype)
+        if self.uses_draft_model:
+            capture_mode(self.capture, self.device, 1, self.draft_dtype)
 
     @property
     def uses_gpu(self) -> bool:
@@ -443,7 +460,14 @@ class ClusterConfig(BaseModel):
         from cluster.engine.factory import LocalRuntime
 
         return LocalRuntime(block_size=self.block_size, num_blocks=self.kv_pool_blocks, device=self.device,
-                            dtype=self.dtype, draft_dtype=self.draft_dtype, warm_up=self.warm_up)
+                            dtype=self.dtype, draft_dtype=self.draft_dtype, warm_up=self.warm_up,
+                            capture=self.capture)
+
+    def capture_settings(self) -> CaptureSettings:
+        """The Serve deployments' `capture`: each worker resolves it against its device, ranks and precision."""
+        from model_runtime.graph.modes import CaptureSettings
+
+        return CaptureSettings(self.capture, self.max_batch, self.k_max, self.max_context)
 
     def tracing_settings(self) -> TracingSettings:
         endpoint = self.otlp_traces_endpoint or next(
