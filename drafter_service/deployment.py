@@ -52,7 +52,7 @@ class Drafter(FaultHooks, ChannelHost):
         self.model = model
         configure_tracing(TracingSettings.from_env(), "specserve-drafter")  # env set by the app (runtime_env)
         logger.info("drafter ready: %s (%s), %d KV blocks of %d, forward %s", model, precision, num_blocks, block_size,
-                    "eager" if plan is None else f"captured ({plan.mode})")
+                    runner.rank.forward_kind)
 
     async def propose(self, batch: ProposeBatch) -> ProposeResult:
         """Through Serve (`round_transport: ray`)."""

@@ -8,6 +8,7 @@ The verifier deployment runs one `TPRank` per Ray actor; `run_local_tp` spawns p
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -18,7 +19,10 @@ import torch.multiprocessing as mp
 
 from model_runtime.batch import SeqInput
 from model_runtime.graph.modes import CapturePlan, CaptureUnsupportedError
+from model_runtime.graph.runner import CapturedRunner
 from model_runtime.model import CausalLM
+
+log = logging.getLogger("specserve.model")
 
 
 def default_backend(device: str) -> str:
@@ -45,7 +49,8 @@ class TPRank:
     `capture` (one rank only; model_runtime/graph/modes.py): the steps run through a CapturedRunner over the same
     model, whose pool is this rank's (`kv`: the ledger's `num_blocks`, then the runner's scratch blocks), every
     bucket captured here, at start-up; a step outside the buckets (a prefill) runs the eager forward on that pool.
-    None: the eager forward, as it always ran."""
+    None: the eager forward, as it always ran. An auto plan (`fallback`) whose capture fails at start-up leaves the
+    rank on the eager forward, the failure in `capture_failure`; a named mode's failure is raised."""
 
     def __init__(self, checkpoint_dir: str | Path, rank: int, world_size: int, num_blocks: int, block_size: int,
                  device: str = "cpu", dtype: torch.dtype | None = None, capture: CapturePlan | None = None) -> None:
@@ -54,15 +59,31 @@ class TPRank:
         self.model = CausalLM.load(checkpoint_dir, tp_rank=rank, tp_size=world_size,
                                    dtype=dtype or default_dtype(device), device=device)
         self.captured = None
-        if capture is None:
-            self.kv = self.model.allocate_kv(num_blocks, block_size)
-            return
-        from model_runtime.graph.runner import CapturedRunner
+        self.capture_failure: str | None = None  # auto's capture that failed at start-up: why (the eager forward runs)
+        if capture is not None:
+            try:
+                self.captured = self._capture(capture, num_blocks, block_size)
+            except Exception as exc:
+                if not capture.fallback:
+                    raise
+                log.warning("capture %s failed at start-up (%r): the eager forward runs", capture.mode, exc)
+                self.capture_failure = f"{capture.mode}: {exc!r}"[:500]
+                if str(device).startswith("cuda"):
+                    torch.cuda.empty_cache()  # the failed runner's pool and graphs
+        self.kv = self.captured.kv if self.captured is not None else self.model.allocate_kv(num_blocks, block_size)
 
-        self.captured = CapturedRunner(self.model, num_blocks, block_size, capture.buckets, capture.mode,
-                                       backend=capture.backend)
-        self.kv = self.captured.kv
-        self.capture_warm_up = self.captured.warm_up()  # every bucket's program, on padding (scratch slots only)
+    def _capture(self, capture: CapturePlan, num_blocks: int, block_size: int) -> CapturedRunner:
+        runner = CapturedRunner(self.model, num_blocks, block_size, capture.buckets, capture.mode,
+                                backend=capture.backend)
+        self.capture_warm_up = runner.warm_up()  # every bucket's program, on padding (scratch slots only)
+        return runner
+
+    @property
+    def forward_kind(self) -> str:
+        """What runs the steps, for the worker's start-up log: eager, captured (mode), or auto's failed capture."""
+        if self.captured is not None:
+            return f"captured ({self.captured.verify.mode})"
+        return "eager" if self.capture_failure is None else f"eager (capture failed: {self.capture_failure})"
 
     def forward(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
         if self.captured is not None and seqs:

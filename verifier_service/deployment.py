@@ -186,7 +186,8 @@ class Verifier(FaultHooks, ChannelHost):
         self.tensor_parallel_size = tensor_parallel_size
         configure_tracing(TracingSettings.from_env(), "specserve-verifier")  # env set by the app (runtime_env)
         logger.info("verifier ready: %s (%s), TP=%d, %d KV blocks of %d, forward %s", model, precision,
-                    tensor_parallel_size, num_blocks, block_size, "eager" if plan is None else f"captured ({plan.mode})")
+                    tensor_parallel_size, num_blocks, block_size,
+                    self.runner.rank.forward_kind if tensor_parallel_size == 1 else "eager")
 
     async def verify(self, batch: VerifyBatch) -> VerifyResult:
         """Through Serve (`round_transport: ray`)."""

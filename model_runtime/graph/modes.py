@@ -3,7 +3,8 @@ precision (no torch here: the config validates with it before anything loads).
 
     off       the eager forward (CausalLM.forward_seqs): today's path, the CPU's C++ kernels, q4, AMX
     auto      cuda-graph on a CUDA device, one rank, float32/bfloat16 weights; off everywhere else (so the CPU's
-              default path never changes)
+              default path never changes); a capture that fails at start-up (the device's memory, a driver's
+              refusal) is logged and the worker runs the eager forward: auto never costs a worker its start
     a mode    capture.py's modes: eager, compile, cuda-graph, compile+cuda-graph, reduce-overhead; refused
               (CaptureUnsupportedError) where it cannot run: a CUDA mode on another device, TP > 1, weights the
               captured forward does not run (q4, int8, float16)
@@ -61,6 +62,7 @@ class CapturePlan:
     mode: CaptureMode
     buckets: Buckets
     backend: str = "inductor"
+    fallback: bool = False  # auto's plan: a capture that fails at start-up leaves the worker on the eager forward
 
 
 @dataclass(frozen=True)
@@ -85,4 +87,4 @@ class CaptureSettings:
         if mode is None:
             return None
         return CapturePlan(mode, Buckets.up_to(self.max_batch, self.k_max + 1, self.max_context, block_size),
-                           self.backend)
+                           self.backend, fallback=self.setting == "auto")

@@ -43,3 +43,19 @@ def test_a_plan_routes_the_steps_through_the_runner(tmp_path: Path) -> None:
 def test_one_rank_only(tmp_path: Path) -> None:
     with pytest.raises(CaptureUnsupportedError, match="one rank"):  # before any weight loads or group forms
         TPRank(tmp_path / "absent", 0, 2, BLOCKS, BLOCK, capture=CapturePlan("eager", Buckets()))
+
+
+def test_auto_falls_back_to_the_eager_forward_where_capture_fails(tmp_path: Path) -> None:
+    """auto's plan (fallback) whose capture fails at start-up (here a CUDA graph on the CPU) leaves the rank on the
+    eager forward over a pool of the ledger's blocks, the failure named; the same mode named outright is raised."""
+    checkpoint = make_random_checkpoint(tmp_path, seed=5)
+    buckets = Buckets(batches=(1,), rows=(1,), blocks=(4,))
+    rank = TPRank(checkpoint, 0, 1, BLOCKS, BLOCK, capture=CapturePlan("cuda-graph", buckets, fallback=True))
+    eager = TPRank(checkpoint, 0, 1, BLOCKS, BLOCK)
+    assert rank.captured is None and rank.capture_failure is not None and "cuda-graph" in rank.capture_failure
+    assert rank.kv.k[0].shape[0] == BLOCKS and rank.forward_kind.startswith("eager (capture failed: cuda-graph")
+    step = SeqInput([3, 1, 4], 0, [0], [0, 1, 2], logits="last")
+    (got,), (want,) = rank.forward([step]), eager.forward([step])
+    assert torch.equal(got, want)
+    with pytest.raises(Exception, match="CUDA|cuda"):
+        TPRank(checkpoint, 0, 1, BLOCKS, BLOCK, capture=CapturePlan("cuda-graph", buckets))

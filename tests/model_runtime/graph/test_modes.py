@@ -62,6 +62,9 @@ def test_plan_buckets_follow_the_engine() -> None:
     assert plan.buckets.batches == (1, 2, 4, 8) and plan.buckets.rows == (1, 2, 3, 5)
     assert plan.buckets.blocks == (16, 64)
     assert CaptureSettings("auto", 8, 4).plan("cpu", 1, "float32", 16) is None
+    auto = CaptureSettings("auto", 8, 4).plan("cuda:0", 1, "bfloat16", 16)
+    assert auto is not None and auto.mode == "cuda-graph" and auto.fallback  # auto falls back; a named mode not
+    assert not plan.fallback
     assert CaptureSettings().plan("cuda:0", 1, "bfloat16", 16) is None  # off
     with pytest.raises(CaptureUnsupportedError, match="not int8"):
         CaptureSettings("eager").plan("cpu", 1, "int8", 16)
