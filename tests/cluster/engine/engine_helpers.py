@@ -31,9 +31,16 @@ from model_runtime.precision import target_dtype
 from model_runtime.prepare import cached_path
 from model_runtime.registry import resolve_model
 from specserve_types.api import GenerationRequest, SamplingParams, SpecParams
+from tests.model_runtime.random_checkpoint import make_random_checkpoint
 from verifier_service.worker import VerifierWorker
 
 FAKE_VOCAB = 97
+
+
+def random_pair(root: Path, seeds: tuple[int, int] = (1, 2)) -> tuple[Path, Path]:
+    """A random Qwen2-shaped target and a one-layer random draft of the same 64-token vocabulary under `root`."""
+    return (make_random_checkpoint(root / "target", arch="qwen2", seed=seeds[0], vocab_size=64),
+            make_random_checkpoint(root / "draft", arch="qwen2", seed=seeds[1], vocab_size=64, num_layers=1))
 
 
 def engine_settings(**fields: Any) -> ClusterConfig:

@@ -16,16 +16,12 @@ from cluster.engine.factory import build_local_engine
 from model_runtime.graph.buckets import Buckets
 from model_runtime.graph.modes import CaptureUnsupportedError
 from model_runtime.graph.runner import CapturedRunner
-from tests.cluster.engine.engine_helpers import engine_settings, plain_greedy, request, run
-from tests.model_runtime.random_checkpoint import make_random_checkpoint
+from tests.cluster.engine.engine_helpers import engine_settings, plain_greedy, random_pair, request, run
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("pair")
-    target = make_random_checkpoint(root / "target", arch="qwen2", seed=1, vocab_size=64)
-    draft = make_random_checkpoint(root / "draft", arch="qwen2", seed=2, vocab_size=64, num_layers=1)
-    return target, draft
+    return random_pair(tmp_path_factory.mktemp("pair"))
 
 
 def captured_engine(target: Path, draft: Path | str, backend: str = "inductor", **fields: Any) -> SpecEngine:

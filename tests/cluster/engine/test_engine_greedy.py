@@ -6,17 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.engine.engine_helpers import local_engine, plain_greedy, request, run
-from tests.model_runtime.random_checkpoint import make_random_checkpoint
+from tests.cluster.engine.engine_helpers import local_engine, plain_greedy, random_pair, request, run
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("pair")
-    # a draft that agrees often: the target's weights plus noise would be ideal; a second seed disagrees more
-    target = make_random_checkpoint(root / "target", arch="qwen2", seed=1, vocab_size=64)
-    draft = make_random_checkpoint(root / "draft", arch="qwen2", seed=2, vocab_size=64, num_layers=1)
-    return target, draft
+    return random_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.mark.parametrize("draft", ["model", "ngram", "suffix", "none"])
