@@ -1,14 +1,21 @@
 """One client cannot starve the others (issue 71, fair shares per key), measured from outside the process on a
-deployment with API keys: a victim key's median latency alone, beside seven other keys with one long request each
-(a batch shared fairly: the floor no scheduler can beat, as every round costs what its batch of 8 costs), and while
-one hog key (a) keeps n: 16 long generations going or (b) holds 150 streams on one gRPC channel, in the same run.
-Beside the hog the victim stays within FAIR_BOUND x its latency beside the fair co-tenants and within BOUND x alone,
-nothing answers 5xx, the hog's excess is refused with 429 / RESOURCE_EXHAUSTED and a retry hint, the per-client
-metrics name key ids (never a key), and nothing leaks.
+deployment with API keys: how long a victim key's short request takes alone, beside seven other keys with one long
+request each (a batch shared fairly: the floor no scheduler can beat), and while one hog key (a) keeps n: 16 long
+generations going or (b) holds 150 streams on one gRPC channel, in the same run.
 
-Why two bounds: on 2 vCPUs a round of 8 requests costs ~3x a round of one (SmolLM2-135M, n-gram drafts: the model is
-small, so the per-request work of planning, acceptance and streaming weighs), so a victim sharing a full batch pays
-~3x whoever the others are; what fairness promises is that a hog costs it no more than fair neighbours do.
+The bound is in the engine's rounds, not seconds (a timed assertion fails on a busy machine, and speed belongs to
+benchmarks): a victim request's rounds are the scheduler's round count after its answer less the count before it
+was sent. A fair scheduler admits the victim at its next round whoever fills the batch (the hog yields a slot:
+cluster/engine/fair_share.py), so beside the hog it finishes in about the rounds it takes beside fair co-tenants;
+a starving one would keep it queued until a hog request ended (up to 200 rounds, its max_tokens). What this bound
+catches is starvation of the size issue 71 reported (tens of seconds: hundreds of rounds), where the per-client
+limits and the fair order fail; the full batch's yield alone is not visible here (with it switched off the victim's
+median read 11 rounds against 10 beside fair co-tenants, 2026-12-07, EPYC: the hog's excess is refused at the door,
+so it seldom holds every slot) and is tested in process (tests/cluster/engine/test_fair_share.py). Beside the hog the
+victim's median stays within FAIR_ROUNDS of its median beside the fair co-tenants; nothing answers 5xx, the hog's
+excess is refused with 429 / RESOURCE_EXHAUSTED and a retry hint, the per-client metrics name key ids (never a key),
+and nothing leaks. The seconds are printed beside the rounds (what a user would feel; on 2 vCPUs a round of 8
+requests costs ~3x a round of one).
 Before the shares (issue 71): one key's n: 16 x 2000 tokens took every batch slot for 45 s, and 150 streams on one
 key made another key's request wait 41 s. One deployment for the module, on the session's Ray. Run inside the
 loopback-only namespace (scripts/in-netns.sh).
@@ -23,6 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -40,8 +48,8 @@ HOG = "sk-hog-0123456789abcdef0123"
 VICTIM_KEY = "sk-victim-0123456789abcdef01"
 VICTIM = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
 SAMPLES = 7
-BOUND = 4.0  # the victim's median beside the hog, at most this many times its median alone
-FAIR_BOUND = 1.25  # ... and this many times its median beside seven fair co-tenants
+FAIR_ROUNDS = 4  # the victim's median rounds beside the hog, at most this many more than beside fair co-tenants
+# (the rounds the others run between the count read before a request and its arrival, and after its answer)
 NEIGHBOURS = [f"sk-neighbour-{i}-0123456789abcdef" for i in range(7)]  # a full batch with the victim
 MAX_BATCH, QUEUE, MAX_CONTEXT = 8, 200, 512
 
@@ -72,15 +80,25 @@ def post(body: dict[str, Any], key: str, path: str = "/v1/completions") -> reque
                          headers={"Authorization": f"Bearer {key}"}, timeout=300)
 
 
-def victim_median() -> float:
-    times = []
+@dataclass(frozen=True)
+class Victim:
+    """The victim's median request: seconds, and the scheduler's rounds from before it was sent to after its answer."""
+
+    seconds: float
+    rounds: float
+
+
+def victim_median() -> Victim:
+    times, rounds = [], []
     for _ in range(SAMPLES):
+        before = scheduler_stats()["scheduler"]["rounds"]
         started = time.perf_counter()
         answer = post(VICTIM, VICTIM_KEY)
         times.append(time.perf_counter() - started)
+        rounds.append(scheduler_stats()["scheduler"]["rounds"] - before)
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] == VICTIM["max_tokens"]
-    return statistics.median(times)
+    return Victim(statistics.median(times), statistics.median(rounds))
 
 
 def scheduler_stats() -> dict[str, Any]:
@@ -97,7 +115,7 @@ def wait_idle(timeout_s: float = 120.0) -> dict[str, Any]:
     return stats
 
 
-def beside(load: Callable[[int, threading.Event, Counter], None], workers: int) -> tuple[float, Counter]:
+def beside(load: Callable[[int, threading.Event, Counter], None], workers: int) -> tuple[Victim, Counter]:
     """The victim's median while `workers` threads run `load(index, stop, seen)` until the victim is done."""
     stop = threading.Event()
     seen: Counter = Counter()
@@ -121,17 +139,17 @@ def neighbours(index: int, stop: threading.Event, seen: Counter) -> None:
         seen[post(body, NEIGHBOURS[index]).status_code] += 1
 
 
-def under(hog: Callable[[int, threading.Event, Counter], None], workers: int) -> tuple[float, float, Counter]:
+def under(hog: Callable[[int, threading.Event, Counter], None], workers: int) -> tuple[Victim, Victim, Counter]:
     """The victim's median alone, beside fair neighbours, and beside the hog; returns (alone, beside the hog) after
-    checking both bounds."""
+    checking the bound (in rounds; the seconds printed)."""
     alone = victim_median()
     fair, neighbours_seen = beside(neighbours, len(NEIGHBOURS))
     loaded, seen = beside(hog, workers)
-    print(f"victim median alone {alone:.3f} s, beside {len(NEIGHBOURS)} fair neighbours {fair:.3f} s "
-          f"({fair / alone:.2f}x), beside the hog {loaded:.3f} s ({loaded / alone:.2f}x alone, {loaded / fair:.2f}x "
-          f"fair); hog answers {dict(seen)}")
+    print(f"victim median alone {alone.rounds:g} rounds {alone.seconds:.3f} s, beside {len(NEIGHBOURS)} fair "
+          f"neighbours {fair.rounds:g} rounds {fair.seconds:.3f} s, beside the hog {loaded.rounds:g} rounds "
+          f"{loaded.seconds:.3f} s ({loaded.seconds / fair.seconds:.2f}x fair in seconds); hog answers {dict(seen)}")
     assert set(neighbours_seen) == {200}, neighbours_seen
-    assert loaded <= FAIR_BOUND * fair and loaded <= BOUND * alone
+    assert loaded.rounds <= fair.rounds + FAIR_ROUNDS, (alone, fair, loaded)
     return alone, loaded, seen
 
 
