@@ -3,12 +3,15 @@ per extension (model_runtime/kernel_registry.py; drafter_service/suffix_native.p
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -48,34 +51,37 @@ def build_dir(isa: str | None = None) -> Path:
     return path
 
 
-STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a process killed mid-build
+BUILD_LOCK = "build.flock"  # beside torch's own `lock` in a build folder
 
 
-def clear_stale_lock(folder: Path, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove torch's build lock (`folder/lock`) when it is older than `max_age_s`: a process killed while it built
-    leaves the lock behind, and torch's loader then waits for it forever in every later process. True if removed."""
-    lock = folder / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < max_age_s:
-        return False
-    log.warning("removing a build lock left %.0f s ago by a build that never finished: %s", age, lock)
-    lock.unlink(missing_ok=True)
-    return True
+@contextlib.contextmanager
+def build_lock(folder: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `folder/build.flock` for one build or load of an extension there. The kernel drops
+    it when its holder exits or is killed, so a killed build never hangs the next process; torch's own lock file
+    (`folder/lock`, which torch's loader waits on for as long as it exists) is left behind by a killed build, and
+    whoever holds the flock is the folder's only builder, so a torch lock found then is a dead build's: removed."""
+    with open(folder / BUILD_LOCK, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                log.warning("removing a build lock a killed build left: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_extension(name: str, sources: list[Path], cflags: list[str], folder: Path) -> ModuleType:
-    """torch's C++ extension loader (ninja on PATH) building `sources` into `folder`, after clearing a build lock
-    a killed build left there; raises what the build raises."""
+    """torch's C++ extension loader (ninja on PATH) building `sources` into `folder`, under the folder's build lock
+    (`build_lock`: one builder at a time, none waiting on a killed one); raises what the build raises."""
     import ninja  # type: ignore[import-untyped]
     from torch.utils.cpp_extension import load
 
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    clear_stale_lock(folder)
-    return load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags, build_directory=str(folder),
-                verbose=False)
+    with build_lock(folder):
+        return load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags, build_directory=str(folder),
+                    verbose=False)
 
 
 def build_extension(what: str, name: str, sources: list[Path], cflags: list[str], folder: str,
