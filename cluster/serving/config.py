@@ -29,6 +29,7 @@ from pydantic import (
 
 from cluster.serving.cpu_binding import AUTO_SERVICE_CPUS, CpuPlan, own_cpus, plan_cpus
 from cluster.serving.cpu_quota import available_cpus
+from model_runtime.graph.modes import CaptureSetting
 from specserve_types.api import DRAFT_AUTO, MAX_TOKENS_LIMIT, TARGET_AUTO, ExactRule
 from specserve_types.protocol import MAX_N, RequestLimits
 from specserve_types.tracing import ENV_OTLP_ENDPOINT, OTEL_ENDPOINT_VARS, TracingSettings
@@ -137,7 +138,7 @@ class ClusterConfig(BaseModel):
                             "decoding of the same dtype")
     draft_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8", "q4"] = Field(
         "auto", description=f"draft model precision (auto: {DRAFT_AUTO}); changes acceptance, never the output")
-    capture: Literal["off", "auto", "eager", "compile", "cuda-graph", "compile+cuda-graph", "reduce-overhead"] = Field(
+    capture: CaptureSetting = Field(
         "auto", description="the workers' forward: off = the eager forward (the CPU's kernels); auto = CUDA graphs "
         "(cuda-graph) on a CUDA device for a one-rank float32/bfloat16 model, off elsewhere (the CPU's path never "
         "changes); or a mode of model_runtime/graph/capture.py, refused where it cannot run (a CUDA mode off CUDA, "

@@ -23,7 +23,8 @@ from model_runtime.graph.buckets import Buckets
 CaptureMode = Literal["eager", "compile", "cuda-graph", "compile+cuda-graph", "reduce-overhead"]
 CAPTURE_MODES: tuple[CaptureMode, ...] = get_args(CaptureMode)
 CUDA_MODES: tuple[CaptureMode, ...] = ("cuda-graph", "compile+cuda-graph", "reduce-overhead")
-CAPTURE_SETTINGS = ("off", "auto", *CAPTURE_MODES)
+CaptureSetting = Literal["off", "auto", CaptureMode]  # the config's `capture` (ClusterConfig)
+CAPTURE_SETTINGS: tuple[str, ...] = get_args(CaptureSetting)
 CAPTURABLE_DTYPES = ("float32", "bfloat16")  # static_forward.StaticModel.of: plain float32/bfloat16 tensors
 AUTO_MODE: CaptureMode = "cuda-graph"
 
