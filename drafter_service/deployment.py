@@ -36,6 +36,7 @@ class Drafter(FaultHooks, ChannelHost):
                  capture: CaptureSettings | None = None) -> None:
         """`capture`: the config's (model_runtime/graph/modes.py), resolved here against the device and the
         precision; None: off."""
+        from model_runtime.config import ModelConfig
         from model_runtime.precision import draft_dtype, dtype_name
         from model_runtime.prepare import prepare_model
         from verifier_service.worker import LocalRunner
@@ -44,7 +45,8 @@ class Drafter(FaultHooks, ChannelHost):
         checkpoint = prepare_model(model, progress=False)
         device = "cuda:0" if device.startswith("cuda") else device  # Ray shows only the assigned GPU
         precision = draft_dtype(dtype, device, checkpoint)
-        plan = (capture or CaptureSettings()).plan(device, 1, dtype_name(precision), block_size)
+        plan = (capture or CaptureSettings()).plan(device, 1, dtype_name(precision), block_size,
+                                                   ModelConfig.from_dir(checkpoint).max_position_embeddings)
         runner = self.compute.call(LocalRunner, str(checkpoint), num_blocks, block_size, device, precision, plan)
         self.compute.call(runner.warm_up, block_size)  # a replacement's first propose is not a cold start
         constraints = DraftConstraints(tokenizer_compiler(str(checkpoint), runner.config.vocab_size), prebuild=True)

@@ -165,6 +165,7 @@ class Verifier(FaultHooks, ChannelHost):
         """`rank_cpus`: each TP rank's compute CPUs on a local node (cluster/serving/cpu_binding.py); None: unbound.
         `max_batch`: the engine's (auto's dtype reads it: model_runtime/precision.py). `capture`: the config's
         (model_runtime/graph/modes.py), resolved here against the device, the ranks and the precision; None: off."""
+        from model_runtime.config import ModelConfig
         from model_runtime.precision import dtype_name, target_dtype
         from model_runtime.prepare import prepare_model
 
@@ -174,7 +175,7 @@ class Verifier(FaultHooks, ChannelHost):
         checkpoint = str(prepare_model(model, progress=False))
         precision = target_dtype(dtype, worker_device(device), checkpoint, tensor_parallel_size, max_batch)
         plan = (capture or CaptureSettings()).plan(worker_device(device), tensor_parallel_size, dtype_name(precision),
-                                                   block_size)
+                                                   block_size, ModelConfig.from_dir(checkpoint).max_position_embeddings)
         if tensor_parallel_size == 1:  # a plan: every bucket captured on the compute thread, before serving
             self.runner: Any = self.compute.call(LocalRunner, checkpoint, num_blocks, block_size,
                                                  worker_device(device), precision, plan)

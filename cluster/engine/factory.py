@@ -140,6 +140,11 @@ def fresh_engine(base: SpecEngine, config: EngineConfig, observer: EngineObserve
                       acceptance=acceptance, lookup_acceptance=lookup_acceptance, constraints=base.constraints)
 
 
+def max_positions(model: str) -> int:
+    """The model's own context limit (its config's max_position_embeddings)."""
+    return ModelConfig.from_dir(model_dir(model)).max_position_embeddings
+
+
 def draft_worker(runner: LocalRunner, checkpoint_dir: Path) -> DraftWorker:
     """The draft model's worker, drafting constrained chains under their constraints (its own tokenizer's matchers)."""
     return DraftWorker(runner, DraftConstraints(tokenizer_compiler(str(checkpoint_dir), runner.config.vocab_size),
@@ -155,11 +160,11 @@ def build_local_engine(model: str, draft: str, config: EngineConfig, runtime: Lo
     target = target_dtype(runtime.dtype, runtime.device, model_dir(model), max_batch=config.max_batch)
     drafts = draft_dtype(runtime.draft_dtype, runtime.device, model_dir(draft) if draft not in NON_MODEL_DRAFTS else None)
     # the workers' forward (model_runtime/graph/modes.py), refused before anything loads where it cannot run
-    capture = CaptureSettings(runtime.capture, config.max_batch, config.k_max, min(
-        config.max_context, ModelConfig.from_dir(model_dir(model)).max_position_embeddings), runtime.capture_backend)
-    target_plan = capture.plan(runtime.device, 1, dtype_name(target), runtime.block_size)
+    capture = CaptureSettings(runtime.capture, config.max_batch, config.k_max, config.max_context,
+                              runtime.capture_backend)
+    target_plan = capture.plan(runtime.device, 1, dtype_name(target), runtime.block_size, max_positions(model))
     draft_plan = None if draft in NON_MODEL_DRAFTS else \
-        capture.plan(runtime.device, 1, dtype_name(drafts), runtime.block_size)
+        capture.plan(runtime.device, 1, dtype_name(drafts), runtime.block_size, max_positions(draft))
 
     def runner(checkpoint_dir: Path, dtype: torch.dtype, plan: CapturePlan | None) -> LocalRunner:
         return LocalRunner(str(checkpoint_dir), runtime.num_blocks, runtime.block_size, runtime.device, dtype, plan)

@@ -81,11 +81,14 @@ class CaptureSettings:
         capture_mode(self.setting, "cuda", 1)  # a known setting (the device checks come with the worker's)
         assert self.max_batch >= 1 and self.k_max >= 0 and self.max_context >= 1, self
 
-    def plan(self, device: str, tp_size: int, dtype: str, block_size: int) -> CapturePlan | None:
+    def plan(self, device: str, tp_size: int, dtype: str, block_size: int,
+             max_positions: int | None = None) -> CapturePlan | None:
         """The worker's plan (None: the eager forward); its buckets: Buckets.up_to(max_batch, k_max + 1 rows,
-        max_context). CaptureUnsupportedError where the setting names a mode this worker cannot run."""
+        max_context capped at the model's `max_positions`, as the engine caps its contexts).
+        CaptureUnsupportedError where the setting names a mode this worker cannot run."""
         mode = capture_mode(self.setting, device, tp_size, dtype)
         if mode is None:
             return None
-        return CapturePlan(mode, Buckets.up_to(self.max_batch, self.k_max + 1, self.max_context, block_size),
+        context = self.max_context if max_positions is None else min(self.max_context, max_positions)
+        return CapturePlan(mode, Buckets.up_to(self.max_batch, self.k_max + 1, context, block_size),
                            self.backend, fallback=self.setting == "auto")

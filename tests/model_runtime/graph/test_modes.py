@@ -65,6 +65,8 @@ def test_plan_buckets_follow_the_engine() -> None:
     auto = CaptureSettings("auto", 8, 4).plan("cuda:0", 1, "bfloat16", 16)
     assert auto is not None and auto.mode == "cuda-graph" and auto.fallback  # auto falls back; a named mode not
     assert not plan.fallback
+    capped = settings.plan("cpu", 1, "float32", 16, max_positions=256)  # the model's own limit, as the engine's
+    assert capped is not None and capped.buckets == Buckets.up_to(8, 5, 256, 16)
     assert CaptureSettings().plan("cuda:0", 1, "bfloat16", 16) is None  # off
     with pytest.raises(CaptureUnsupportedError, match="not int8"):
         CaptureSettings("eager").plan("cpu", 1, "int8", 16)
